@@ -1,0 +1,44 @@
+"""Run one function on N worker processes of this machine and get its result back.
+
+Example:
+    >>> from mplaunch import parallel
+    >>> @parallel(nprocs=2)  # doctest: +SKIP
+    ... def train(lr): ...
+"""
+
+from mplaunch._api import ParallelFunction, parallel
+from mplaunch._config import LaunchConfig
+from mplaunch._env import WorkerInfo, worker_info
+from mplaunch._errors import (
+    InvalidOptionError,
+    LaunchRefusedError,
+    LaunchTimeoutError,
+    MplaunchError,
+    RemoteError,
+    RemoteTraceback,
+    WorkerExitedError,
+    WorkerFailedError,
+)
+from mplaunch._sharing import to_cpu
+from mplaunch._state import GlobalState, register_state, unregister_state
+
+__all__ = [
+    "GlobalState",
+    "InvalidOptionError",
+    "LaunchConfig",
+    "LaunchRefusedError",
+    "LaunchTimeoutError",
+    "MplaunchError",
+    "ParallelFunction",
+    "RemoteError",
+    "RemoteTraceback",
+    "WorkerExitedError",
+    "WorkerFailedError",
+    "WorkerInfo",
+    "parallel",
+    "register_state",
+    "to_cpu",
+    "unregister_state",
+    "worker_info",
+]
+__version__ = "0.1.0"

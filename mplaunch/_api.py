@@ -1,0 +1,168 @@
+"""``parallel()`` and the function object it returns."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, Generic, Literal, TypeVar, overload
+
+from typing_extensions import ParamSpec
+
+from mplaunch import _launcher
+from mplaunch._config import LaunchConfig, make_config
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class ParallelFunction(Generic[P, T]):
+    """A function that, when called, runs on ``nprocs`` worker processes and returns rank 0's value.
+
+    Made by :func:`parallel`; it has the wrapped function's signature, ``__name__``, ``__qualname__``,
+    ``__module__`` and ``__doc__``. ``__wrapped__`` is the plain function, callable in-process for
+    debugging. It pickles by reference (module and qualified name), so workers started with ``spawn`` or
+    ``forkserver`` find it by importing its module, without launching again.
+
+    Attributes:
+        config: the validated launch options (:class:`~mplaunch.LaunchConfig`).
+    """
+
+    __wrapped__: Callable[P, Any]
+
+    def __init__(self, function: Callable[P, Any], config: LaunchConfig) -> None:
+        functools.update_wrapper(self, function)
+        self.config = config
+
+    @property
+    def _mplaunch_target(self) -> Callable[P, Any]:
+        return self.__wrapped__
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Start the workers, run the function in each with these arguments, wait, and return the result.
+
+        Returns:
+            Rank 0's return value with every tensor on the CPU, or, with ``return_all=True``, a list of every
+            rank's value ordered by rank.
+
+        Raises:
+            BaseException: the exception a worker raised, as its own type, with ``rank`` and ``pid``
+                attributes and the worker's traceback as ``__cause__``; ``failures`` holds other ranks' failures.
+            LaunchRefusedError: a check before launching failed (main guard, CUDA before fork, an argument
+                that cannot be pickled under spawn/forkserver); no worker was started.
+            WorkerExitedError: a worker was killed, exited non-zero, or exited without returning.
+            RemoteError: a worker's exception or result could not be pickled or unpickled.
+            LaunchTimeoutError: the launch ran past ``timeout`` seconds.
+            KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
+        """
+        return _launcher.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        module = sys.modules.get(self.__module__)
+        holder: Any = module
+        for part in self.__qualname__.split("."):
+            holder = getattr(holder, part, None)
+        if holder is self:
+            return self.__qualname__
+        return (ParallelFunction, (self.__wrapped__, self.config))
+
+    def __repr__(self) -> str:
+        return f"<parallel function {self.__module__}.{self.__qualname__} ({self.config})>"
+
+
+@overload
+def parallel(function: Callable[P, R], /) -> ParallelFunction[P, R]: ...
+
+
+@overload
+def parallel(
+    function: None = None,
+    /,
+    *,
+    nprocs: int | Literal["auto"] = ...,
+    start_method: str | None = ...,
+    return_all: Literal[False] = ...,
+    timeout: float | None = ...,
+    grace_period: float = ...,
+) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
+
+
+@overload
+def parallel(
+    function: None = None,
+    /,
+    *,
+    nprocs: int | Literal["auto"] = ...,
+    start_method: str | None = ...,
+    return_all: Literal[True],
+    timeout: float | None = ...,
+    grace_period: float = ...,
+) -> Callable[[Callable[P, R]], ParallelFunction[P, list[R]]]: ...
+
+
+def parallel(
+    function: Callable[..., Any] | None = None,
+    /,
+    *,
+    nprocs: int | Literal["auto"] = "auto",
+    start_method: str | None = None,
+    return_all: bool = False,
+    timeout: float | None = None,
+    grace_period: float = 5.0,
+) -> Any:
+    """Make ``function`` run on ``nprocs`` worker processes of this machine each time it is called.
+
+    Usable bare (``@parallel``) or with options (``@parallel(nprocs=2)``). Options are checked here, when
+    decorating. Calling the result starts the workers (in the calling process, the parent), runs the
+    function once per worker with the call's arguments, waits for all of them, and returns rank 0's value
+    with every tensor on the CPU. Each worker sees torchrun's environment (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so
+    ``torch.distributed.init_process_group("gloo")`` works inside unchanged; read it with
+    :func:`mplaunch.worker_info`. The parent's ``os.environ``, signal handlers and thread settings are as
+    before when the call returns.
+
+    Args:
+        function: the function to decorate; given only in the bare form.
+        nprocs: worker processes per call, an int >= 1, or ``"auto"`` (the default): the number of visible
+            CUDA devices when CUDA is available, else the number of usable CPU cores.
+        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names), or ``None``
+            (default): ``fork`` in an interactive session (REPL, IPython, Jupyter) where fork exists and CUDA
+            is not initialised, ``spawn`` otherwise.
+        return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value.
+        timeout: seconds the whole call may take before every worker is stopped, or ``None`` for no limit.
+        grace_period: seconds between SIGTERM and SIGKILL when workers are stopped early.
+
+    Returns:
+        A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that
+        makes one.
+
+    Raises:
+        InvalidOptionError: an option is invalid; the message names it, its value and the allowed values.
+
+    Example:
+        >>> @parallel(nprocs=2, start_method="spawn")  # doctest: +SKIP
+        ... def train(lr: float) -> dict:
+        ...     return model.state_dict()
+        >>> if __name__ == "__main__":  # doctest: +SKIP
+        ...     weights = train(0.1)
+
+    Note:
+        Under ``spawn`` and ``forkserver`` the function and its arguments are pickled (by reference when a
+        worker can import them, by value with cloudpickle otherwise: notebooks, ``python -c``, closures), and
+        a script must call the function under ``if __name__ == "__main__":``. Under ``fork`` nothing is
+        pickled, but CUDA must not be initialised in the parent.
+
+    The decorator form follows tenacity's ``retry`` and attrs' ``define``; the launcher follows
+    ``torch.multiprocessing.start_processes`` and torchrun's environment contract.
+    """
+    config = make_config(
+        nprocs=nprocs, start_method=start_method, return_all=return_all, timeout=timeout, grace_period=grace_period
+    )
+    if function is not None:
+        return ParallelFunction(function, config)
+
+    def decorate(fn: Callable[P, R]) -> ParallelFunction[P, Any]:
+        return ParallelFunction(fn, config)
+
+    return decorate

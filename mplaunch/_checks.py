@@ -1,0 +1,164 @@
+"""Checks run in the parent before any worker starts. Each raises :class:`LaunchRefusedError` with the fix."""
+
+from __future__ import annotations
+
+import ast
+import multiprocessing
+import os
+import pickle
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+import cloudpickle
+import torch
+
+from mplaunch._errors import LaunchRefusedError
+
+
+def is_interactive() -> bool:
+    """Whether this is an interactive session: the REPL, ``python -i``, or an IPython/Jupyter shell."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+
+
+def default_start_method() -> str:
+    """The start method used when none is given: ``fork`` in an interactive session where ``fork`` exists and
+    CUDA is not initialised, ``spawn`` otherwise (spawn works there too: see :func:`main_is_importable`)."""
+    if is_interactive() and "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def main_is_importable() -> bool:
+    """Whether a ``spawn``/``forkserver`` worker can import the parent's ``__main__`` (a script file or a
+    ``python -m`` module); not so for ``python -c``, stdin, the REPL or a notebook."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return False
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return True
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path)
+
+
+def check_cuda_fork(start_method: str) -> None:
+    """Refuse ``fork`` when CUDA is initialised in the parent: a forked child cannot use CUDA.
+
+    ``torch.cuda.is_available()`` and ``device_count()`` do not initialise CUDA and are not a problem.
+    ``forkserver`` children fork from a clean server process, so they are not affected.
+    """
+    if start_method != "fork" or not torch.cuda.is_initialized():
+        return
+    message = (
+        "start_method='fork' cannot be used: CUDA is already initialised in this process, and a forked worker "
+        "cannot use CUDA (PyTorch would raise 'Cannot re-initialize CUDA in forked subprocess'). Use "
+        "start_method='spawn' or 'forkserver', or do not touch CUDA (tensors or models on the GPU, "
+        "torch.cuda.* calls other than is_available()/device_count()) before launching."
+    )
+    if is_interactive():
+        message += (
+            " In a notebook, restart the kernel and launch before any CUDA use, or use start_method='spawn', "
+            "which works with functions defined in cells."
+        )
+    raise LaunchRefusedError(message)
+
+
+def check_not_bootstrapping() -> None:
+    """Refuse to launch from a worker that is still importing the parent's ``__main__`` (a missing guard)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise LaunchRefusedError(_MAIN_GUARD_MESSAGE.format(where="a worker re-imported your script and"))
+
+
+_MAIN_GUARD_MESSAGE = (
+    "{where} called a parallel function at import time. With start_method 'spawn' or 'forkserver' each worker "
+    "imports your script again, so the call must be under `if __name__ == \"__main__\":`, e.g.\n\n"
+    "    if __name__ == \"__main__\":\n"
+    "        result = train()\n\n"
+    "or use start_method='fork'."
+)
+
+
+def _main_frame(frame: FrameType | None) -> FrameType | None:
+    """The outermost frame running ``__main__``'s top-level code, if any."""
+    main = sys.modules.get("__main__")
+    found = None
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and main is not None and frame.f_globals is vars(main):
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def _guard_spans(tree: ast.Module) -> list[tuple[int, int]]:
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
+            names = [node.test.left, *node.test.comparators]
+            has_name = any(isinstance(n, ast.Name) and n.id == "__name__" for n in names)
+            has_main = any(isinstance(n, ast.Constant) and n.value == "__main__" for n in names)
+            if has_name and has_main:
+                spans.append((node.lineno, node.end_lineno or node.lineno))
+    return spans
+
+
+def check_main_guard(start_method: str, frame: FrameType | None) -> None:
+    """Refuse ``spawn``/``forkserver`` when the call comes from top-level script code outside an
+    ``if __name__ == "__main__":`` block, which every worker would run again on import.
+
+    Args:
+        start_method: the start method of the launch.
+        frame: the caller's frame; the outermost ``__main__`` top-level frame above it is examined.
+    """
+    if start_method == "fork" or not main_is_importable():
+        return
+    main_frame = _main_frame(frame)
+    path = getattr(sys.modules["__main__"], "__file__", None)
+    if main_frame is None or path is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = main_frame.f_lineno
+    if not any(start <= line <= end for start, end in _guard_spans(tree)):
+        where = f"Your script {os.path.basename(path)} (line {line})"
+        raise LaunchRefusedError(_MAIN_GUARD_MESSAGE.format(where=where))
+
+
+def _pickle_error(value: object, by_value: bool) -> Exception | None:
+    try:
+        (cloudpickle if by_value else pickle).dumps(value)
+    except Exception as error:  # noqa: BLE001 - any pickling failure is the answer
+        if by_value:
+            return error
+        try:
+            cloudpickle.dumps(value)
+        except Exception as cloud_error:  # noqa: BLE001
+            return cloud_error
+    return None
+
+
+def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], by_value: bool) -> str:
+    """Name the first argument that cannot be pickled, and why; ``"the function"`` if every argument can."""
+    for index, value in enumerate(args):
+        error = _pickle_error(value, by_value)
+        if error is not None:
+            return f"positional argument {index} ({type(value).__qualname__}): {error}"
+    for name, value in kwargs.items():
+        error = _pickle_error(value, by_value)
+        if error is not None:
+            return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
+    return "the function or the captured global state"
+
+
+def native_thread_count() -> int:
+    """Threads of this process not started by Python's ``threading`` (OpenMP pools, C++ helpers); Linux."""
+    try:
+        return max(0, len(os.listdir("/proc/self/task")) - threading.active_count())
+    except OSError:
+        return 0

@@ -1,0 +1,98 @@
+"""The launch options, validated once when a function is decorated."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import os
+
+from mplaunch._errors import InvalidOptionError
+
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchConfig:
+    """Options of one decorated function. Build it with :func:`make_config`, which validates every field.
+
+    Attributes:
+        nprocs: number of worker processes started by one call, or ``"auto"`` (see :func:`resolve_nprocs`).
+        start_method: ``"spawn"``, ``"fork"``, ``"forkserver"``, or ``None`` to choose at call time.
+        return_all: return a list of every rank's value ordered by rank instead of rank 0's value.
+        timeout: seconds the whole launch may take, or ``None`` for no limit.
+        grace_period: seconds a worker gets between SIGTERM and SIGKILL when the launch stops it.
+    """
+
+    nprocs: int | str = 1
+    start_method: str | None = None
+    return_all: bool = False
+    timeout: float | None = None
+    grace_period: float = 5.0
+
+
+def make_config(
+    *,
+    nprocs: int | str,
+    start_method: str | None,
+    return_all: bool,
+    timeout: float | None,
+    grace_period: float,
+) -> LaunchConfig:
+    """Validate the options and return them as a :class:`LaunchConfig`.
+
+    Raises:
+        InvalidOptionError: an option has a wrong type or value; the message names it and the allowed values.
+    """
+    if nprocs != "auto" and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
+        raise InvalidOptionError(
+            f"nprocs={nprocs!r} is not valid: pass a whole number of processes >= 1 (e.g. nprocs=2), or 'auto'."
+        )
+    available = multiprocessing.get_all_start_methods()
+    if start_method is not None and start_method not in available:
+        raise InvalidOptionError(
+            f"start_method={start_method!r} is not available on this platform: use one of "
+            f"{', '.join(repr(m) for m in available)}, or None to let mplaunch choose."
+        )
+    if not isinstance(return_all, bool):
+        raise InvalidOptionError(f"return_all={return_all!r} is not valid: pass True or False.")
+    if timeout is not None and not _is_positive_seconds(timeout):
+        raise InvalidOptionError(
+            f"timeout={timeout!r} is not valid: pass a number of seconds > 0, or None for no limit."
+        )
+    if not _is_positive_seconds(grace_period, allow_zero=True):
+        raise InvalidOptionError(f"grace_period={grace_period!r} is not valid: pass a number of seconds >= 0.")
+    return LaunchConfig(
+        nprocs=nprocs,
+        start_method=start_method,
+        return_all=return_all,
+        timeout=None if timeout is None else float(timeout),
+        grace_period=float(grace_period),
+    )
+
+
+def _is_positive_seconds(value: object, *, allow_zero: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return value >= 0 if allow_zero else value > 0
+
+
+def usable_cpu_count() -> int:
+    """Return the number of CPU cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def resolve_nprocs(nprocs: int | str) -> int:
+    """Turn ``nprocs`` into a number: ``"auto"`` is the number of visible CUDA devices when CUDA is
+    available, otherwise the number of usable CPU cores (affinity mask). Probing CUDA this way does not
+    initialise it."""
+    if isinstance(nprocs, int):
+        return nprocs
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return usable_cpu_count()

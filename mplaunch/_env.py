@@ -1,0 +1,133 @@
+"""The torchrun-style environment of a worker, and an accessor for it.
+
+The variables follow torchrun's contract (https://pytorch.org/docs/stable/elastic/run.html, "Environment
+Variables"), so code written for torchrun runs unchanged under mplaunch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+#: Variables that describe a rank's place in a job. The parent's values never reach a worker: mplaunch
+#: sets each of them per rank. ``MASTER_ADDR``/``MASTER_PORT`` are kept when the user set them.
+RANK_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "GROUP_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+)
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+
+def rank_environment(
+    rank: int,
+    nprocs: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    agent_store: bool,
+) -> dict[str, str]:
+    """Return the variables that make a worker rank ``rank`` of ``nprocs`` on one node, as torchrun sets them.
+
+    Args:
+        rank: global rank of the worker, ``0 <= rank < nprocs``.
+        nprocs: number of workers (the world size; one node, so also the local world size).
+        master_addr: address of the rendezvous store, e.g. ``"127.0.0.1"``.
+        master_port: its TCP port.
+        agent_store: the store is hosted by the launching parent (torchrun's "agent store"), so every rank,
+            rank 0 included, connects to it as a client in ``init_process_group(init_method="env://")``.
+    """
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "GROUP_RANK": "0",
+        "NODE_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(nprocs),
+        "GROUP_WORLD_SIZE": "1",
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+    if agent_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return env
+
+
+def apply_environment(environ: os._Environ[str], env: Mapping[str, str]) -> None:
+    """In a worker: drop the parent's rank variables from ``environ``, then set ``env``."""
+    for name in RANK_VARIABLES:
+        environ.pop(name, None)
+    environ.update(env)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Where the calling process stands in the job, read from torchrun's environment variables.
+
+    Attributes:
+        rank: global rank, ``0 <= rank < world_size``.
+        local_rank: rank on this node (the CUDA device index to use).
+        world_size: number of processes in the job.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node (``GROUP_RANK``).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+
+
+def worker_info(environ: Mapping[str, str] | None = None) -> WorkerInfo:
+    """Return the calling process's :class:`WorkerInfo`, read from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (falling back to ``NODE_RANK``).
+
+    Works in an mplaunch worker, under torchrun, and in a plain process, which is rank 0 of a world of 1.
+
+    Args:
+        environ: the variables to read; ``None`` reads ``os.environ``.
+
+    Raises:
+        ValueError: a variable is set to something that is not a whole number.
+
+    Example:
+        >>> info = worker_info({})
+        >>> (info.rank, info.world_size)
+        (0, 1)
+    """
+    env = os.environ if environ is None else environ
+
+    def read(name: str, default: int) -> int:
+        value = env.get(name)
+        if value is None or value == "":
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={value!r} is not a whole number") from None
+
+    world_size = read("WORLD_SIZE", 1)
+    return WorkerInfo(
+        rank=read("RANK", 0),
+        local_rank=read("LOCAL_RANK", 0),
+        world_size=world_size,
+        local_world_size=read("LOCAL_WORLD_SIZE", world_size),
+        node_rank=read("GROUP_RANK", read("NODE_RANK", 0)),
+    )

@@ -1,0 +1,135 @@
+"""The exceptions mplaunch raises.
+
+Every exception subclasses :class:`MplaunchError` and the builtin that fits, so existing ``except``
+clauses keep working. An exception raised by the user's function in a worker is re-raised in the parent as
+itself (same type), not wrapped; see :class:`RemoteTraceback`.
+
+::
+
+    MplaunchError
+    ├── InvalidOptionError(ValueError)      a decorator option or launch argument is wrong
+    ├── LaunchRefusedError(RuntimeError)    a check before launching failed; no worker was started
+    ├── WorkerFailedError(RuntimeError)     a worker failed without a transferable exception
+    │   ├── WorkerExitedError                 it died (signal, non-zero exit) or exited without a result
+    │   └── RemoteError                       its exception or its result could not be pickled/unpickled
+    └── LaunchTimeoutError(TimeoutError)    the launch ran past ``timeout``; every worker was stopped
+
+The design of shipping a worker's exception back as its own type with the remote traceback as
+``__cause__`` follows CPython's ``concurrent.futures.process`` (``_ExceptionWithTraceback``).
+"""
+
+from __future__ import annotations
+
+import signal
+
+__all__ = [
+    "InvalidOptionError",
+    "LaunchRefusedError",
+    "LaunchTimeoutError",
+    "MplaunchError",
+    "RemoteError",
+    "RemoteTraceback",
+    "WorkerExitedError",
+    "WorkerFailedError",
+]
+
+
+class MplaunchError(Exception):
+    """Base class of every exception mplaunch raises itself."""
+
+
+class InvalidOptionError(MplaunchError, ValueError):
+    """An option has a wrong type or value; the message names the option, the value and what is allowed."""
+
+
+class LaunchRefusedError(MplaunchError, RuntimeError):
+    """A check run in the parent before launching failed (main guard, CUDA before fork, unpicklable input)."""
+
+
+class WorkerFailedError(MplaunchError, RuntimeError):
+    """A worker failed in a way that has no exception of its own to re-raise.
+
+    Attributes:
+        rank: the global rank of the failed worker.
+        pid: its process id, or ``None`` if it never started.
+    """
+
+    def __init__(self, message: str, rank: int, pid: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.rank, self.pid))
+
+
+class WorkerExitedError(WorkerFailedError):
+    """A worker ended without returning: killed by a signal, a non-zero exit, or an exit with no result.
+
+    Attributes:
+        exitcode: the process exit code; negative ``-N`` when killed by signal ``N`` (as in ``multiprocessing``).
+        signal_name: e.g. ``"SIGKILL"`` when killed by a signal, else ``None``.
+    """
+
+    def __init__(self, message: str, rank: int, pid: int | None, exitcode: int | None) -> None:
+        super().__init__(message, rank, pid)
+        self.exitcode = exitcode
+        self.signal_name = signal_name(exitcode)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.rank, self.pid, self.exitcode))
+
+
+class RemoteError(WorkerFailedError):
+    """A worker raised an exception (or returned a result) that could not be pickled or unpickled.
+
+    The message carries the original type name and message; ``__cause__`` carries the worker's traceback.
+
+    Attributes:
+        type_name: qualified name of the original exception type, e.g. ``"mymod.MyError"``.
+    """
+
+    def __init__(self, message: str, rank: int, pid: int | None, type_name: str) -> None:
+        super().__init__(message, rank, pid)
+        self.type_name = type_name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.rank, self.pid, self.type_name))
+
+
+class LaunchTimeoutError(MplaunchError, TimeoutError):
+    """The launch did not finish within ``timeout`` seconds; every worker was stopped.
+
+    Attributes:
+        timeout: the limit, in seconds.
+        running: the ranks that were still running when it expired, sorted.
+    """
+
+    def __init__(self, message: str, timeout: float, running: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+        self.running = running
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.timeout, self.running))
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of a worker, attached as ``__cause__`` of the exception re-raised in the parent."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    """Name the signal that killed a process, from a ``multiprocessing`` exit code (``-N``), else ``None``."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"

@@ -1,0 +1,392 @@
+"""The one module that starts, watches and stops worker processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from mplaunch import _checks, _transport
+from mplaunch._config import LaunchConfig, resolve_nprocs, usable_cpu_count
+from mplaunch._env import DEFAULT_MASTER_ADDR
+from mplaunch._errors import (
+    LaunchRefusedError,
+    LaunchTimeoutError,
+    RemoteError,
+    RemoteTraceback,
+    WorkerExitedError,
+)
+from mplaunch._state import GlobalState
+from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, outcome_name, run
+
+_DIR_PREFIX = "mplaunch-"
+_BASELINE_NATIVE_THREADS = min(_checks.native_thread_count(), 1)
+_warned_fork_threads = False
+
+
+class _ParentTerminated(BaseException):
+    """Raised in the parent by SIGTERM during a launch, to unwind and stop the workers first."""
+
+
+def _shm_root() -> str:
+    root = "/dev/shm"
+    if os.path.isdir(root) and os.access(root, os.W_OK):
+        return root
+    return tempfile.gettempdir()
+
+
+def _remove_stale_directories(root: str) -> None:
+    """Remove launch directories left by parents that were killed (their pid no longer exists)."""
+    for entry in os.listdir(root):
+        if not entry.startswith(_DIR_PREFIX):
+            continue
+        pid = entry[len(_DIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _launch_directory() -> Iterator[str]:
+    root = _shm_root()
+    _remove_stale_directories(root)
+    directory = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=root)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _rendezvous() -> Iterator[tuple[str, int, bool]]:
+    """Yield ``(MASTER_ADDR, MASTER_PORT, agent_store)``.
+
+    Unless the user set ``MASTER_PORT``, the parent hosts the c10d TCPStore itself on a port the OS assigns
+    (port 0) and holds it for the whole launch, as torchrun's agent does: no "free port" is picked and
+    released, so concurrent launches cannot collide.
+    """
+    addr = os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+    port = os.environ.get("MASTER_PORT")
+    if port:
+        yield addr, int(port), False
+        return
+    if not torch.distributed.is_available():
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind((addr, 0))
+            free_port = sock.getsockname()[1]
+        yield addr, free_port, False
+        return
+    store = torch.distributed.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+    try:
+        yield addr, store.port, True
+    finally:
+        del store
+
+
+@contextlib.contextmanager
+def _parent_signals() -> Iterator[None]:
+    """During the launch, let SIGTERM unwind the parent (so workers are stopped); restore handlers after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN:
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _ParentTerminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except _ParentTerminated:
+        signal.signal(signal.SIGTERM, previous)
+        if callable(previous):
+            previous(signal.SIGTERM, None)
+            raise KeyboardInterrupt("SIGTERM received during a launch") from None
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action: die by SIGTERM, as asked
+        raise KeyboardInterrupt("SIGTERM received during a launch") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _main_without_file() -> Iterator[None]:
+    """Hide a ``__main__.__file__`` that is no real file (``python -`` sets ``<stdin>``): multiprocessing's
+    spawn would try to run it in the child and fail before our code runs."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+def _num_threads(nprocs: int, start_method: str) -> int | None:
+    """Intra-op threads per worker: the user's ``OMP_NUM_THREADS`` if set, else cores // nprocs; one thread
+    in forked workers when this process's OpenMP pool is already running (GNU OpenMP hangs after fork)."""
+    global _warned_fork_threads
+    user = os.environ.get("OMP_NUM_THREADS")
+    wanted = int(user) if user and user.isdigit() else max(1, usable_cpu_count() // nprocs)
+    pool_live = start_method == "fork" and _checks.native_thread_count() > _BASELINE_NATIVE_THREADS
+    if pool_live and wanted > 1:
+        if not _warned_fork_threads:
+            _warned_fork_threads = True
+            warnings.warn(
+                "mplaunch: this process already ran multi-threaded torch operations, and GNU OpenMP's thread "
+                "pool does not survive fork, so forked workers use 1 intra-op thread each (else they would "
+                f"hang). Use start_method='forkserver' or 'spawn' for {wanted} threads per worker.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return 1
+    return None if user else wanted
+
+
+def _function_reference(function: Any, by_value: bool) -> Any:
+    """What to send as the function: the decorated object when a worker can import it by name, else the
+    plain function (pickled by reference where possible, by value otherwise)."""
+    wrapped = function._mplaunch_target
+    if by_value:
+        return wrapped
+    module = sys.modules.get(function.__module__)
+    holder: Any = module
+    for part in function.__qualname__.split("."):
+        holder = getattr(holder, part, None)
+    return function if holder is function else wrapped
+
+
+def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
+    """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s)."""
+    _checks.check_not_bootstrapping()
+    nprocs = resolve_nprocs(config.nprocs)
+    start_method = config.start_method or _checks.default_start_method()
+    _checks.check_cuda_fork(start_method)
+    _checks.check_main_guard(start_method, frame)
+    by_value = start_method != "fork" and not _checks.main_is_importable()
+    reporting = frozenset(range(nprocs)) if config.return_all else frozenset({0})
+    num_threads = _num_threads(nprocs, start_method)
+    payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
+    with _launch_directory() as directory:
+        if start_method != "fork":
+            try:
+                _transport.dump(payload, directory, PAYLOAD, by_value=by_value)
+            except Exception as error:
+                culprit = _checks.describe_unpicklable(args, kwargs, by_value)
+                raise LaunchRefusedError(
+                    f"cannot send the call to {start_method!r} workers: {culprit}. Under 'spawn' and "
+                    "'forkserver' every argument is pickled; pass picklable values, create the object inside "
+                    "the function, or use start_method='fork'."
+                ) from error
+        with _rendezvous() as (addr, port, agent_store), _parent_signals():
+            spec = WorkerSpec(
+                directory=directory,
+                nprocs=nprocs,
+                start_method=start_method,
+                parent_pid=os.getpid(),
+                master_addr=addr,
+                master_port=port,
+                agent_store=agent_store,
+                num_threads=num_threads,
+                reporting_ranks=reporting,
+            )
+            results = _run_workers(spec, payload if start_method == "fork" else None, config)
+    return results if config.return_all else results[0]
+
+
+def _run_workers(spec: WorkerSpec, payload: Payload | None, config: LaunchConfig) -> list[Any]:
+    context = mp.get_context(spec.start_method)
+    if spec.start_method == "forkserver":
+        context.set_forkserver_preload(["__main__", "torch", "mplaunch._worker"])
+    processes: list[BaseProcess] = []
+    supervisor = _Supervisor(spec, processes, config)
+    try:
+        with _main_without_file():
+            for rank in range(spec.nprocs):
+                process = context.Process(  # type: ignore[attr-defined]
+                    target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
+                )
+                process.start()
+                processes.append(process)
+        return supervisor.wait()
+    finally:
+        supervisor.stop()
+        for process in processes:
+            process.close()
+
+
+class _Supervisor:
+    """Waits for the workers of one launch, reads their outcomes, and stops them all."""
+
+    def __init__(self, spec: WorkerSpec, processes: list[BaseProcess], config: LaunchConfig) -> None:
+        self.spec = spec
+        self.processes = processes
+        self.config = config
+        self.values: dict[int, Any] = {}
+        self.stopped: set[int] = set()
+
+    def wait(self) -> list[Any]:
+        deadline = None if self.config.timeout is None else time.monotonic() + self.config.timeout
+        pending = {process.sentinel: rank for rank, process in enumerate(self.processes)}
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(pending), timeout=remaining)
+            if not ready:
+                self._raise_timeout(sorted(pending.values()))
+            for sentinel in ready:
+                rank = pending.pop(sentinel)  # type: ignore[call-overload]
+                failure = self._collect(rank)
+                if failure is not None:
+                    self._raise_failure(failure, rank)
+        return [self.values.get(rank) for rank in range(self.spec.nprocs)]
+
+    def _collect(self, rank: int) -> BaseException | None:
+        """Read the outcome of a finished worker: store its value, or return its failure."""
+        process = self.processes[rank]
+        process.join()
+        name = outcome_name(rank)
+        if not _transport.exists(self.spec.directory, name):
+            return self._exit_error(rank, process)
+        try:
+            outcome = _transport.load(self.spec.directory, name, private=False, remove=True)
+        except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
+            failure = RemoteError(
+                f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
+                f"{type(error).__name__}: {error}",
+                rank,
+                process.pid,
+                type(error).__qualname__,
+            )
+            failure.__cause__ = error
+            return failure
+        if outcome["ok"]:
+            if rank in self.spec.reporting_ranks:
+                self.values[rank] = outcome["value"]
+            return None
+        return _rebuild_exception(outcome, rank)
+
+    def _exit_error(self, rank: int, process: BaseProcess) -> WorkerExitedError:
+        code = process.exitcode
+        error = WorkerExitedError("", rank, process.pid, code)
+        if error.signal_name is not None:
+            what = f"was killed by {error.signal_name} (exit code {code})"
+            if error.signal_name == "SIGKILL":
+                what += "; the out-of-memory killer is a likely cause (see `dmesg`), or a `kill -9`"
+        elif code == 0:
+            what = "exited with code 0 before returning (os._exit() or sys.exit() from another thread?)"
+        else:
+            what = f"exited with code {code} before returning"
+        error.args = (f"rank {rank} (pid {process.pid}) {what}",)
+        return error
+
+    def _raise_failure(self, failure: BaseException, rank: int) -> None:
+        self.stop()
+        others = []
+        for other in range(self.spec.nprocs):
+            if other == rank or other in self.stopped or other in self.values:
+                continue
+            if self.processes[other].exitcode is None:
+                continue
+            other_failure = self._collect(other)
+            if other_failure is not None:
+                others.append(other_failure)
+        _set_attribute(failure, "failures", tuple(others))
+        raise failure from failure.__cause__
+
+    def _raise_timeout(self, running: list[int]) -> None:
+        self.stop()
+        timeout = self.config.timeout or 0.0
+        raise LaunchTimeoutError(
+            f"the launch did not finish within timeout={timeout:g} s; ranks {running} were still running and "
+            "have been stopped. Raise `timeout`, or look for a rank stuck in a collective.",
+            timeout,
+            tuple(running),
+        )
+
+    def stop(self) -> None:
+        """SIGTERM every live worker, SIGKILL those still alive after ``grace_period`` seconds, reap all."""
+        alive = [(rank, p) for rank, p in enumerate(self.processes) if p.exitcode is None]
+        try:
+            for rank, process in alive:
+                self.stopped.add(rank)
+                _signal(process, signal.SIGTERM)
+            deadline = time.monotonic() + self.config.grace_period
+            remaining = [p for _, p in alive]
+            while remaining and time.monotonic() < deadline:
+                wait([p.sentinel for p in remaining], timeout=max(0.0, deadline - time.monotonic()))
+                remaining = [p for p in remaining if p.exitcode is None]
+        finally:
+            for _, process in alive:
+                if process.exitcode is None:
+                    _signal(process, signal.SIGKILL)
+            for process in self.processes:
+                process.join()
+
+
+def _signal(process: BaseProcess, signum: int) -> None:
+    if process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signum)
+
+
+def _set_attribute(error: BaseException, name: str, value: Any) -> None:
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(error, name, value)
+
+
+def _rebuild_exception(outcome: dict[str, Any], rank: int) -> BaseException:
+    """The worker's exception as itself (or a :class:`RemoteError`), the remote traceback as its cause."""
+    import pickle
+
+    pid = outcome["pid"]
+    error: BaseException | None = None
+    if outcome["exception"] is not None:
+        try:
+            error = pickle.loads(outcome["exception"])
+        except Exception:  # noqa: BLE001
+            error = None
+    if error is None:
+        error = RemoteError(
+            f"rank {rank} (pid {pid}) raised {outcome['type_name']}: {outcome['message']} (the exception could "
+            "not be sent as itself because it cannot be pickled or unpickled)",
+            rank,
+            pid,
+            outcome["type_name"],
+        )
+    header = f"rank {rank} (pid {pid})"
+    error.__cause__ = RemoteTraceback(f'\n"""\n{header} raised:\n{outcome["traceback"]}"""')
+    _set_attribute(error, "rank", rank)
+    _set_attribute(error, "pid", pid)
+    if hasattr(error, "add_note") and not isinstance(error, RemoteError):
+        error.add_note(f"(raised in mplaunch worker {header})")
+    return error

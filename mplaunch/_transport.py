@@ -1,0 +1,187 @@
+"""Moving Python objects with tensors between the parent and its workers through files in shared memory.
+
+An object is pickled once; the bytes of every tensor storage it holds go to a file of their own in a
+directory on a RAM-backed file system (``/dev/shm`` where there is one), and the pickle refers to them by
+index (``persistent_id``, as ``torch.save`` does). The reader maps each file as the storage of its tensors:
+
+* a *result* (worker to parent) is mapped shared and its files are unlinked at once, so it costs one copy
+  (the writer's), stays valid after the writer exits, and nothing is left on disk;
+* a *payload* (parent to workers) is written once and mapped private (copy-on-write) by every worker, so
+  workers never see each other's in-place updates, start-up does not grow with the argument size, and a
+  mapped storage holds no open file descriptor.
+
+Nothing here flows through a pipe, so no size can fill a pipe buffer and deadlock a join.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import Any
+
+import cloudpickle
+import torch
+
+#: Storages smaller than this many bytes travel inside the pickle instead of in a file of their own.
+INLINE_BYTES = 64 * 1024
+
+_PICKLE_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
+    """A zero-copy byte view of a CPU storage."""
+    if storage.nbytes() == 0:
+        return memoryview(b"")
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
+    return memoryview(flat.numpy()).cast("B")
+
+
+class _StorageWriter:
+    """The ``persistent_id`` half of a pickler: records every storage once, in the order first seen."""
+
+    def _init_storages(self) -> None:
+        self.storages: list[torch.UntypedStorage] = []
+        self._seen: dict[int, int] = {}
+
+    def persistent_id(self, obj: object) -> Any:
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped, dtype = obj._untyped_storage, obj.dtype
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped, dtype = obj, None
+        else:
+            return None
+        if untyped.device.type == "meta":
+            return None
+        key = untyped._cdata
+        if key in self._seen:
+            return ("ref", self._seen[key], dtype)
+        if untyped.device.type != "cpu":
+            untyped = untyped.cpu()
+        index = len(self.storages)
+        self._seen[key] = index
+        self.storages.append(untyped)
+        nbytes = untyped.nbytes()
+        if nbytes < INLINE_BYTES:
+            return ("inline", index, dtype, bytes(_storage_bytes(untyped)))
+        return ("file", index, dtype, nbytes)
+
+
+class _Pickler(_StorageWriter, pickle.Pickler):
+    """Pickles by reference, like ``pickle``; storages are recorded, not copied."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._init_storages()
+
+
+class _CloudPickler(_StorageWriter, cloudpickle.Pickler):
+    """Pickles what cannot be imported by the reader (``__main__`` without a file, closures) by value."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._init_storages()
+
+
+def _pickle(obj: object, by_value: bool) -> tuple[bytes, list[torch.UntypedStorage]]:
+    """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails."""
+    if not by_value:
+        buffer = io.BytesIO()
+        pickler: _StorageWriter = _Pickler(buffer)
+        try:
+            pickler.dump(obj)  # type: ignore[attr-defined]
+            return buffer.getvalue(), pickler.storages
+        except _PICKLE_ERRORS:
+            pass
+    buffer = io.BytesIO()
+    pickler = _CloudPickler(buffer)
+    pickler.dump(obj)  # type: ignore[attr-defined]
+    return buffer.getvalue(), pickler.storages
+
+
+def _write_file(path: str, data: memoryview | bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written : written + (1 << 30)])
+    finally:
+        os.close(fd)
+
+
+def dump(obj: object, directory: str, name: str, *, by_value: bool = False) -> None:
+    """Write ``obj`` as ``directory/name.pkl`` plus one ``name.N.bin`` file per storage of 64 KiB or more.
+
+    The ``.pkl`` file appears last and atomically (written aside, then renamed), so a reader that sees it
+    sees a complete object. Tensors on other devices are copied to the CPU first.
+
+    Raises:
+        pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
+    """
+    data, storages = _pickle(obj, by_value)
+    for index, storage in enumerate(storages):
+        if storage.nbytes() >= INLINE_BYTES:
+            _write_file(os.path.join(directory, f"{name}.{index}.bin"), _storage_bytes(storage))
+    staging = os.path.join(directory, f".{name}.pkl")
+    _write_file(staging, data)
+    os.replace(staging, os.path.join(directory, f"{name}.pkl"))
+
+
+def exists(directory: str, name: str) -> bool:
+    """Whether a complete object ``name`` has been written to ``directory``."""
+    return os.path.exists(os.path.join(directory, f"{name}.pkl"))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, directory: str, name: str, private: bool) -> None:
+        super().__init__(file)
+        self._directory = directory
+        self._name = name
+        self._private = private
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        self.files: list[str] = []
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, index, dtype = pid[0], pid[1], pid[2]
+        if kind == "inline":
+            storage = torch.UntypedStorage(len(pid[3]))
+            if pid[3]:
+                _storage_bytes(storage)[:] = pid[3]
+            self._storages[index] = storage
+        elif kind == "file":
+            path = os.path.join(self._directory, f"{self._name}.{index}.bin")
+            self._storages[index] = torch.UntypedStorage.from_file(path, shared=not self._private, nbytes=pid[3])
+            self.files.append(path)
+        untyped = self._storages[index]
+        if dtype is None:
+            return untyped
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def load(directory: str, name: str, *, private: bool, remove: bool) -> Any:
+    """Read the object ``name`` written by :func:`dump`.
+
+    Args:
+        directory: where it was written.
+        name: its name.
+        private: map storages copy-on-write (each reader gets its own copy of what it changes) instead of
+            shared with the file.
+        remove: unlink its files once mapped (the data lives on in the mappings until they are freed).
+
+    Raises:
+        Exception: whatever unpickling raises (a class missing in this process, a corrupt file).
+    """
+    path = os.path.join(directory, f"{name}.pkl")
+    with open(path, "rb") as file:
+        data = file.read()
+    unpickler = _Unpickler(io.BytesIO(data), directory, name, private)
+    try:
+        return unpickler.load()
+    finally:
+        if remove:
+            for leftover in [*unpickler.files, path]:
+                try:
+                    os.unlink(leftover)
+                except FileNotFoundError:
+                    pass

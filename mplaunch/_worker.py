@@ -1,0 +1,173 @@
+"""What runs first in a worker process, before and after the user's function."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mplaunch import _transport
+from mplaunch._env import apply_environment, rank_environment
+from mplaunch._sharing import to_cpu
+from mplaunch._state import GlobalState
+
+PAYLOAD = "payload"
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What every worker of one launch needs to know; small, so starting a worker sends little."""
+
+    directory: str
+    nprocs: int
+    start_method: str
+    parent_pid: int
+    master_addr: str
+    master_port: int
+    agent_store: bool
+    num_threads: int | None
+    reporting_ranks: frozenset[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Payload:
+    """The function, its arguments and the parent's state; under fork it is inherited, else read from a file."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: GlobalState
+
+
+def outcome_name(rank: int) -> str:
+    """The name under which rank ``rank`` writes its outcome in the launch directory."""
+    return f"rank{rank}"
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit now if the parent is already gone.
+
+    ``parent_pid`` is the launching process, or ``None`` under forkserver, where the parent is the fork
+    server (which exits when the launching process dies, and so takes its workers with it).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    orphaned = os.getppid() == 1 if parent_pid is None else os.getppid() != parent_pid
+    if orphaned:
+        os._exit(1)
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _set_threads(num_threads: int | None) -> None:
+    if num_threads is None:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    if torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
+
+
+def _error_outcome(error: BaseException) -> dict[str, Any]:
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    try:
+        exc_bytes = _pickle_exception(error)
+    except Exception:  # noqa: BLE001 - an exception that cannot be pickled travels as text
+        exc_bytes = None
+    return {
+        "ok": False,
+        "pid": os.getpid(),
+        "exception": exc_bytes,
+        "type_name": f"{type(error).__module__}.{type(error).__qualname__}",
+        "message": str(error),
+        "traceback": text,
+    }
+
+
+def _pickle_exception(error: BaseException) -> bytes:
+    import pickle
+
+    import cloudpickle
+
+    traceback_, cause, context = error.__traceback__, error.__cause__, error.__context__
+    try:
+        error.__traceback__ = None
+        try:
+            return pickle.dumps(error)
+        except Exception:  # noqa: BLE001
+            return cloudpickle.dumps(error)
+    finally:
+        error.__traceback__, error.__cause__, error.__context__ = traceback_, cause, context
+
+
+def _write_outcome(spec: WorkerSpec, rank: int, outcome: dict[str, Any]) -> None:
+    try:
+        _transport.dump(outcome, spec.directory, outcome_name(rank))
+    except Exception as error:  # noqa: BLE001 - the result cannot be pickled: report that instead
+        if not outcome["ok"]:
+            raise
+        value = outcome["value"]
+        failure = TypeError(
+            f"the result of rank {rank} (type {type(value).__module__}.{type(value).__qualname__}) cannot be "
+            f"pickled to send it to the parent: {error}"
+        )
+        failure.__cause__ = error
+        _transport.dump(_error_outcome(failure), spec.directory, outcome_name(rank))
+
+
+def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
+    """The target of every worker process: set up the rank, run the function, write the outcome.
+
+    The outcome (the return value for reporting ranks, ``None`` for the others, or the exception) is written
+    to the launch directory before the process exits; the parent reads it when it sees the process end.
+    """
+    _die_with_parent(None if spec.start_method == "forkserver" else spec.parent_pid)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    if spec.start_method == "fork":
+        atexit._clear()  # the parent's exit handlers are not ours to run
+    apply_environment(
+        os.environ,
+        rank_environment(rank, spec.nprocs, spec.master_addr, spec.master_port, agent_store=spec.agent_store),
+    )
+    failed = False
+    try:
+        try:
+            _set_threads(spec.num_threads)
+            if payload is None:
+                payload = _transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+            payload.state.restore()
+            function = getattr(payload.function, "_mplaunch_target", payload.function)
+            value = function(*payload.args, **payload.kwargs)
+            if rank not in spec.reporting_ranks:
+                value = None
+            elif torch.cuda.is_initialized():
+                value = to_cpu(value)
+            outcome: dict[str, Any] = {"ok": True, "pid": os.getpid(), "value": value}
+        except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
+            failed = True
+            outcome = _error_outcome(error)
+        _write_outcome(spec, rank, outcome)
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+    if failed:
+        sys.exit(1)
