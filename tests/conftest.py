@@ -1,0 +1,72 @@
+"""Fixtures that fail a test which leaves processes, environment variables, signal handlers or shared-memory
+files behind (the loky/CPython approach to testing process code without leaks)."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+# One intra-op thread per worker and in the test process: 2 cores, tests run fast and never oversubscribe.
+torch.set_num_threads(1)
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _helper_pids() -> set[int]:
+    """Long-lived helpers that multiprocessing keeps on purpose: the fork server and the resource tracker."""
+    pids = set()
+    for pid in (
+        getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+        getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
+    ):
+        if pid:
+            pids.add(pid)
+    return pids
+
+
+def _children() -> list[psutil.Process]:
+    helpers = _helper_pids()
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in helpers:
+            continue
+        try:
+            if child.ppid() in helpers:  # the fork server's own bookkeeping is covered by its workers' checks
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+        except psutil.NoSuchProcess:
+            continue
+        found.append(child)
+    return found
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {e for e in os.listdir("/dev/shm") if e.startswith("mplaunch-")}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> object:
+    env_before = dict(os.environ)
+    handlers_before = {s: signal.getsignal(s) for s in _SIGNALS}
+    shm_before = _shm_entries()
+    yield
+    deadline = time.monotonic() + 10
+    while _children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leftover = _children()
+    for child in leftover:
+        child.kill()
+    assert not leftover, f"processes left behind: {[(c.pid, c.name()) for c in leftover]}"
+    assert dict(os.environ) == env_before, "the environment changed"
+    assert {s: signal.getsignal(s) for s in _SIGNALS} == handlers_before, "signal handlers changed"
+    assert _shm_entries() <= shm_before, f"shared-memory files left: {_shm_entries() - shm_before}"

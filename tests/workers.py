@@ -1,0 +1,139 @@
+"""Module-level worker functions for the integration tests (importable by spawn/forkserver workers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from mplaunch import worker_info
+
+
+@dataclasses.dataclass
+class Point:
+    x: torch.Tensor
+    label: str
+
+
+def identity(*args: Any, **kwargs: Any) -> Any:
+    return args, kwargs
+
+
+def rank_and_env() -> dict[str, Any]:
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "OMP_NUM_THREADS")
+    return {"info": worker_info(), "env": {n: os.environ.get(n) for n in names}, "pid": os.getpid(),
+            "threads": torch.get_num_threads()}
+
+
+def all_reduce_rank() -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        value = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(value)
+        return value
+    finally:
+        dist.destroy_process_group()
+
+
+def big_result(megabytes: int) -> dict[str, Any]:
+    n = megabytes * 2**20 // 4
+    return {"tensor": torch.arange(n, dtype=torch.float32), "view": None, "meta": "ok"}
+
+
+def nested_result() -> Any:
+    base = torch.arange(10.0)
+    return {
+        "list": [base, base[2:5]],
+        "tuple": (torch.ones(2, dtype=torch.bfloat16), 3),
+        "point": Point(torch.zeros(3), "p"),
+        "module": torch.nn.Linear(2, 3),
+        "state": torch.nn.Linear(4, 5).state_dict(),
+        "ints": list(range(100_000)),
+    }
+
+
+def raise_value_error(message: str = "bad value") -> None:
+    if worker_info().rank == 1:
+        raise ValueError(message)
+    time.sleep(30)
+
+
+def raise_everywhere() -> None:
+    time.sleep(0.2 * worker_info().rank)
+    raise KeyError(f"rank {worker_info().rank}")
+
+
+def exit_zero_on_rank0() -> int:
+    if worker_info().rank == 0:
+        sys.exit(0)
+    return 1
+
+
+def os_exit_on_rank(rank: int, code: int) -> int:
+    if worker_info().rank == rank:
+        sys.stdout.flush()
+        os._exit(code)
+    return worker_info().rank
+
+
+def kill_self(signum: int) -> None:
+    if worker_info().rank == 1:
+        os.kill(os.getpid(), signum)
+    time.sleep(30)
+
+
+def sleep(seconds: float) -> int:
+    time.sleep(seconds)
+    return worker_info().rank
+
+
+def mutate(module: torch.nn.Module, tensor: torch.Tensor) -> dict[str, float]:
+    rank = worker_info().rank
+    with torch.no_grad():
+        module.weight.add_(rank + 1)
+        tensor.add_(rank + 1)
+    time.sleep(0.5)  # let the other rank's update land, if memory were shared
+    return {"weight": module.weight.sum().item(), "tensor": tensor.sum().item()}
+
+
+def random_draws() -> dict[str, Any]:
+    import random
+
+    import numpy
+
+    model = torch.nn.Linear(4, 3)
+    return {
+        "python": random.random(),
+        "numpy": numpy.random.rand(3),
+        "torch": torch.rand(3),
+        "weight": model.weight.detach().clone(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "matmul": torch.get_float32_matmul_precision(),
+        "dtype": torch.get_default_dtype(),
+    }
+
+
+def ignore_sigterm_and_sleep(seconds: float) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if worker_info().rank == 1:
+        raise RuntimeError("rank 1 fails")
+    time.sleep(seconds)
+
+
+def finally_marker(path: str) -> None:
+    if worker_info().rank == 1:
+        time.sleep(0.3)
+        raise RuntimeError("rank 1 fails")
+    try:
+        time.sleep(30)
+    finally:
+        with open(path, "w") as file:
+            file.write("finally ran")
