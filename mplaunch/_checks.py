@@ -5,15 +5,14 @@ from __future__ import annotations
 import ast
 import multiprocessing
 import os
-import pickle
 import sys
 import threading
 from types import FrameType
 from typing import Any
 
-import cloudpickle
 import torch
 
+from mplaunch import _transport
 from mplaunch._errors import LaunchRefusedError
 
 
@@ -130,27 +129,14 @@ def check_main_guard(start_method: str, frame: FrameType | None) -> None:
         raise LaunchRefusedError(_MAIN_GUARD_MESSAGE.format(where=where))
 
 
-def _pickle_error(value: object, by_value: bool) -> Exception | None:
-    try:
-        (cloudpickle if by_value else pickle).dumps(value)
-    except Exception as error:  # noqa: BLE001 - any pickling failure is the answer
-        if by_value:
-            return error
-        try:
-            cloudpickle.dumps(value)
-        except Exception as cloud_error:  # noqa: BLE001
-            return cloud_error
-    return None
-
-
 def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], by_value: bool) -> str:
     """Name the first argument that cannot be pickled, and why; ``"the function"`` if every argument can."""
     for index, value in enumerate(args):
-        error = _pickle_error(value, by_value)
+        error = _transport.pickle_error(value, by_value=by_value)
         if error is not None:
             return f"positional argument {index} ({type(value).__qualname__}): {error}"
     for name, value in kwargs.items():
-        error = _pickle_error(value, by_value)
+        error = _transport.pickle_error(value, by_value=by_value)
         if error is not None:
             return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
     return "the function or the captured global state"

@@ -76,11 +76,20 @@ class _Pickler(_StorageWriter, pickle.Pickler):
 
 
 class _CloudPickler(_StorageWriter, cloudpickle.Pickler):
-    """Pickles what cannot be imported by the reader (``__main__`` without a file, closures) by value."""
+    """Pickles what cannot be imported by the reader (``__main__`` without a file, closures) by value.
+
+    Open files are refused: cloudpickle would send a copy of their contents, which is never what a
+    worker writing to a file wants.
+    """
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._init_storages()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, io.IOBase):
+            raise TypeError(f"cannot pickle an open file ({type(obj).__qualname__}); open it inside the function")
+        return super().reducer_override(obj)
 
 
 def _pickle(obj: object, by_value: bool) -> tuple[bytes, list[torch.UntypedStorage]]:
@@ -97,6 +106,15 @@ def _pickle(obj: object, by_value: bool) -> tuple[bytes, list[torch.UntypedStora
     pickler = _CloudPickler(buffer)
     pickler.dump(obj)  # type: ignore[attr-defined]
     return buffer.getvalue(), pickler.storages
+
+
+def pickle_error(obj: object, *, by_value: bool = False) -> Exception | None:
+    """Return why ``obj`` cannot be sent (the pickling exception), or ``None`` if it can."""
+    try:
+        _pickle(obj, by_value)
+    except Exception as error:  # noqa: BLE001 - the error is the answer
+        return error
+    return None
 
 
 def _write_file(path: str, data: memoryview | bytes) -> None:

@@ -54,9 +54,13 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> object:
-    env_before = dict(os.environ)
+    env_before = _environment()
     handlers_before = {s: signal.getsignal(s) for s in _SIGNALS}
     shm_before = _shm_entries()
     yield
@@ -67,6 +71,6 @@ def no_leaks() -> object:
     for child in leftover:
         child.kill()
     assert not leftover, f"processes left behind: {[(c.pid, c.name()) for c in leftover]}"
-    assert dict(os.environ) == env_before, "the environment changed"
+    assert _environment() == env_before, "the environment changed"
     assert {s: signal.getsignal(s) for s in _SIGNALS} == handlers_before, "signal handlers changed"
     assert _shm_entries() <= shm_before, f"shared-memory files left: {_shm_entries() - shm_before}"

@@ -1,0 +1,87 @@
+"""The decorator and its options, without launching anything."""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import pickle
+
+import pytest
+
+import mplaunch
+from mplaunch import InvalidOptionError, ParallelFunction, parallel
+
+
+@parallel
+def bare(x: int, y: str = "a") -> str:
+    """Bare docstring."""
+    return f"{x}{y}"
+
+
+@parallel(nprocs=2, start_method="fork", return_all=True, timeout=10, grace_period=1)
+def with_options(x: int) -> int:
+    return x
+
+
+def test_bare_and_configured_forms_keep_the_function_identity() -> None:
+    assert isinstance(bare, ParallelFunction)
+    assert bare.__name__ == "bare" and bare.__doc__ == "Bare docstring."
+    assert bare.__qualname__ == "bare" and bare.__module__ == __name__
+    assert inspect.signature(bare) == inspect.signature(bare.__wrapped__)
+    assert bare.__wrapped__(1, y="b") == "1b"  # the plain function runs in-process
+    assert with_options.config.nprocs == 2 and with_options.config.return_all
+    assert with_options.config.timeout == 10.0 and with_options.config.grace_period == 1.0
+
+
+def test_pickles_by_reference() -> None:
+    data = pickle.dumps(bare)
+    assert b"bare" in data and len(data) < 200
+    assert pickle.loads(data) is bare
+
+
+def test_unfindable_function_pickles_by_value_of_its_parts() -> None:
+    def local(x: int) -> int:
+        return x
+
+    wrapped = parallel(nprocs=1)(local)
+    import cloudpickle
+
+    restored = pickle.loads(cloudpickle.dumps(wrapped))
+    assert restored.__wrapped__(3) == 3 and restored.config == wrapped.config
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        ({"nprocs": 0}, ["nprocs=0", ">= 1"]),
+        ({"nprocs": 1.5}, ["nprocs=1.5"]),
+        ({"nprocs": True}, ["nprocs=True"]),
+        ({"nprocs": "many"}, ["nprocs='many'", "'auto'"]),
+        ({"start_method": "thread"}, ["start_method='thread'", "'spawn'"]),
+        ({"timeout": 0}, ["timeout=0", "> 0"]),
+        ({"timeout": float("nan")}, ["timeout=nan"]),
+        ({"grace_period": -1}, ["grace_period=-1", ">= 0"]),
+        ({"return_all": 1}, ["return_all=1"]),
+    ],
+)
+def test_bad_options_are_refused_when_decorating(options: dict[str, object], names: list[str]) -> None:
+    with pytest.raises(InvalidOptionError) as caught:
+        parallel(**options)  # type: ignore[call-overload]
+    assert isinstance(caught.value, ValueError)
+    for name in names:
+        assert name in str(caught.value)
+
+
+def test_start_method_error_lists_the_available_ones() -> None:
+    with pytest.raises(InvalidOptionError) as caught:
+        parallel(start_method="fork-exec")
+    for method in multiprocessing.get_all_start_methods():
+        assert repr(method) in str(caught.value)
+
+
+def test_all_is_sorted_and_complete() -> None:
+    assert mplaunch.__all__ == sorted(mplaunch.__all__)
+    public = {name for name in vars(mplaunch) if not name.startswith("_")}
+    assert set(mplaunch.__all__) == public
+    for name in mplaunch.__all__:
+        assert getattr(mplaunch, name).__doc__, f"{name} has no docstring"

@@ -1,0 +1,74 @@
+"""The checks run before launching, without launching."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import types
+
+import pytest
+import torch
+
+from mplaunch import LaunchRefusedError, to_cpu
+from mplaunch import _checks
+
+
+def test_cuda_initialised_refuses_fork_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(LaunchRefusedError, match="start_method='spawn'"):
+        _checks.check_cuda_fork("fork")
+    _checks.check_cuda_fork("spawn")
+    _checks.check_cuda_fork("forkserver")
+
+
+def test_cuda_probe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.cuda.is_available()
+    torch.cuda.device_count()
+    _checks.check_cuda_fork("fork")
+
+
+def test_cuda_message_helps_notebook_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(_checks, "is_interactive", lambda: True)
+    with pytest.raises(LaunchRefusedError, match="restart the kernel"):
+        _checks.check_cuda_fork("fork")
+
+
+def test_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_checks, "is_interactive", lambda: False)
+    assert _checks.default_start_method() == "spawn"
+    monkeypatch.setattr(_checks, "is_interactive", lambda: True)
+    assert _checks.default_start_method() == "fork"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert _checks.default_start_method() == "spawn"
+
+
+def test_main_importability(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", fake)
+    assert not _checks.main_is_importable()  # python -c, the REPL
+    fake.__file__ = "<stdin>"
+    assert not _checks.main_is_importable()  # python - < script
+    fake.__file__ = __file__
+    assert _checks.main_is_importable()
+
+
+def test_guard_spans_find_both_spellings() -> None:
+    source = 'x = 1\nif __name__ == "__main__":\n    run()\nif "__main__" == __name__:\n    run()\n'
+    assert _checks._guard_spans(ast.parse(source)) == [(2, 3), (4, 5)]
+
+
+def test_describe_unpicklable_names_the_argument() -> None:
+    import threading
+
+    text = _checks.describe_unpicklable((1, threading.Lock()), {}, by_value=False)
+    assert text.startswith("positional argument 1 (lock)")
+    with open(__file__) as file:
+        text = _checks.describe_unpicklable((), {"f": file}, by_value=False)
+    assert text.startswith("keyword argument 'f' (TextIOWrapper)") and "open it inside" in text
+
+
+def test_to_cpu_keeps_structure() -> None:
+    data = {"a": [torch.ones(1)], "b": (torch.zeros(2), 3)}
+    out = to_cpu(data)
+    assert out["a"][0] is data["a"][0] and out["b"][1] == 3

@@ -1,0 +1,44 @@
+"""The torchrun-style environment of a worker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mplaunch import worker_info
+from mplaunch._env import RANK_VARIABLES, apply_environment, rank_environment
+
+
+def test_rank_environment_follows_torchrun() -> None:
+    env = rank_environment(1, 2, "127.0.0.1", 29500, agent_store=True)
+    assert env["RANK"] == env["LOCAL_RANK"] == "1"
+    assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["GROUP_RANK"] == env["NODE_RANK"] == "0"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29500")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in rank_environment(0, 1, "h", 1, agent_store=False)
+
+
+def test_apply_environment_drops_stale_rank_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "stale")
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("UNRELATED", "kept")
+    environ = os.environ
+    snapshot = dict(environ)
+    try:
+        apply_environment(environ, rank_environment(0, 1, "a", 1, agent_store=False))
+        assert environ["RANK"] == "0" and "TORCHELASTIC_RUN_ID" not in environ and environ["UNRELATED"] == "kept"
+    finally:
+        environ.clear()
+        environ.update(snapshot)
+    assert "TORCHELASTIC_RUN_ID" in RANK_VARIABLES
+
+
+def test_worker_info_reads_the_environment() -> None:
+    info = worker_info({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"})
+    assert (info.rank, info.local_rank, info.world_size, info.local_world_size, info.node_rank) == (3, 1, 4, 2, 1)
+    plain = worker_info({})
+    assert (plain.rank, plain.world_size, plain.local_world_size) == (0, 1, 1)
+    with pytest.raises(ValueError, match="RANK='x'"):
+        worker_info({"RANK": "x"})

@@ -1,0 +1,87 @@
+"""The shared-memory channel, in one process."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+
+from mplaunch import _transport
+
+
+def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
+    base = torch.arange(100_000, dtype=torch.float32)
+    obj = {
+        "base": base,
+        "view": base[10:20],
+        "small": torch.tensor([1, 2, 3]),
+        "bf16": torch.ones(40_000, dtype=torch.bfloat16),
+        "empty": torch.empty(0),
+        "module": torch.nn.Linear(3, 2),
+        "other": [1, "two", 3.0],
+    }
+    _transport.dump(obj, str(tmp_path), "x")
+    back = _transport.load(str(tmp_path), "x", private=False, remove=True)
+    assert torch.equal(back["base"], base) and torch.equal(back["view"], base[10:20])
+    assert back["view"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
+    assert back["bf16"].dtype == torch.bfloat16 and back["empty"].numel() == 0
+    assert torch.equal(back["module"].weight, obj["module"].weight) and back["other"] == obj["other"]
+    assert list(tmp_path.iterdir()) == []  # every file unlinked once mapped
+
+
+def test_small_storages_travel_inline_and_large_ones_in_files(tmp_path: Path) -> None:
+    _transport.dump([torch.zeros(10), torch.zeros(_transport.INLINE_BYTES // 4)], str(tmp_path), "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.1.bin", "x.pkl"]
+
+
+def test_result_stays_valid_after_the_files_are_gone(tmp_path: Path) -> None:
+    _transport.dump(torch.full((1 << 20,), 7.0), str(tmp_path), "x")
+    back = _transport.load(str(tmp_path), "x", private=False, remove=True)
+    assert not any(tmp_path.iterdir())
+    assert back.sum().item() == 7.0 * (1 << 20)
+
+
+def test_private_maps_do_not_see_each_other(tmp_path: Path) -> None:
+    _transport.dump({"w": torch.zeros(1 << 18)}, str(tmp_path), "payload")
+    first = _transport.load(str(tmp_path), "payload", private=True, remove=False)
+    second = _transport.load(str(tmp_path), "payload", private=True, remove=False)
+    first["w"].add_(1)
+    assert second["w"].sum().item() == 0
+    third = _transport.load(str(tmp_path), "payload", private=True, remove=False)
+    assert third["w"].sum().item() == 0  # the file itself is untouched
+
+
+def test_mapped_storages_hold_no_file_descriptors(tmp_path: Path) -> None:
+    tensors = [torch.zeros(_transport.INLINE_BYTES) for _ in range(300)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _transport.dump(tensors, str(tmp_path), "many")
+    before = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+    try:
+        back = _transport.load(str(tmp_path), "many", private=True, remove=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(back) == 300 and len(os.listdir("/proc/self/fd")) == before
+
+
+def test_closures_and_locals_fall_back_to_cloudpickle(tmp_path: Path) -> None:
+    offset = 5
+
+    def local(x: int) -> int:
+        return x + offset
+
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        pickle.dumps(local)
+    _transport.dump(local, str(tmp_path), "f")
+    assert _transport.load(str(tmp_path), "f", private=False, remove=True)(1) == 6
+
+
+def test_the_object_appears_only_when_complete(tmp_path: Path) -> None:
+    assert not _transport.exists(str(tmp_path), "x")
+    _transport.dump(1, str(tmp_path), "x")
+    assert _transport.exists(str(tmp_path), "x")
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
