@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from mplaunch._errors import (
     RemoteError,
     RemoteTraceback,
     WorkerExitedError,
+    WorkerFailedError,
 )
 from mplaunch._state import GlobalState
 from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, outcome_name, run
@@ -119,7 +121,11 @@ def _parent_signals() -> Iterator[None]:
         yield
         return
 
+    owner = os.getpid()
+
     def handler(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner:  # a forked worker that has not yet installed its own handler
+            raise SystemExit(128 + signum)
         raise _ParentTerminated()
 
     signal.signal(signal.SIGTERM, handler)
@@ -134,6 +140,19 @@ def _parent_signals() -> Iterator[None]:
         raise KeyboardInterrupt("SIGTERM received during a launch") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Block SIGINT and SIGTERM while workers start. A forked child inherits the mask, so a signal sent to it
+    before it has installed its own handlers waits instead of unwinding the parent's stack copied into it;
+    the worker unblocks them first thing. Signals sent to the parent meanwhile are delivered on exit."""
+    blocked = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager
@@ -226,18 +245,20 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
 
 def _run_workers(spec: WorkerSpec, payload: Payload | None, config: LaunchConfig) -> list[Any]:
     context = mp.get_context(spec.start_method)
-    if spec.start_method == "forkserver":
-        context.set_forkserver_preload(["__main__", "torch", "mplaunch._worker"])
     processes: list[BaseProcess] = []
     supervisor = _Supervisor(spec, processes, config)
     try:
         with _main_without_file():
-            for rank in range(spec.nprocs):
-                process = context.Process(  # type: ignore[attr-defined]
-                    target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
-                )
-                process.start()
-                processes.append(process)
+            if spec.start_method == "forkserver":
+                context.set_forkserver_preload(["__main__", "torch", "mplaunch._worker"])
+                multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
+            with _signals_blocked():
+                for rank in range(spec.nprocs):
+                    process = context.Process(  # type: ignore[attr-defined]
+                        target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
+                    )
+                    process.start()
+                    processes.append(process)
         return supervisor.wait()
     finally:
         supervisor.stop()
@@ -375,6 +396,13 @@ def _rebuild_exception(outcome: dict[str, Any], rank: int) -> BaseException:
             error = pickle.loads(outcome["exception"])
         except Exception:  # noqa: BLE001
             error = None
+    if error is not None and not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt: not for the parent
+        error = WorkerExitedError(
+            f"rank {rank} (pid {pid}) raised {outcome['repr']} before returning, so it has no result",
+            rank,
+            pid,
+            getattr(error, "code", 1) if isinstance(getattr(error, "code", 1), int) else 1,
+        )
     if error is None:
         error = RemoteError(
             f"rank {rank} (pid {pid}) raised {outcome['type_name']}: {outcome['message']} (the exception could "
@@ -387,6 +415,6 @@ def _rebuild_exception(outcome: dict[str, Any], rank: int) -> BaseException:
     error.__cause__ = RemoteTraceback(f'\n"""\n{header} raised:\n{outcome["traceback"]}"""')
     _set_attribute(error, "rank", rank)
     _set_attribute(error, "pid", pid)
-    if hasattr(error, "add_note") and not isinstance(error, RemoteError):
+    if hasattr(error, "add_note") and not isinstance(error, WorkerFailedError):
         error.add_note(f"(raised in mplaunch worker {header})")
     return error

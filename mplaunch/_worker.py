@@ -95,6 +95,7 @@ def _error_outcome(error: BaseException) -> dict[str, Any]:
         "exception": exc_bytes,
         "type_name": f"{type(error).__module__}.{type(error).__qualname__}",
         "message": str(error),
+        "repr": repr(error),
         "traceback": text,
     }
 
@@ -136,8 +137,9 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     The outcome (the return value for reporting ranks, ``None`` for the others, or the exception) is written
     to the launch directory before the process exits; the parent reads it when it sees the process end.
     """
-    _die_with_parent(None if spec.start_method == "forkserver" else spec.parent_pid)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked while starting
+    _die_with_parent(None if spec.start_method == "forkserver" else spec.parent_pid)
     if spec.start_method == "fork":
         atexit._clear()  # the parent's exit handlers are not ours to run
     apply_environment(

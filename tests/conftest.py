@@ -48,8 +48,9 @@ def _children() -> list[psutil.Process]:
 
 
 def _shm_entries() -> set[str]:
+    """This process's launch directories (other processes on the machine may be launching too)."""
     try:
-        return {e for e in os.listdir("/dev/shm") if e.startswith("mplaunch-")}
+        return {e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{os.getpid()}-")}
     except FileNotFoundError:
         return set()
 
@@ -73,4 +74,5 @@ def no_leaks() -> object:
     assert not leftover, f"processes left behind: {[(c.pid, c.name()) for c in leftover]}"
     assert _environment() == env_before, "the environment changed"
     assert {s: signal.getsignal(s) for s in _SIGNALS} == handlers_before, "signal handlers changed"
-    assert _shm_entries() <= shm_before, f"shared-memory files left: {_shm_entries() - shm_before}"
+    left = {e: sorted(os.listdir(f"/dev/shm/{e}")) for e in _shm_entries() - shm_before}
+    assert not left, f"shared-memory files left: {left}"

@@ -137,3 +137,33 @@ def finally_marker(path: str) -> None:
     finally:
         with open(path, "w") as file:
             file.write("finally ran")
+
+
+class Unpicklable(Exception):
+    def __reduce__(self) -> Any:
+        raise TypeError("this exception refuses to be pickled")
+
+
+def raise_unpicklable() -> None:
+    raise Unpicklable("custom failure")
+
+
+def raise_huge_message(size: int) -> None:
+    raise RuntimeError("x" * size)
+
+
+def return_unpicklable() -> Any:
+    import threading
+
+    return {"lock": threading.Lock()}
+
+
+def keyboard_interrupt_on_rank0() -> int:
+    if worker_info().rank == 0:
+        raise KeyboardInterrupt
+    return 1
+
+
+def call_holding(function: Any, lock: Any) -> Any:
+    with lock:
+        return function()

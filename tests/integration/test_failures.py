@@ -1,0 +1,124 @@
+"""How launches fail: typed errors, ranks, tracebacks, and nothing left running."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mplaunch import (
+    LaunchRefusedError,
+    LaunchTimeoutError,
+    RemoteError,
+    RemoteTraceback,
+    WorkerExitedError,
+    parallel,
+)
+from tests import workers
+
+TIMEOUT = 90
+
+
+def launch(function: object, start_method: str = "fork", **options: object) -> object:
+    return parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT, **options)(function)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_worker_exception_keeps_its_type_rank_and_traceback(start_method: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="bad value") as caught:
+        launch(workers.raise_value_error, start_method)()  # rank 0 sleeps 30 s: it must be stopped
+    assert time.monotonic() - start < 25
+    error = caught.value
+    assert error.rank == 1 and isinstance(error.pid, int)  # type: ignore[attr-defined]
+    assert isinstance(error.__cause__, RemoteTraceback)
+    assert "raise ValueError(message)" in str(error.__cause__) and "rank 1" in str(error.__cause__)
+
+
+def test_first_failure_wins_and_the_others_are_kept() -> None:
+    with pytest.raises(KeyError) as caught:
+        launch(workers.raise_everywhere)()
+    assert caught.value.rank == 0  # type: ignore[attr-defined]
+    others = caught.value.failures  # type: ignore[attr-defined]
+    assert [type(o) for o in others] in ([KeyError], [])  # rank 1 may be stopped before it raises
+    assert all(o.rank == 1 for o in others)
+
+
+def test_sys_exit_zero_without_result_is_a_failure() -> None:
+    with pytest.raises(WorkerExitedError, match=r"rank 0 .*SystemExit\(0\)") as caught:
+        launch(workers.exit_zero_on_rank0)()
+    assert caught.value.rank == 0
+
+
+def test_keyboard_interrupt_in_a_worker_is_a_failure_not_a_success() -> None:
+    with pytest.raises(WorkerExitedError, match="KeyboardInterrupt"):
+        launch(workers.keyboard_interrupt_on_rank0)()
+
+
+@pytest.mark.parametrize(("rank", "code"), [(0, 0), (1, 3)])
+def test_os_exit_is_reported_with_its_code(rank: int, code: int) -> None:
+    with pytest.raises(WorkerExitedError, match=f"exited with code {code}") as caught:
+        launch(workers.os_exit_on_rank)(rank, code)
+    assert (caught.value.rank, caught.value.exitcode) == (rank, code)
+
+
+@pytest.mark.parametrize(("signum", "text"), [(signal.SIGKILL, "out-of-memory"), (signal.SIGSEGV, "SIGSEGV")])
+def test_death_by_signal_names_the_signal(signum: int, text: str) -> None:
+    with pytest.raises(WorkerExitedError, match=text) as caught:
+        launch(workers.kill_self)(signum)
+    assert caught.value.signal_name == signal.Signals(signum).name and caught.value.exitcode == -signum
+
+
+def test_timeout_stops_everything_and_names_the_running_ranks() -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as caught:
+        parallel(nprocs=2, start_method="fork", timeout=1.0)(workers.sleep)(30)
+    assert time.monotonic() - start < 10
+    assert caught.value.running == (0, 1) and isinstance(caught.value, TimeoutError)
+
+
+def test_worker_ignoring_sigterm_does_not_hold_the_call() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 fails"):
+        launch(workers.ignore_sigterm_and_sleep, grace_period=0.5)(30)
+    assert time.monotonic() - start < 10
+
+
+def test_stopped_workers_run_their_finally_blocks(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    with pytest.raises(RuntimeError, match="rank 1 fails"):
+        launch(workers.finally_marker)(str(marker))
+    assert marker.read_text() == "finally ran"
+
+
+def test_unpicklable_exception_arrives_as_remote_error() -> None:
+    with pytest.raises(RemoteError, match="custom failure") as caught:
+        launch(workers.raise_unpicklable)()
+    assert caught.value.type_name == "tests.workers.Unpicklable"
+    assert "raise Unpicklable" in str(caught.value.__cause__)
+
+
+def test_huge_message_does_not_deadlock() -> None:
+    with pytest.raises(RuntimeError) as caught:
+        launch(workers.raise_huge_message)(8 * 2**20)
+    assert len(str(caught.value)) == 8 * 2**20
+
+
+def test_unpicklable_result_names_rank_and_type() -> None:
+    with pytest.raises(TypeError, match=r"result of rank 0 \(type builtins.dict\) cannot be pickled"):
+        launch(workers.return_unpicklable)()
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_unpicklable_argument_is_refused_before_launching(start_method: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchRefusedError, match=r"positional argument 1 \(lock\)"):
+        launch(workers.identity, start_method)(1, threading.Lock())
+    assert time.monotonic() - start < 2  # no worker was started
+
+
+def test_fork_needs_no_pickling() -> None:
+    assert launch(workers.call_holding, "fork")(lambda: 1, threading.Lock()) == 1

@@ -1,0 +1,90 @@
+"""Real launches: return values, environment, arguments, on each start method where it matters."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mplaunch import parallel
+from tests import workers
+
+ALL_METHODS = ["fork", "forkserver", "spawn"]
+TIMEOUT = 90  # only a deadlock reaches it
+
+
+@pytest.mark.parametrize("start_method", ALL_METHODS)
+def test_returns_rank0_value_with_kwargs_and_env_contract(start_method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "5")  # stale values in the parent never reach a worker
+    monkeypatch.setenv("WORLD_SIZE", "9")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "stale")
+    before = dict(os.environ)
+    run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(workers.rank_and_env)
+    results = run()
+    assert dict(os.environ) == before  # nothing added, changed or removed in the parent
+    assert [r["info"].rank for r in results] == [0, 1]
+    for rank, result in enumerate(results):
+        env = result["env"]
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == env["NODE_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["OMP_NUM_THREADS"] == "1" and result["threads"] == 1  # 2 cores // 2 workers
+    assert results[0]["pid"] != results[1]["pid"] != os.getpid()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_gloo_process_group_works_with_env_init(start_method: str) -> None:
+    run = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT)(workers.all_reduce_rank)
+    assert run().item() == 3.0  # 1 + 2
+
+
+def test_user_master_addr_and_port_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    result = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()
+    assert result["env"]["MASTER_ADDR"] == "localhost" and result["env"]["MASTER_PORT"] == str(port)
+    assert parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.all_reduce_rank)().item() == 3.0
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_arguments_and_nested_results(start_method: str) -> None:
+    run = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT)(workers.nested_result)
+    result = run()
+    assert torch.equal(result["list"][0], torch.arange(10.0))
+    assert result["list"][1].untyped_storage().data_ptr() == result["list"][0].untyped_storage().data_ptr()
+    assert result["tuple"][0].dtype == torch.bfloat16 and result["tuple"][1] == 3
+    assert isinstance(result["point"], workers.Point) and result["point"].label == "p"
+    assert isinstance(result["module"], torch.nn.Linear) and result["module"].weight.device.type == "cpu"
+    assert set(result["state"]) == {"weight", "bias"}
+    assert result["ints"] == list(range(100_000))
+    echo = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT)(workers.identity)
+    args, kwargs = echo(1, torch.ones(3), key={"nested": [2]})
+    assert args[0] == 1 and torch.equal(args[1], torch.ones(3)) and kwargs == {"key": {"nested": [2]}}
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_large_result_is_complete_and_outlives_the_workers(start_method: str) -> None:
+    run = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT)(workers.big_result)
+    result = run(64)  # 64 MiB: far past a pipe buffer
+    tensor = result["tensor"]
+    assert tensor.numel() == 64 * 2**20 // 4
+    assert tensor[-1].item() == tensor.numel() - 1 and result["meta"] == "ok"
+    tensor.add_(1)  # the workers are gone; the memory is the parent's now
+    assert tensor[0].item() == 1.0
+
+
+def test_return_all_orders_by_rank() -> None:
+    run = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(workers.sleep)
+    assert run(0.0) == [0, 1]
+
+
+def test_decorated_function_still_runs_in_process() -> None:
+    run = parallel(nprocs=2, start_method="fork")(workers.sleep)
+    assert run.__wrapped__(0.0) == 0
