@@ -171,12 +171,12 @@ def _main_without_file() -> Iterator[None]:
         main.__file__ = path
 
 
-def _num_threads(nprocs: int, start_method: str) -> int | None:
+def _num_threads(nprocs: int, start_method: str) -> int:
     """Intra-op threads per worker: the user's ``OMP_NUM_THREADS`` if set, else cores // nprocs; one thread
     in forked workers when this process's OpenMP pool is already running (GNU OpenMP hangs after fork)."""
     global _warned_fork_threads
     user = os.environ.get("OMP_NUM_THREADS")
-    wanted = int(user) if user and user.isdigit() else max(1, usable_cpu_count() // nprocs)
+    wanted = max(1, int(user)) if user and user.isdigit() else max(1, usable_cpu_count() // nprocs)
     pool_live = start_method == "fork" and _checks.native_thread_count() > _BASELINE_NATIVE_THREADS
     if pool_live and wanted > 1:
         if not _warned_fork_threads:
@@ -189,7 +189,7 @@ def _num_threads(nprocs: int, start_method: str) -> int | None:
                 stacklevel=4,
             )
         return 1
-    return None if user else wanted
+    return wanted
 
 
 def _function_reference(function: Any, by_value: bool) -> Any:
@@ -238,6 +238,7 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
                 agent_store=agent_store,
                 num_threads=num_threads,
                 reporting_ranks=reporting,
+                environ=dict(os.environ) if start_method == "forkserver" else None,
             )
             results = _run_workers(spec, payload if start_method == "fork" else None, config)
     return results if config.return_all else results[0]

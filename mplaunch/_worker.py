@@ -34,8 +34,9 @@ class WorkerSpec:
     master_addr: str
     master_port: int
     agent_store: bool
-    num_threads: int | None
+    num_threads: int
     reporting_ranks: frozenset[int]
+    environ: dict[str, str] | None  # the parent's environment, for forkserver workers (they inherit the server's)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,9 +76,7 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _set_threads(num_threads: int | None) -> None:
-    if num_threads is None:
-        return
+def _set_threads(num_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
@@ -142,6 +141,9 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     _die_with_parent(None if spec.start_method == "forkserver" else spec.parent_pid)
     if spec.start_method == "fork":
         atexit._clear()  # the parent's exit handlers are not ours to run
+    if spec.environ is not None:
+        os.environ.clear()
+        os.environ.update(spec.environ)
     apply_environment(
         os.environ,
         rank_environment(rank, spec.nprocs, spec.master_addr, spec.master_port, agent_store=spec.agent_store),

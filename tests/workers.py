@@ -167,3 +167,7 @@ def keyboard_interrupt_on_rank0() -> int:
 def call_holding(function: Any, lock: Any) -> Any:
     with lock:
         return function()
+
+
+def read_env(name: str) -> str | None:
+    return os.environ.get(name)

@@ -88,3 +88,10 @@ def test_return_all_orders_by_rank() -> None:
 def test_decorated_function_still_runs_in_process() -> None:
     run = parallel(nprocs=2, start_method="fork")(workers.sleep)
     assert run.__wrapped__(0.0) == 0
+
+
+def test_forkserver_workers_see_the_parents_current_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = parallel(nprocs=1, start_method="forkserver", timeout=TIMEOUT)(workers.read_env)
+    run("HOME")  # the fork server is running from here on, with the environment it started with
+    monkeypatch.setenv("MPLAUNCH_TEST_SETTING", "set after the fork server started")
+    assert run("MPLAUNCH_TEST_SETTING") == "set after the fork server started"

@@ -1,0 +1,247 @@
+"""Launches from real scripts in a subprocess: the main guard, __main__ classes, and signals to the parent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+Starter = Callable[[str, str], "tuple[subprocess.Popen[str], list[int]]"]
+
+
+def write_script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    return script
+
+
+def run_script(script: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=script.parent
+    )
+
+
+GUARDED = """
+    import dataclasses, os, sys
+    import torch
+    from mplaunch import parallel, worker_info
+
+    @dataclasses.dataclass
+    class Result:
+        rank: int
+        weights: torch.Tensor
+
+    @parallel(nprocs=2, start_method=sys.argv[1], timeout=60)
+    def train(scale: float) -> Result:
+        print(f"worker {worker_info().rank}", flush=True)
+        return Result(worker_info().rank, torch.ones(3) * scale)
+
+    if __name__ == "__main__":
+        result = train(2.0)
+        print("isinstance", isinstance(result, Result), result.rank, result.weights.tolist())
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_main_script_function_and_class_travel_by_reference(tmp_path: Path, start_method: str) -> None:
+    done = run_script(write_script(tmp_path, GUARDED), start_method)
+    assert done.returncode == 0, done.stderr
+    assert "isinstance True 0 [2.0, 2.0, 2.0]" in done.stdout
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("worker")) == ["worker 0", "worker 1"]
+
+
+UNGUARDED = """
+    import sys
+    from mplaunch import parallel
+
+    @parallel(nprocs=2, start_method=sys.argv[1])
+    def work() -> int:
+        print("worker ran", flush=True)
+        return 1
+
+    work()
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_missing_main_guard_is_refused_in_the_parent(tmp_path: Path, start_method: str) -> None:
+    start = time.monotonic()
+    done = run_script(write_script(tmp_path, UNGUARDED), start_method)
+    assert done.returncode == 1
+    assert "LaunchRefusedError" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+    assert "script.py (line 10)" in done.stderr
+    assert "worker ran" not in done.stdout
+    assert time.monotonic() - start < 30
+
+
+SIGNALLED = """
+    import os, signal, sys, time
+    from mplaunch import parallel, worker_info
+
+    @parallel(nprocs=2, start_method=sys.argv[1], grace_period=2.0)
+    def work(pid_dir: str) -> None:
+        with open(os.path.join(pid_dir, "tmp" + str(worker_info().rank)), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(pid_dir, "tmp" + str(worker_info().rank)), os.path.join(pid_dir, str(worker_info().rank)))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.1)
+            except KeyboardInterrupt:
+                if worker_info().rank == 1:  # stubborn: keeps running until SIGKILL
+                    continue
+                raise
+
+    if __name__ == "__main__":
+        handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+        try:
+            work(sys.argv[2])
+        except KeyboardInterrupt:
+            same = handlers == (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+            print("interrupted; handlers restored:", same, flush=True)
+"""
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> Iterator[Callable[[str, str], tuple[subprocess.Popen[str], list[int]]]]:
+    """Start a script's parent process and wait until both workers wrote their pids (and any children's)."""
+    parents: list[subprocess.Popen[str]] = []
+
+    def start(body: str, start_method: str) -> tuple[subprocess.Popen[str], list[int]]:
+        pid_dir = tmp_path / "pids"
+        pid_dir.mkdir()
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        parent = subprocess.Popen(
+            [sys.executable, str(write_script(tmp_path, body)), start_method, str(pid_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        parents.append(parent)
+        deadline = time.monotonic() + 60
+        while len(list(pid_dir.glob("[01]"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        return parent, [int(pid) for name in ("0", "1") for pid in (pid_dir / name).read_text().split()]
+
+    yield start
+    for parent in parents:
+        if parent.poll() is None:
+            parent.kill()
+        parent.communicate()
+
+
+def assert_gone(pids: list[int], within: float) -> None:
+    deadline = time.monotonic() + within
+    alive = pids
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(0.1)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"processes still alive after {within} s: {alive}")
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_sigint_to_the_parent_alone_stops_workers_and_restores_handlers(started: Starter, start_method: str) -> None:
+    parent, pids = started(SIGNALLED, start_method)
+    parent.send_signal(signal.SIGINT)
+    out, err = parent.communicate(timeout=30)
+    assert "interrupted; handlers restored: True" in out, err
+    assert_gone(pids, within=1.0)  # the stubborn rank was SIGKILLed after the 2 s grace period, before returning
+
+
+def test_sigterm_to_the_parent_stops_workers_and_ends_it_by_sigterm(started: Starter) -> None:
+    parent, pids = started(SIGNALLED, "fork")
+    parent.send_signal(signal.SIGTERM)
+    parent.communicate(timeout=30)
+    assert parent.returncode == -signal.SIGTERM
+    assert_gone(pids, within=1.0)
+
+
+ORPHANED = """
+    import os, sys, time
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, Dataset
+    from mplaunch import parallel, worker_info
+
+    class Slow(Dataset):
+        def __len__(self):
+            return 1000
+        def __getitem__(self, i):
+            time.sleep(0.2)
+            return torch.tensor(i)
+
+    @parallel(nprocs=2, start_method=sys.argv[1])
+    def work(pid_dir: str) -> None:
+        dist.init_process_group("gloo")
+        rank = worker_info().rank
+        if rank == 0:
+            loader = iter(DataLoader(Slow(), num_workers=1))
+            next(loader)
+            import psutil
+            pids = [os.getpid()] + [c.pid for c in psutil.Process().children()]
+        else:
+            pids = [os.getpid()]
+        with open(os.path.join(pid_dir, "tmp"), "w") as f:
+            f.write(" ".join(map(str, pids)))
+        os.rename(os.path.join(pid_dir, "tmp"), os.path.join(pid_dir, str(rank)))
+        while True:
+            try:
+                if rank == 1:
+                    dist.barrier()  # blocked in a collective: rank 0 never joins
+                else:
+                    next(loader)
+            except KeyboardInterrupt:
+                pass
+
+    if __name__ == "__main__":
+        work(sys.argv[2])
+"""
+
+
+def test_killing_the_parent_takes_workers_and_their_children_with_it(started: Starter) -> None:
+    parent, pids = started(ORPHANED, "fork")
+    assert len(pids) >= 3  # two workers and at least one DataLoader worker
+    parent.kill()
+    parent.communicate(timeout=30)
+    assert_gone(pids, within=15.0)
+
+
+AFTER_MATMUL = """
+    import warnings
+    import torch
+    from mplaunch import parallel
+
+    @parallel(nprocs=1, start_method="fork", timeout=60)
+    def work() -> int:
+        a = torch.randn(1500, 1500)
+        (a @ a).sum()
+        return torch.get_num_threads()
+
+    if __name__ == "__main__":
+        torch.set_num_threads(2)
+        a = torch.randn(1500, 1500)
+        (a @ a).sum()  # the parent's OpenMP pool is now live
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            threads = work()
+        print("threads", threads, "warned", any("forkserver" in str(w.message) for w in caught))
+"""
+
+
+def test_fork_after_a_multithreaded_op_does_not_hang(tmp_path: Path) -> None:
+    done = run_script(write_script(tmp_path, AFTER_MATMUL), timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert "threads 1 warned True" in done.stdout

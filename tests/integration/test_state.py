@@ -1,0 +1,82 @@
+"""Every start method starts workers from the parent's state, and keeps the parent's objects private."""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import pytest
+import torch
+
+from mplaunch import parallel
+from tests import workers
+
+TIMEOUT = 90
+
+
+def parent_draws() -> dict[str, object]:
+    """What the parent itself would draw next, computed without disturbing its state."""
+    from mplaunch import GlobalState
+
+    state = GlobalState.capture()
+    try:
+        return workers.random_draws()
+    finally:
+        state.restore()
+
+
+@pytest.fixture
+def seeded_parent() -> object:
+    from mplaunch import GlobalState
+
+    before = GlobalState.capture()
+    random.seed(1234)
+    numpy.random.seed(1234)
+    torch.manual_seed(1234)
+    torch.set_float32_matmul_precision("medium")
+    yield
+    before.restore()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_workers_draw_exactly_what_the_parent_would(seeded_parent: None, start_method: str) -> None:
+    expected = parent_draws()
+    run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(workers.random_draws)
+    for result in run():
+        assert result["python"] == expected["python"]
+        assert numpy.array_equal(result["numpy"], expected["numpy"])
+        assert torch.equal(result["torch"], expected["torch"]) and torch.equal(result["weight"], expected["weight"])
+        assert result["matmul"] == "medium" and result["dtype"] == torch.float32
+    assert torch.get_float32_matmul_precision() == "medium"
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_arguments_are_private_to_each_worker(start_method: str) -> None:
+    module = torch.nn.Linear(256, 256, bias=False)
+    torch.nn.init.zeros_(module.weight)
+    tensor = torch.zeros(1 << 16)
+    run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(workers.mutate)
+    results = run(module, tensor)
+    size = module.weight.numel()
+    assert results == [
+        {"weight": 1.0 * size, "tensor": 1.0 * tensor.numel()},
+        {"weight": 2.0 * size, "tensor": 2.0 * tensor.numel()},
+    ]
+    assert module.weight.sum().item() == 0 and tensor.sum().item() == 0  # the parent's objects are untouched
+
+
+def test_parent_thread_settings_are_untouched() -> None:
+    before = torch.get_num_threads()
+    parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()
+    assert torch.get_num_threads() == before
+
+
+def test_worker_threads_default_to_cores_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch._config import usable_cpu_count
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    result = parallel(nprocs=1, start_method="forkserver", timeout=TIMEOUT)(workers.rank_and_env)()
+    assert result["threads"] == usable_cpu_count() and result["env"]["OMP_NUM_THREADS"] == str(usable_cpu_count())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = parallel(nprocs=1, start_method="forkserver", timeout=TIMEOUT)(workers.rank_and_env)()
+    assert result["threads"] == 1 and result["env"]["OMP_NUM_THREADS"] == "1"
