@@ -245,3 +245,50 @@ def test_fork_after_a_multithreaded_op_does_not_hang(tmp_path: Path) -> None:
     done = run_script(write_script(tmp_path, AFTER_MATMUL), timeout=90)
     assert done.returncode == 0, done.stderr
     assert "threads 1 warned True" in done.stdout
+
+
+MANY_LAUNCHES = """
+    import os, sys, tempfile
+    import psutil
+    from mplaunch import parallel
+    sys.path.insert(0, sys.argv[1])
+    from tests import workers
+
+    def counts():
+        me = psutil.Process()
+        shm = [e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{os.getpid()}-")]
+        return {"children": len(me.children(recursive=True)), "fds": me.num_fds(), "shm": len(shm),
+                "tmp": len(os.listdir(tempfile.gettempdir()))}
+
+    if __name__ == "__main__":
+        calls = [
+            (parallel(nprocs=2, start_method="fork", timeout=60)(workers.sleep), (0.0,), None),
+            (parallel(nprocs=2, start_method="fork", timeout=60)(workers.raise_value_error), (), ValueError),
+            (parallel(nprocs=2, start_method="fork", timeout=60)(workers.big_result), (1,), None),
+            (parallel(nprocs=2, start_method="fork", timeout=60)(workers.kill_self), (9,), RuntimeError),
+            (parallel(nprocs=2, start_method="forkserver", timeout=60)(workers.raise_everywhere), (), KeyError),
+        ]
+        try:
+            calls[4][0]()
+        except KeyError:
+            pass  # warms up the fork server, which then stays (a child by design)
+        before = counts()
+        for i in range(200):
+            function, args, expected = calls[i % len(calls)]
+            try:
+                function(*args)
+            except Exception as error:
+                assert expected is not None and isinstance(error, expected), repr(error)
+        after = counts()
+        print("before", before)
+        print("after", after)
+        print("same", before == after)
+"""
+
+
+@pytest.mark.slow
+def test_two_hundred_launches_leave_nothing_behind(tmp_path: Path) -> None:
+    done = run_script(write_script(tmp_path, MANY_LAUNCHES), str(REPO), timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "same True" in done.stdout, done.stdout
+    assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
