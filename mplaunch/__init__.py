@@ -19,7 +19,7 @@ from mplaunch._errors import (
     WorkerExitedError,
     WorkerFailedError,
 )
-from mplaunch._sharing import to_cpu
+from mplaunch._sharing import to_cpu, unshare
 from mplaunch._state import GlobalState, register_state, unregister_state
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "register_state",
     "to_cpu",
     "unregister_state",
+    "unshare",
     "worker_info",
 ]
 __version__ = "0.1.0"

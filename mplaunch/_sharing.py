@@ -1,7 +1,8 @@
-"""Moving results to the CPU."""
+"""Moving results to the CPU, and giving a worker private copies of shared tensors."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, TypeVar
 
 import torch
@@ -22,8 +23,9 @@ def to_cpu(obj: T) -> T:
     """Return ``obj`` with every tensor on the CPU, recursing into dicts, lists, tuples, named tuples and
     dataclasses (``lightning_utilities.apply_to_collection``).
 
-    Tensors already on the CPU are returned as they are (no copy); other tensors are copied. An
-    ``nn.Module`` is moved in place with ``Module.cpu()``. Tensors held by other objects are copied to the
+    Runs in the calling process. Tensors already on the CPU are returned as they are (no copy); other
+    tensors are copied. An ``nn.Module`` is moved in place with ``Module.cpu()``. mplaunch applies it to a
+    worker's return value when CUDA is initialised there; tensors held by other objects are copied to the
     CPU when the result is serialised, so they arrive on the CPU too.
 
     Args:
@@ -38,3 +40,40 @@ def to_cpu(obj: T) -> T:
     """
     result: Any = apply_to_collection(obj, torch.nn.Module, _module_to_cpu)
     return apply_to_collection(result, torch.Tensor, _tensor_to_cpu)  # type: ignore[no-any-return]
+
+
+@torch.no_grad()
+def _unshare_module(module: torch.nn.Module) -> torch.nn.Module:
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if tensor.is_shared():
+            tensor.data = tensor.data.clone()
+    return module
+
+
+def _unshare_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_shared():
+        return tensor
+    copy = tensor.detach().clone()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    return copy.requires_grad_(tensor.requires_grad)
+
+
+def unshare(obj: T) -> T:
+    """Give the calling process private copies of the tensors in ``obj`` that live in shared memory.
+
+    Runs in a worker, on its arguments: a tensor in shared memory (``Tensor.is_shared()``, e.g. after
+    ``Module.share_memory()`` in the parent, which ``fork`` keeps shared) is replaced by a private copy, and
+    an ``nn.Module``'s parameters and buffers are re-pointed to copies in place, so an in-place update in one
+    worker is seen neither by the others nor by the parent. Other tensors are left as they are (no copy; a
+    forked worker's memory is already copy-on-write). Recurses like :func:`to_cpu`. Costs one copy of each
+    shared tensor. The idea, and the need for it with ``nn.Module``, come from Lightning Fabric's launcher.
+
+    Args:
+        obj: arguments of a worker's function: tensors, modules, or collections of them.
+
+    Returns:
+        The same structure, with no tensor in shared memory.
+    """
+    result: Any = apply_to_collection(obj, torch.nn.Module, _unshare_module)
+    return apply_to_collection(result, torch.Tensor, _unshare_tensor)  # type: ignore[no-any-return]

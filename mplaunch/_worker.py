@@ -16,7 +16,7 @@ import torch
 
 from mplaunch import _transport
 from mplaunch._env import apply_environment, rank_environment
-from mplaunch._sharing import to_cpu
+from mplaunch._sharing import to_cpu, unshare
 from mplaunch._state import GlobalState
 
 PAYLOAD = "payload"
@@ -156,7 +156,8 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
                 payload = _transport.load(spec.directory, PAYLOAD, private=True, remove=False)
             payload.state.restore()
             function = getattr(payload.function, "_mplaunch_target", payload.function)
-            value = function(*payload.args, **payload.kwargs)
+            args, kwargs = unshare((payload.args, payload.kwargs))
+            value = function(*args, **kwargs)
             if rank not in spec.reporting_ranks:
                 value = None
             elif torch.cuda.is_initialized():

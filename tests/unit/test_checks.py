@@ -72,3 +72,17 @@ def test_to_cpu_keeps_structure() -> None:
     data = {"a": [torch.ones(1)], "b": (torch.zeros(2), 3)}
     out = to_cpu(data)
     assert out["a"][0] is data["a"][0] and out["b"][1] == 3
+
+
+def test_unshare_copies_only_shared_tensors() -> None:
+    from mplaunch import unshare
+
+    private = torch.zeros(3)
+    shared = torch.zeros(3).share_memory_()
+    module = torch.nn.Linear(2, 2)
+    module.share_memory()
+    weight = module.weight
+    out_private, out_shared, out_module = unshare((private, shared, module))
+    assert out_private is private
+    assert out_shared is not shared and not out_shared.is_shared() and torch.equal(out_shared, shared)
+    assert out_module is module and module.weight is weight and not module.weight.is_shared()
