@@ -30,6 +30,7 @@ class ParallelFunction(Generic[P, T]):
     """
 
     __wrapped__: Callable[P, Any]
+    __qualname__: str
 
     def __init__(self, function: Callable[P, Any], config: LaunchConfig) -> None:
         functools.update_wrapper(self, function)
@@ -64,7 +65,7 @@ class ParallelFunction(Generic[P, T]):
         for part in self.__qualname__.split("."):
             holder = getattr(holder, part, None)
         if holder is self:
-            return self.__qualname__
+            return str(self.__qualname__)
         return (ParallelFunction, (self.__wrapped__, self.config))
 
     def __repr__(self) -> str:

@@ -74,8 +74,8 @@ def check_not_bootstrapping() -> None:
 
 _MAIN_GUARD_MESSAGE = (
     "{where} called a parallel function at import time. With start_method 'spawn' or 'forkserver' each worker "
-    "imports your script again, so the call must be under `if __name__ == \"__main__\":`, e.g.\n\n"
-    "    if __name__ == \"__main__\":\n"
+    'imports your script again, so the call must be under `if __name__ == "__main__":`, e.g.\n\n'
+    '    if __name__ == "__main__":\n'
     "        result = train()\n\n"
     "or use start_method='fork'."
 )

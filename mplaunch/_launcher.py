@@ -103,7 +103,9 @@ def _rendezvous() -> Iterator[tuple[str, int, bool]]:
             free_port = sock.getsockname()[1]
         yield addr, free_port, False
         return
-    store = torch.distributed.TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
     try:
         yield addr, store.port, True
     finally:
@@ -279,14 +281,14 @@ class _Supervisor:
 
     def wait(self) -> list[Any]:
         deadline = None if self.config.timeout is None else time.monotonic() + self.config.timeout
-        pending = {process.sentinel: rank for rank, process in enumerate(self.processes)}
+        pending: dict[Any, int] = {process.sentinel: rank for rank, process in enumerate(self.processes)}
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait(list(pending), timeout=remaining)
             if not ready:
                 self._raise_timeout(sorted(pending.values()))
             for sentinel in ready:
-                rank = pending.pop(sentinel)  # type: ignore[call-overload]
+                rank = pending.pop(sentinel)
                 failure = self._collect(rank)
                 if failure is not None:
                     self._raise_failure(failure, rank)

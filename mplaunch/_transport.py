@@ -33,8 +33,9 @@ def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
     """A zero-copy byte view of a CPU storage."""
     if storage.nbytes() == 0:
         return memoryview(b"")
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
-    return memoryview(flat.numpy()).cast("B")
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    array: Any = flat.numpy()
+    return memoryview(array).cast("B")
 
 
 class _StorageWriter:
@@ -75,7 +76,7 @@ class _Pickler(_StorageWriter, pickle.Pickler):
         self._init_storages()
 
 
-class _CloudPickler(_StorageWriter, cloudpickle.Pickler):
+class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     """Pickles what cannot be imported by the reader (``__main__`` without a file, closures) by value.
 
     Open files are refused: cloudpickle would send a copy of their contents, which is never what a
@@ -103,9 +104,9 @@ def _pickle(obj: object, by_value: bool) -> tuple[bytes, list[torch.UntypedStora
         except _PICKLE_ERRORS:
             pass
     buffer = io.BytesIO()
-    pickler = _CloudPickler(buffer)
-    pickler.dump(obj)  # type: ignore[attr-defined]
-    return buffer.getvalue(), pickler.storages
+    cloud_pickler = _CloudPickler(buffer)
+    cloud_pickler.dump(obj)
+    return buffer.getvalue(), cloud_pickler.storages
 
 
 def pickle_error(obj: object, *, by_value: bool = False) -> Exception | None:
@@ -169,7 +170,8 @@ class _Unpickler(pickle.Unpickler):
             self._storages[index] = storage
         elif kind == "file":
             path = os.path.join(self._directory, f"{self._name}.{index}.bin")
-            self._storages[index] = torch.UntypedStorage.from_file(path, shared=not self._private, nbytes=pid[3])
+            mapped: Any = torch.UntypedStorage.from_file(path, shared=not self._private, nbytes=pid[3])
+            self._storages[index] = mapped
             self.files.append(path)
         untyped = self._storages[index]
         if dtype is None:

@@ -110,7 +110,8 @@ def _pickle_exception(error: BaseException) -> bytes:
         try:
             return pickle.dumps(error)
         except Exception:  # noqa: BLE001
-            return cloudpickle.dumps(error)
+            data: bytes = cloudpickle.dumps(error)
+            return data
     finally:
         error.__traceback__, error.__cause__, error.__context__ = traceback_, cause, context
 

@@ -25,10 +25,23 @@ def identity(*args: Any, **kwargs: Any) -> Any:
 
 
 def rank_and_env() -> dict[str, Any]:
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-             "MASTER_PORT", "OMP_NUM_THREADS")
-    return {"info": worker_info(), "env": {n: os.environ.get(n) for n in names}, "pid": os.getpid(),
-            "threads": torch.get_num_threads()}
+    names = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMP_NUM_THREADS",
+    )
+    return {
+        "info": worker_info(),
+        "env": {n: os.environ.get(n) for n in names},
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def all_reduce_rank() -> torch.Tensor:

@@ -18,7 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_digits_example_reaches_ninety_percent() -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "examples" / "train_digits.py")],
-        capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr
     match = re.search(r"accuracy on \d+ held-out digits: ([0-9.]+)", done.stdout)

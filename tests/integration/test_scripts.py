@@ -27,7 +27,12 @@ def write_script(tmp_path: Path, body: str) -> Path:
 def run_script(script: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=script.parent
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=script.parent,
     )
 
 
@@ -90,9 +95,10 @@ SIGNALLED = """
 
     @parallel(nprocs=2, start_method=sys.argv[1], grace_period=2.0)
     def work(pid_dir: str) -> None:
-        with open(os.path.join(pid_dir, "tmp" + str(worker_info().rank)), "w") as f:
+        rank = str(worker_info().rank)
+        with open(os.path.join(pid_dir, "tmp" + rank), "w") as f:
             f.write(str(os.getpid()))
-        os.rename(os.path.join(pid_dir, "tmp" + str(worker_info().rank)), os.path.join(pid_dir, str(worker_info().rank)))
+        os.rename(os.path.join(pid_dir, "tmp" + rank), os.path.join(pid_dir, rank))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -123,7 +129,10 @@ def started(tmp_path: Path) -> Iterator[Callable[[str, str], tuple[subprocess.Po
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         parent = subprocess.Popen(
             [sys.executable, str(write_script(tmp_path, body)), start_method, str(pid_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         parents.append(parent)
         deadline = time.monotonic() + 60

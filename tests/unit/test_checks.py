@@ -9,8 +9,7 @@ import types
 import pytest
 import torch
 
-from mplaunch import LaunchRefusedError, to_cpu
-from mplaunch import _checks
+from mplaunch import LaunchRefusedError, _checks, to_cpu
 
 
 def test_cuda_initialised_refuses_fork_only(monkeypatch: pytest.MonkeyPatch) -> None:
