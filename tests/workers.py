@@ -141,10 +141,18 @@ def ignore_sigterm_and_sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+
+
 def finally_marker(path: str) -> None:
     if worker_info().rank == 1:
-        time.sleep(0.3)
+        time.sleep(1.0)  # rank 0 is inside its try block by then
         raise RuntimeError("rank 1 fails")
+    import atexit
+
+    atexit.register(_write, path + ".atexit", "atexit ran")
     try:
         time.sleep(30)
     finally:

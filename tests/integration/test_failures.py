@@ -87,11 +87,13 @@ def test_worker_ignoring_sigterm_does_not_hold_the_call() -> None:
     assert time.monotonic() - start < 10
 
 
-def test_stopped_workers_run_their_finally_blocks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_stopped_workers_run_their_finally_blocks_and_atexit(tmp_path: Path, start_method: str) -> None:
     marker = tmp_path / "marker"
     with pytest.raises(RuntimeError, match="rank 1 fails"):
-        launch(workers.finally_marker)(str(marker))
+        launch(workers.finally_marker, start_method)(str(marker))
     assert marker.read_text() == "finally ran"
+    assert (tmp_path / "marker.atexit").read_text() == "atexit ran"
 
 
 def test_unpicklable_exception_arrives_as_remote_error() -> None:

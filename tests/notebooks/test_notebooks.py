@@ -1,0 +1,441 @@
+"""mplaunch in a real Jupyter kernel, run headless with nbclient.
+
+Each test builds a notebook with nbformat in its ``tmp_path``, runs it in a fresh IPython kernel (ipykernel)
+and checks the executed notebook's outputs; cells also ``assert`` inside the kernel, and a failed assert is a
+cell error, which nbclient raises as ``CellExecutionError`` with the kernel's traceback.
+
+Which Python runs the kernel: :class:`_VenvKernelManager` ignores every installed kernelspec (user, venv,
+system) and uses the "native" spec that ipykernel builds from ``sys.executable``, so the kernel is always
+the interpreter running pytest (the project's venv), whatever kernels the machine has installed, and the
+tests install nothing. The kernel runs in ``tmp_path`` with ``IPYTHONDIR`` there too.
+
+Each test has a ``pytest.mark.timeout`` and each cell a timeout (``CELL_TIMEOUT``), so a hung launch fails
+in seconds, with the cell named. These tests start kernels and torch-importing workers; they are ``slow``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+psutil = pytest.importorskip("psutil")
+
+import nbformat  # noqa: E402
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from jupyter_client.manager import AsyncKernelManager  # noqa: E402
+from nbclient import NotebookClient  # noqa: E402
+from nbformat import NotebookNode  # noqa: E402
+from traitlets import default  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, /proc and process groups: Linux"),
+]
+
+#: Seconds one cell may run before nbclient fails the test (a launch here takes 1-15 s on 2 slow cores).
+CELL_TIMEOUT = 90
+#: Seconds a kernel may take to start.
+STARTUP_TIMEOUT = 60
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "notebook.ipynb"
+
+
+class _VenvKernelManager(AsyncKernelManager):
+    """A kernel manager whose ``python3`` kernel is always ``sys.executable -m ipykernel_launcher``.
+
+    With no kernel directories, jupyter_client's spec manager finds no installed ``python3`` spec and falls
+    back to the native one built by ``ipykernel.kernelspec.get_kernel_dict()`` from ``sys.executable``.
+    """
+
+    @default("kernel_spec_manager")
+    def _kernel_spec_manager_default(self) -> KernelSpecManager:
+        return KernelSpecManager(kernel_dirs=[])
+
+
+def _kernel_env(tmp_path: Path, **overrides: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["IPYTHONDIR"] = str(tmp_path / ".ipython")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("PYTEST_CURRENT_TEST", None)
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def _notebook(*sources: str, tags: dict[int, list[str]] | None = None) -> NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    for index, cell_tags in (tags or {}).items():
+        nb.cells[index].metadata["tags"] = cell_tags
+    return nb
+
+
+def _client(nb: NotebookNode, tmp_path: Path, *, timeout: int = CELL_TIMEOUT) -> NotebookClient:
+    return NotebookClient(
+        nb,
+        timeout=timeout,
+        startup_timeout=STARTUP_TIMEOUT,
+        kernel_name="python3",
+        kernel_manager_class=_VenvKernelManager,
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+
+
+def _run(nb: NotebookNode, tmp_path: Path, *, own: bool = True, **env: str | None) -> NotebookNode:
+    """Execute every cell of ``nb`` in a fresh kernel in ``tmp_path``; the kernel is shut down after.
+
+    ``own``: the notebook starts with ``IMPORTS``, which prints the kernel's pid; then check that the
+    kernel's launches left no launch directory behind."""
+    nbformat.validate(nb)
+    client = _client(nb, tmp_path)
+    asyncio.run(client.async_execute(env=_kernel_env(tmp_path, **env)))
+    nbformat.write(nb, tmp_path / "executed.ipynb")  # kept for a look when a test fails
+    if own:
+        _assert_no_launch_directories(_result_line(nb.cells[0], "KERNEL_PID"))
+    return nb
+
+
+def _assert_no_launch_directories(kernel_pid: int) -> None:
+    """Every launch of the kernel removed its directory (``mplaunch-<pid>-*`` in /dev/shm or the temp dir)."""
+    left = []
+    for root in {"/dev/shm", tempfile.gettempdir()}:
+        if os.path.isdir(root):
+            left += [os.path.join(root, e) for e in os.listdir(root) if e.startswith(f"mplaunch-{kernel_pid}-")]
+    assert not left, f"launch directories left by the kernel: {left}"
+
+
+def _text(cell: NotebookNode, stream: str = "stdout") -> str:
+    """Everything ``cell`` wrote to ``stream`` (stdout/stderr), joined."""
+    return "".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream" and out.name == stream)
+
+
+def _result_line(cell: NotebookNode, tag: str) -> Any:
+    """The JSON value printed by the cell as ``<tag> <json>`` on a line of its own."""
+    for line in _text(cell).splitlines():
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1 :])
+    raise AssertionError(f"no line starting with {tag!r} in the cell's output:\n{_outputs(cell)}")
+
+
+def _outputs(cell: NotebookNode) -> str:
+    parts = []
+    for out in cell.outputs:
+        if out.output_type == "stream":
+            parts.append(f"[{out.name}] {out.text}")
+        elif out.output_type == "error":
+            parts.append("[error] " + "\n".join(out.traceback))
+        else:
+            parts.append(f"[{out.output_type}] {out.get('data', {}).get('text/plain', '')}")
+    return "".join(parts)
+
+
+def _errors(cell: NotebookNode) -> list[NotebookNode]:
+    return [out for out in cell.outputs if out.output_type == "error"]
+
+
+IMPORTS = f"""\
+import json, os, sys
+import torch
+import mplaunch
+from mplaunch import parallel, worker_info
+assert sys.executable == {sys.executable!r}, sys.executable
+print("KERNEL_PID", os.getpid())
+"""
+
+
+@pytest.mark.timeout(150)
+def test_fork_default_all_reduce_with_cell_defined_function(tmp_path: Path) -> None:
+    """A function defined in a cell runs on 2 forked workers (the default in a kernel) that all_reduce."""
+    nb = _notebook(
+        IMPORTS,
+        """\
+import torch.distributed as dist
+
+@parallel(nprocs=2)
+def all_reduce(x):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    total = torch.tensor([float(x + rank)])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    # a forked worker runs the kernel's own program; a spawned one runs multiprocessing's spawn_main
+    cmdline = open("/proc/self/cmdline").read().replace("\\0", " ")
+    return {"rank": rank, "sum": total.item(), "forked": "ipykernel_launcher" in cmdline, "pid": os.getpid()}
+
+result = all_reduce(10)
+print("RESULT", json.dumps(result))
+""",
+    )
+    _run(nb, tmp_path)
+    result = _result_line(nb.cells[1], "RESULT")
+    assert result["sum"] == 21.0  # (10 + 0) + (10 + 1)
+    assert result["rank"] == 0
+    assert result["forked"], "the default start method in a kernel should be fork"
+
+
+@pytest.mark.timeout(150)
+def test_fork_after_multithreaded_matmul_does_not_hang(tmp_path: Path) -> None:
+    """GNU OpenMP's pool does not survive fork: once the kernel ran a multi-threaded matmul, a forked worker
+    that runs parallel torch code again hangs unless mplaunch limits it to 1 thread (see ``_num_threads``).
+
+    One worker on this machine's cores would want every core (cores // nprocs threads), so it is the case
+    where the pool would be used; it does a big matmul, which hangs if it does. ``timeout=`` turns such a
+    hang into a ``LaunchTimeoutError`` in the cell well before the cell timeout. Then forkserver, which the
+    warning recommends, gives a worker every core's thread without hanging.
+    """
+    nb = _notebook(
+        IMPORTS,
+        """\
+torch.set_num_threads(2)
+a = torch.randn(2000, 2000)
+b = a @ a  # starts OpenMP's thread pool in the kernel
+""",
+        """\
+@parallel(nprocs=1, timeout=30)
+def big_matmul():
+    x = torch.randn(2000, 2000)
+    y = x @ x
+    return {"threads": torch.get_num_threads(), "norm_finite": bool(torch.isfinite(y.norm()))}
+
+result = big_matmul()
+print("RESULT", json.dumps(result))
+""",
+        """\
+# the warning's advice: forkserver workers start from a clean server process and may use every thread
+@parallel(nprocs=1, start_method="forkserver", timeout=60)
+def big_matmul_forkserver():
+    x = torch.randn(2000, 2000)
+    y = x @ x
+    return {"threads": torch.get_num_threads(), "norm_finite": bool(torch.isfinite(y.norm()))}
+
+print("RESULT", json.dumps(big_matmul_forkserver()))
+""",
+    )
+    _run(nb, tmp_path, OMP_NUM_THREADS=None)
+    result = _result_line(nb.cells[2], "RESULT")
+    assert result["norm_finite"]
+    assert result["threads"] == 1
+    cores = len(os.sched_getaffinity(0))
+    if cores > 1:  # with one core the worker wants one thread anyway: nothing to say
+        assert "GNU OpenMP" in _text(nb.cells[2], "stderr"), _outputs(nb.cells[2])
+    assert _result_line(nb.cells[3], "RESULT") == {"threads": cores, "norm_finite": True}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for a worker to want 2 threads")
+def test_fork_in_fresh_kernel_keeps_worker_threads(tmp_path: Path) -> None:
+    """Before any multi-threaded torch op, a forked worker may use cores // nprocs threads, and mplaunch
+    should not warn about an OpenMP pool that was never started. (A kernel has native threads of its own,
+    ZeroMQ's I/O and reaper threads, which are no OpenMP pool.)"""
+    nb = _notebook(
+        IMPORTS,
+        """\
+import warnings
+cores = len(os.sched_getaffinity(0))
+
+@parallel(nprocs=1)
+def threads():
+    return torch.get_num_threads()
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    n = threads()
+print("RESULT", json.dumps({"threads": n, "cores": cores, "warnings": [str(w.message) for w in caught]}))
+""",
+    )
+    _run(nb, tmp_path, OMP_NUM_THREADS=None)
+    result = _result_line(nb.cells[1], "RESULT")
+    assert result["warnings"] == [], "mplaunch warned about an OpenMP pool in a kernel that never started one"
+    assert result["threads"] == result["cores"], result
+
+
+@pytest.mark.timeout(150)
+def test_spawn_cell_defined_function_and_result_class(tmp_path: Path) -> None:
+    """Under spawn, a function and a dataclass defined in cells travel by value (cloudpickle); the workers'
+    results come back as instances of the kernel's own class, and their prints reach the cell."""
+    nb = _notebook(
+        IMPORTS,
+        """\
+import dataclasses
+
+@dataclasses.dataclass
+class Summary:
+    rank: int
+    total: float
+
+SCALE = 3.0  # a cell global the function reads
+
+@parallel(nprocs=2, start_method="spawn", return_all=True)
+def summarize(n):
+    rank = worker_info().rank
+    print(f"spawned worker rank {rank} of {worker_info().world_size}", flush=True)
+    return Summary(rank, SCALE * float(torch.arange(n).sum()))
+
+results = summarize(5)
+assert all(isinstance(r, Summary) for r in results), [type(r) for r in results]
+print("RESULT", json.dumps({"isinstance": [isinstance(r, Summary) for r in results],
+                            "values": [dataclasses.asdict(r) for r in results]}))
+""",
+    )
+    _run(nb, tmp_path)
+    cell = nb.cells[1]
+    result = _result_line(cell, "RESULT")
+    assert result["isinstance"] == [True, True]
+    assert result["values"] == [{"rank": 0, "total": 30.0}, {"rank": 1, "total": 30.0}]
+    out = _text(cell)
+    for rank in range(2):
+        assert f"spawned worker rank {rank} of 2" in out, _outputs(cell)
+
+
+@pytest.mark.timeout(150)
+def test_forked_worker_prints_reach_the_cell(tmp_path: Path) -> None:
+    """What forked workers print (through ipykernel's stream, inherited by fork) shows in the cell's output,
+    before the cell ends, for every rank."""
+    nb = _notebook(
+        IMPORTS,
+        """\
+@parallel(nprocs=2)
+def hello(word):
+    info = worker_info()
+    print(f"{word} from rank {info.rank} of {info.world_size}")
+    print(f"stderr line from rank {info.rank}", file=sys.stderr)
+    return "done"
+
+print("RESULT", json.dumps(hello("hello")))
+""",
+        "print('next cell')",
+    )
+    _run(nb, tmp_path)
+    cell = nb.cells[1]
+    assert _result_line(cell, "RESULT") == "done"
+    out, err = _text(cell), _text(cell, "stderr")
+    for rank in range(2):
+        assert f"hello from rank {rank} of 2" in out, _outputs(cell)
+        assert f"stderr line from rank {rank}" in err, _outputs(cell)
+    assert "rank" not in _text(nb.cells[2]), "worker output leaked into the next cell"
+
+
+def _workers_of(pid: int) -> list[Any]:
+    """Live descendants of the kernel, but multiprocessing's long-lived helpers (resource tracker, fork
+    server), which are not workers."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                found.append(child)  # an unreaped worker is a leak too
+                continue
+            cmdline = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "resource_tracker" in cmdline or "forkserver" in cmdline:
+            continue
+        found.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_interrupt_stops_workers_and_relaunch_works(tmp_path: Path) -> None:
+    """Interrupting the kernel (Jupyter's "interrupt" button: SIGINT to the kernel's process group) while
+    workers run ends the cell with KeyboardInterrupt within seconds, leaves no worker behind, and the next
+    cell launches again."""
+    nb = _notebook(
+        IMPORTS,
+        """\
+import time
+
+@parallel(nprocs=2)
+def sleepy(seconds):
+    with open(f"worker-{worker_info().rank}.pid", "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(seconds)
+    return "slept"
+
+sleepy(60)
+""",
+        """\
+@parallel(nprocs=2)
+def again(x):
+    return x + worker_info().rank
+
+print("RESULT", json.dumps(again(41)))
+""",
+        tags={1: ["raises-exception"]},
+    )
+    client = _client(nb, tmp_path)
+
+    async def scenario() -> dict[str, Any]:
+        facts: dict[str, Any] = {}
+        async with client.async_setup_kernel(env=_kernel_env(tmp_path)):
+            kernel_pid = facts["kernel_pid"] = client.km.provisioner.pid
+            await client.async_execute_cell(nb.cells[0], 0, execution_count=1)
+            launch = asyncio.ensure_future(client.async_execute_cell(nb.cells[1], 1, execution_count=2))
+            deadline = time.monotonic() + 60
+            pid_files = [tmp_path / f"worker-{rank}.pid" for rank in range(2)]
+            while not all(p.exists() and p.read_text() for p in pid_files):
+                assert not launch.done(), _outputs(nb.cells[1])
+                assert time.monotonic() < deadline, "the workers did not start within 60 s"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # the workers are asleep now
+            facts["workers"] = [int(p.read_text()) for p in pid_files]
+            facts["children_before"] = [c.pid for c in _workers_of(kernel_pid)]
+            interrupted = time.monotonic()
+            await client.km.interrupt_kernel()
+            await asyncio.wait_for(launch, timeout=30)
+            facts["stop_seconds"] = time.monotonic() - interrupted
+            facts["children_after"] = [(c.pid, c.name(), c.status()) for c in _workers_of(kernel_pid)]
+            facts["alive_after"] = [pid for pid in facts["workers"] if _alive(pid)]
+            await client.async_execute_cell(nb.cells[2], 2, execution_count=3)
+            facts["children_end"] = [(c.pid, c.name()) for c in _workers_of(kernel_pid)]
+        return facts
+
+    facts = asyncio.run(scenario())
+    nbformat.write(nb, tmp_path / "executed.ipynb")
+    assert set(facts["workers"]) <= set(facts["children_before"]), facts
+    errors = _errors(nb.cells[1])
+    assert [e.ename for e in errors] == ["KeyboardInterrupt"], _outputs(nb.cells[1])
+    assert facts["stop_seconds"] < 10, facts
+    assert facts["children_after"] == [], f"workers left after the interrupt: {facts}"
+    assert facts["alive_after"] == [], facts
+    assert _result_line(nb.cells[2], "RESULT") == 41
+    assert facts["children_end"] == [], facts
+    _assert_no_launch_directories(facts["kernel_pid"])
+
+
+@pytest.mark.timeout(240)
+def test_example_notebook_runs_top_to_bottom(tmp_path: Path) -> None:
+    """examples/notebook.ipynb runs headless without an error, as a user would run it."""
+    nb = nbformat.read(EXAMPLE, as_version=4)
+    _run(nb, tmp_path, own=False)
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert not _errors(cell), f"cell {index} failed:\n{_outputs(cell)}"
+    text = "".join(_text(cell) + _outputs(cell) for cell in nb.cells if cell.cell_type == "code")
+    assert "hello from rank 0 of 2" in text and "hello from rank 1 of 2" in text, text
+    assert "[3.0, 3.0]" in text, text  # the all_reduce, on both ranks
+    assert "True" in _text(_cell_with(nb, "isinstance(result, Stats)")), text
+    assert "caught ValueError from rank 1" in text, text
+
+
+def _cell_with(nb: NotebookNode, snippet: str) -> NotebookNode:
+    return next(cell for cell in nb.cells if cell.cell_type == "code" and snippet in cell.source)
