@@ -192,3 +192,14 @@ def call_holding(function: Any, lock: Any) -> Any:
 
 def read_env(name: str) -> str | None:
     return os.environ.get(name)
+
+
+class NeedsTwoArguments(Exception):
+    """Pickles, but cannot be unpickled: BaseException pickles args=(message,), and __init__ needs two."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+
+
+def raise_needs_two_arguments() -> None:
+    raise NeedsTwoArguments(7, "cannot be rebuilt")

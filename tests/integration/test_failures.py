@@ -103,6 +103,12 @@ def test_unpicklable_exception_arrives_as_remote_error() -> None:
     assert "raise Unpicklable" in str(caught.value.__cause__)
 
 
+def test_exception_that_cannot_be_unpickled_arrives_as_remote_error() -> None:
+    with pytest.raises(RemoteError, match="7: cannot be rebuilt") as caught:
+        launch(workers.raise_needs_two_arguments)()
+    assert caught.value.type_name == "tests.workers.NeedsTwoArguments"
+
+
 def test_huge_message_does_not_deadlock() -> None:
     with pytest.raises(RuntimeError) as caught:
         launch(workers.raise_huge_message)(8 * 2**20)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-Starter = Callable[[str, str], "tuple[subprocess.Popen[str], list[int]]"]
+Starter = Callable[..., "tuple[subprocess.Popen[str], list[int]]"]
 
 
 def write_script(tmp_path: Path, body: str) -> Path:
@@ -119,11 +119,11 @@ SIGNALLED = """
 
 
 @pytest.fixture
-def started(tmp_path: Path) -> Iterator[Callable[[str, str], tuple[subprocess.Popen[str], list[int]]]]:
+def started(tmp_path: Path) -> Iterator[Starter]:
     """Start a script's parent process and wait until both workers wrote their pids (and any children's)."""
     parents: list[subprocess.Popen[str]] = []
 
-    def start(body: str, start_method: str) -> tuple[subprocess.Popen[str], list[int]]:
+    def start(body: str, start_method: str, new_session: bool = False) -> tuple[subprocess.Popen[str], list[int]]:
         pid_dir = tmp_path / "pids"
         pid_dir.mkdir()
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -133,6 +133,7 @@ def started(tmp_path: Path) -> Iterator[Callable[[str, str], tuple[subprocess.Po
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            start_new_session=new_session,
         )
         parents.append(parent)
         deadline = time.monotonic() + 60
@@ -161,10 +162,16 @@ def assert_gone(pids: list[int], within: float) -> None:
     raise AssertionError(f"processes still alive after {within} s: {alive}")
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_sigint_to_the_parent_alone_stops_workers_and_restores_handlers(started: Starter, start_method: str) -> None:
-    parent, pids = started(SIGNALLED, start_method)
-    parent.send_signal(signal.SIGINT)
+@pytest.mark.parametrize(
+    ("start_method", "to_group"), [("fork", False), ("spawn", False), ("fork", True)], ids=["fork", "spawn", "ctrl-c"]
+)
+def test_sigint_stops_workers_and_restores_handlers(started: Starter, start_method: str, to_group: bool) -> None:
+    """SIGINT to the parent alone, or to its whole process group as Ctrl-C in a terminal does."""
+    parent, pids = started(SIGNALLED, start_method, to_group)
+    if to_group:
+        os.killpg(parent.pid, signal.SIGINT)
+    else:
+        parent.send_signal(signal.SIGINT)
     out, err = parent.communicate(timeout=30)
     assert "interrupted; handlers restored: True" in out, err
     assert_gone(pids, within=1.0)  # the stubborn rank was SIGKILLed after the 2 s grace period, before returning

@@ -17,6 +17,9 @@ def test_mypy_accepts_the_typing_checks_and_the_package() -> None:
     pytest.importorskip("mypy")
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "tests/typing/check_types.py", "mplaunch"],
-        capture_output=True, text=True, cwd=REPO, timeout=280,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=280,
     )
     assert done.returncode == 0, done.stdout + done.stderr
