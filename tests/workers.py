@@ -99,6 +99,9 @@ def os_exit_on_rank(rank: int, code: int) -> int:
 
 def kill_self(signum: int) -> None:
     if worker_info().rank == 1:
+        import faulthandler
+
+        faulthandler.disable()  # pytest's crash dump, inherited through fork, would only add noise
         os.kill(os.getpid(), signum)
     time.sleep(30)
 
