@@ -143,8 +143,26 @@ def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], by_value
 
 
 def native_thread_count() -> int:
-    """Threads of this process not started by Python's ``threading`` (OpenMP pools, C++ helpers); Linux."""
+    """Threads of this process that Python did not start and that carry the process's own name, as GNU
+    OpenMP's pool threads do (ZeroMQ's, libuv's and most libraries' helper threads are named); Linux only,
+    0 elsewhere."""
     try:
-        return max(0, len(os.listdir("/proc/self/task")) - threading.active_count())
+        own_name = _read("/proc/self/comm")
+        python_threads = {thread.native_id for thread in threading.enumerate()}
+        count = 0
+        for task in os.listdir("/proc/self/task"):
+            if int(task) in python_threads:
+                continue
+            try:
+                if _read(f"/proc/self/task/{task}/comm") == own_name:
+                    count += 1
+            except OSError:  # the thread ended meanwhile
+                continue
+        return count
     except OSError:
         return 0
+
+
+def _read(path: str) -> str:
+    with open(path) as file:
+        return file.read().strip()

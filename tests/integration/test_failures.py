@@ -30,8 +30,8 @@ def launch(function: object, start_method: str = "fork", **options: object) -> o
 def test_worker_exception_keeps_its_type_rank_and_traceback(start_method: str) -> None:
     start = time.monotonic()
     with pytest.raises(ValueError, match="bad value") as caught:
-        launch(workers.raise_value_error, start_method)()  # rank 0 sleeps 30 s: it must be stopped
-    assert time.monotonic() - start < 25
+        launch(workers.raise_value_error, start_method)()  # rank 0 sleeps 300 s: it must be stopped
+    assert time.monotonic() - start < 100  # generous: spawn imports torch twice on a possibly busy machine
     error = caught.value
     assert error.rank == 1 and isinstance(error.pid, int)  # type: ignore[attr-defined]
     assert isinstance(error.__cause__, RemoteTraceback)

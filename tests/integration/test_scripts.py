@@ -24,8 +24,12 @@ def write_script(tmp_path: Path, body: str) -> Path:
     return script
 
 
-def run_script(script: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_script(
+    script: Path, *args: str, timeout: float = 120, tmpdir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if tmpdir is not None:  # a temp dir of its own, so that other processes' files do not count
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run(
         [sys.executable, str(script), *args],
         capture_output=True,
@@ -304,7 +308,9 @@ MANY_LAUNCHES = """
 
 @pytest.mark.slow
 def test_two_hundred_launches_leave_nothing_behind(tmp_path: Path) -> None:
-    done = run_script(write_script(tmp_path, MANY_LAUNCHES), str(REPO), timeout=600)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    done = run_script(write_script(tmp_path, MANY_LAUNCHES), str(REPO), timeout=600, tmpdir=tmpdir)
     assert done.returncode == 0, done.stderr
     assert "same True" in done.stdout, done.stdout
     assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
