@@ -7,6 +7,7 @@ Example:
 """
 
 from mplaunch._api import ParallelFunction, parallel
+from mplaunch._checks import record_cuda_init
 from mplaunch._config import LaunchConfig
 from mplaunch._env import WorkerInfo, worker_info
 from mplaunch._errors import (
@@ -36,6 +37,7 @@ __all__ = [
     "WorkerFailedError",
     "WorkerInfo",
     "parallel",
+    "record_cuda_init",
     "register_state",
     "to_cpu",
     "unregister_state",

@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import sys
 import threading
+import traceback
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -44,6 +46,52 @@ def main_is_importable() -> bool:
     return isinstance(path, str) and os.path.isfile(path)
 
 
+_first_cuda_init: list[traceback.FrameSummary] | None = None
+
+
+def record_cuda_init() -> None:
+    """Remember where CUDA is first initialised in this process, so that a refused ``fork`` can say where.
+
+    Opt-in, for the parent process (e.g. the first cell of a notebook). It wraps ``torch.cuda._lazy_init``,
+    which PyTorch calls before the first CUDA operation (a tensor or module moved to the GPU, most
+    ``torch.cuda.*`` calls), and keeps the call stack of the first successful initialisation. Costs one
+    stack capture, once. Calling it again has no effect; if CUDA is already initialised there is nothing
+    left to record.
+
+    Example:
+        >>> import mplaunch
+        >>> mplaunch.record_cuda_init()
+    """
+    if getattr(torch.cuda._lazy_init, "_mplaunch_recorder", False):
+        return
+    original: Callable[[], None] = torch.cuda._lazy_init
+
+    def recording_lazy_init() -> None:
+        global _first_cuda_init
+        if _first_cuda_init is not None or torch.cuda.is_initialized():
+            original()
+            return
+        stack = traceback.extract_stack()[:-1]
+        original()
+        _first_cuda_init = stack
+
+    recording_lazy_init._mplaunch_recorder = True  # type: ignore[attr-defined]
+    torch.cuda._lazy_init = recording_lazy_init
+    torch.cuda.random._lazy_init = recording_lazy_init  # type: ignore[attr-defined]
+
+
+def _where_cuda_was_initialised() -> str:
+    if _first_cuda_init is None:
+        return (
+            " To see where CUDA gets initialised, call mplaunch.record_cuda_init() at the start of your program "
+            "(the first cell of a notebook)."
+        )
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in _first_cuda_init if not f.filename.startswith(torch_dir)][-3:]
+    where = "".join(traceback.format_list(frames))
+    return f" CUDA was first initialised here:\n{where}"
+
+
 def check_cuda_fork(start_method: str) -> None:
     """Refuse ``fork`` when CUDA is initialised in the parent: a forked child cannot use CUDA.
 
@@ -63,7 +111,7 @@ def check_cuda_fork(start_method: str) -> None:
             " In a notebook, restart the kernel and launch before any CUDA use, or use start_method='spawn', "
             "which works with functions defined in cells."
         )
-    raise LaunchRefusedError(message)
+    raise LaunchRefusedError(message + _where_cuda_was_initialised())
 
 
 def check_not_bootstrapping() -> None:

@@ -85,3 +85,41 @@ def test_unshare_copies_only_shared_tensors() -> None:
     assert out_private is private
     assert out_shared is not shared and not out_shared.is_shared() and torch.equal(out_shared, shared)
     assert out_module is module and module.weight is weight and not module.weight.is_shared()
+
+
+def _initialise_cuda_here() -> None:
+    torch.cuda._lazy_init()
+
+
+def test_refused_fork_says_where_cuda_was_first_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mplaunch
+
+    monkeypatch.setattr(_checks, "_first_cuda_init", None)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # a CUDA build's successful initialisation
+    monkeypatch.setattr(torch.cuda.random, "_lazy_init", torch.cuda._lazy_init)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with pytest.raises(LaunchRefusedError, match="call mplaunch.record_cuda_init"):
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        _checks.check_cuda_fork("fork")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    mplaunch.record_cuda_init()
+    mplaunch.record_cuda_init()  # twice is once
+    _initialise_cuda_here()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(LaunchRefusedError) as caught:
+        _checks.check_cuda_fork("fork")
+    assert "CUDA was first initialised here" in str(caught.value)
+    assert "in _initialise_cuda_here" in str(caught.value) and "test_checks.py" in str(caught.value)
+
+
+def test_recorder_ignores_failed_initialisation(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail() -> None:
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(_checks, "_first_cuda_init", None)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", fail)
+    monkeypatch.setattr(torch.cuda.random, "_lazy_init", fail)
+    _checks.record_cuda_init()
+    with pytest.raises(AssertionError):
+        torch.cuda._lazy_init()
+    assert _checks._first_cuda_init is None
