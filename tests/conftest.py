@@ -76,3 +76,13 @@ def no_leaks() -> object:
     assert {s: signal.getsignal(s) for s in _SIGNALS} == handlers_before, "signal handlers changed"
     left = {e: sorted(os.listdir(f"/dev/shm/{e}")) for e in _shm_entries() - shm_before}
     assert not left, f"shared-memory files left: {left}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` need a CUDA device; without one they are skipped (CI has none)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -206,3 +206,12 @@ class NeedsTwoArguments(Exception):
 
 def raise_needs_two_arguments() -> None:
     raise NeedsTwoArguments(7, "cannot be rebuilt")
+
+
+def cuda_result() -> dict[str, Any]:
+    device = torch.device("cuda", worker_info().local_rank % torch.cuda.device_count())
+    return {
+        "tensor": torch.arange(4.0, device=device),
+        "module": torch.nn.Linear(2, 2).to(device),
+        "big": torch.ones(1 << 20, device=device),
+    }

@@ -1,0 +1,44 @@
+"""CUDA behaviour; skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mplaunch import parallel
+from tests import workers
+from tests.integration.test_scripts import run_script, write_script
+
+pytestmark = pytest.mark.cuda
+
+
+def test_cuda_tensors_come_back_on_the_cpu() -> None:
+    result = parallel(nprocs=1, start_method="spawn", timeout=120)(workers.cuda_result)()
+    assert result["tensor"].device.type == "cpu" and result["tensor"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert result["module"].weight.device.type == "cpu" and result["big"].device.type == "cpu"
+    assert not torch.cuda.is_initialized()  # the parent never touched CUDA
+
+
+CUDA_THEN_FORK = """
+    import torch
+    import mplaunch
+
+    @mplaunch.parallel(nprocs=1, start_method="fork", timeout=60)
+    def work() -> int:
+        return 1
+
+    if __name__ == "__main__":
+        mplaunch.record_cuda_init()
+        x = torch.ones(1, device="cuda")
+        try:
+            work()
+        except mplaunch.LaunchRefusedError as error:
+            print("refused:", error)
+"""
+
+
+def test_fork_after_cuda_is_refused_with_where(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    done = run_script(write_script(tmp_path, CUDA_THEN_FORK))
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "CUDA was first initialised here" in done.stdout
+    assert 'x = torch.ones(1, device="cuda")' in done.stdout
