@@ -218,6 +218,8 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
     reporting = frozenset(range(nprocs)) if config.return_all else frozenset({0})
     num_threads = _num_threads(nprocs, start_method)
     payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
+    import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker
+
     with _launch_directory() as directory:
         if start_method != "fork":
             try:
@@ -253,7 +255,7 @@ def _run_workers(spec: WorkerSpec, payload: Payload | None, config: LaunchConfig
     try:
         with _main_without_file():
             if spec.start_method == "forkserver":
-                context.set_forkserver_preload(["__main__", "torch", "mplaunch._worker"])
+                context.set_forkserver_preload(["__main__", "torch", "mplaunch._worker", "lightning_utilities"])
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
             with _signals_blocked():
                 for rank in range(spec.nprocs):
