@@ -86,6 +86,7 @@ def parallel(
     return_all: Literal[False] = ...,
     timeout: float | None = ...,
     grace_period: float = ...,
+    backend: str | None = ...,
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
 
 
@@ -99,6 +100,7 @@ def parallel(
     return_all: Literal[True],
     timeout: float | None = ...,
     grace_period: float = ...,
+    backend: str | None = ...,
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, list[R]]]: ...
 
 
@@ -111,6 +113,7 @@ def parallel(
     return_all: bool = False,
     timeout: float | None = None,
     grace_period: float = 5.0,
+    backend: str | None = None,
 ) -> Any:
     """Make ``function`` run on ``nprocs`` worker processes of this machine each time it is called.
 
@@ -133,6 +136,10 @@ def parallel(
         return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value.
         timeout: seconds the whole call may take before every worker is stopped, or ``None`` for no limit.
         grace_period: seconds between SIGTERM and SIGKILL when workers are stopped early.
+        backend: a ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl when CUDA
+            is available with a device per worker, else gloo): each worker calls ``init_process_group`` with
+            it before the function (binding ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group``
+            after it, also when it raises. ``None`` (default): the function manages process groups itself.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that
@@ -158,7 +165,12 @@ def parallel(
     ``torch.multiprocessing.start_processes`` and torchrun's environment contract.
     """
     config = make_config(
-        nprocs=nprocs, start_method=start_method, return_all=return_all, timeout=timeout, grace_period=grace_period
+        nprocs=nprocs,
+        start_method=start_method,
+        return_all=return_all,
+        timeout=timeout,
+        grace_period=grace_period,
+        backend=backend,
     )
     if function is not None:
         return ParallelFunction(function, config)

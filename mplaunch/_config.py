@@ -22,6 +22,8 @@ class LaunchConfig:
         return_all: return a list of every rank's value ordered by rank instead of rank 0's value.
         timeout: seconds the whole launch may take, or ``None`` for no limit.
         grace_period: seconds a worker gets between SIGTERM and SIGKILL when the launch stops it.
+        backend: process-group backend each worker initialises around the function (``"gloo"``,
+            ``"nccl"``, ``"auto"``, ...), or ``None`` to leave process groups to the function.
     """
 
     nprocs: int | str = 1
@@ -29,6 +31,7 @@ class LaunchConfig:
     return_all: bool = False
     timeout: float | None = None
     grace_period: float = 5.0
+    backend: str | None = None
 
 
 def make_config(
@@ -38,6 +41,7 @@ def make_config(
     return_all: bool,
     timeout: float | None,
     grace_period: float,
+    backend: str | None = None,
 ) -> LaunchConfig:
     """Validate the options and return them as a :class:`LaunchConfig`.
 
@@ -62,13 +66,38 @@ def make_config(
         )
     if not _is_positive_seconds(grace_period, allow_zero=True):
         raise InvalidOptionError(f"grace_period={grace_period!r} is not valid: pass a number of seconds >= 0.")
+    _check_backend(backend)
     return LaunchConfig(
+        backend=backend,
         nprocs=nprocs,
         start_method=start_method,
         return_all=return_all,
         timeout=None if timeout is None else float(timeout),
         grace_period=float(grace_period),
     )
+
+
+def _check_backend(backend: str | None) -> None:
+    if backend is None or backend == "auto":
+        return
+    import torch.distributed as dist
+
+    known = [name for name in dist.Backend.backend_list if name != "undefined"]
+    if not isinstance(backend, str) or backend.lower() not in known:
+        raise InvalidOptionError(
+            f"backend={backend!r} is not valid: use one of {', '.join(repr(b) for b in known)}, 'auto' (nccl when "
+            "there is a CUDA device per worker, else gloo), or None to initialise process groups yourself."
+        )
+
+
+def resolve_backend(backend: str | None, nprocs: int) -> str | None:
+    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available with at least ``nprocs`` devices, else
+    ``"gloo"``; other values are returned as they are. Does not initialise CUDA."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
 
 
 def _is_positive_seconds(value: object, *, allow_zero: bool = False) -> bool:

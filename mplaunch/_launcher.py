@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from mplaunch import _checks, _transport
-from mplaunch._config import LaunchConfig, resolve_nprocs, usable_cpu_count
+from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs, usable_cpu_count
 from mplaunch._env import DEFAULT_MASTER_ADDR
 from mplaunch._errors import (
     LaunchRefusedError,
@@ -243,6 +243,7 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
                 num_threads=num_threads,
                 reporting_ranks=reporting,
                 environ=dict(os.environ) if start_method == "forkserver" else None,
+                backend=resolve_backend(config.backend, nprocs),
             )
             results = _run_workers(spec, payload if start_method == "fork" else None, config)
     return results if config.return_all else results[0]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ class WorkerSpec:
     num_threads: int
     reporting_ranks: frozenset[int]
     environ: dict[str, str] | None  # the parent's environment, for forkserver workers (they inherit the server's)
+    backend: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +82,24 @@ def _set_threads(num_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+
+
+@contextlib.contextmanager
+def _process_group(backend: str | None, rank: int) -> Iterator[None]:
+    """Initialise the default process group from the torchrun environment around the function."""
+    if backend is None:
+        yield
+        return
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _error_outcome(error: BaseException) -> dict[str, Any]:
@@ -158,7 +178,8 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
             payload.state.restore()
             function = getattr(payload.function, "_mplaunch_target", payload.function)
             args, kwargs = unshare((payload.args, payload.kwargs))
-            value = function(*args, **kwargs)
+            with _process_group(spec.backend, rank):
+                value = function(*args, **kwargs)
             if rank not in spec.reporting_ranks:
                 value = None
             elif torch.cuda.is_initialized():

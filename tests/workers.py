@@ -215,3 +215,11 @@ def cuda_result() -> dict[str, Any]:
         "module": torch.nn.Linear(2, 2).to(device),
         "big": torch.ones(1 << 20, device=device),
     }
+
+
+def all_reduce_in_given_group() -> tuple[int, float]:
+    import torch.distributed as dist
+
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return dist.get_world_size(), value.item()

@@ -95,3 +95,15 @@ def test_forkserver_workers_see_the_parents_current_environment(monkeypatch: pyt
     run("HOME")  # the fork server is running from here on, with the environment it started with
     monkeypatch.setenv("MPLAUNCH_TEST_SETTING", "set after the fork server started")
     assert run("MPLAUNCH_TEST_SETTING") == "set after the fork server started"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "auto"])
+def test_backend_option_initialises_the_process_group(backend: str) -> None:
+    run = parallel(nprocs=2, start_method="fork", backend=backend, return_all=True, timeout=TIMEOUT)
+    assert run(workers.all_reduce_in_given_group)() == [(2, 3.0), (2, 3.0)]
+
+
+def test_backend_option_with_a_raising_function_still_fails_cleanly() -> None:
+    run = parallel(nprocs=2, start_method="fork", backend="gloo", timeout=TIMEOUT)(workers.raise_value_error)
+    with pytest.raises(ValueError, match="bad value"):
+        run()

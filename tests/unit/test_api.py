@@ -85,3 +85,16 @@ def test_all_is_sorted_and_complete() -> None:
     assert set(mplaunch.__all__) == public
     for name in mplaunch.__all__:
         assert getattr(mplaunch, name).__doc__, f"{name} has no docstring"
+
+
+def test_backend_is_validated_and_auto_resolves_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch._config import resolve_backend
+
+    with pytest.raises(InvalidOptionError, match="backend='nccll'.*'gloo'"):
+        parallel(backend="nccll")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert resolve_backend("auto", 2) == "gloo"
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    assert resolve_backend("auto", 2) == "nccl" and resolve_backend("auto", 3) == "gloo"
+    assert resolve_backend("gloo", 2) == "gloo" and resolve_backend(None, 2) is None
