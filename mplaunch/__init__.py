@@ -9,7 +9,7 @@ Example:
 from mplaunch._api import ParallelFunction, parallel
 from mplaunch._checks import record_cuda_init
 from mplaunch._config import LaunchConfig
-from mplaunch._env import WorkerInfo, worker_info
+from mplaunch._env import WorkerInfo, outer_launcher, worker_info
 from mplaunch._errors import (
     InvalidOptionError,
     LaunchRefusedError,
@@ -36,6 +36,7 @@ __all__ = [
     "WorkerExitedError",
     "WorkerFailedError",
     "WorkerInfo",
+    "outer_launcher",
     "parallel",
     "record_cuda_init",
     "register_state",

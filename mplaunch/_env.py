@@ -131,3 +131,36 @@ def worker_info(environ: Mapping[str, str] | None = None) -> WorkerInfo:
         local_world_size=read("LOCAL_WORLD_SIZE", world_size),
         node_rank=read("GROUP_RANK", read("NODE_RANK", 0)),
     )
+
+
+#: How an outer launcher is recognised; the first rule that matches wins. Documented in the README.
+OUTER_LAUNCHERS = (
+    ("torchrun", "TORCHELASTIC_RUN_ID is set (torchrun / torch.distributed.elastic)"),
+    ("slurm", "SLURM_STEP_ID is set and SLURM_STEP_NUM_TASKS > 1 (a task of an srun step)"),
+    ("mpi", "OMPI_COMM_WORLD_SIZE, PMI_SIZE or MV2_COMM_WORLD_SIZE > 1 (a rank of an MPI job)"),
+)
+
+
+def _more_than_one(environ: Mapping[str, str], name: str) -> bool:
+    value = environ.get(name, "")
+    return value.isdigit() and int(value) > 1
+
+
+def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
+    """Name the launcher this process already runs under as one rank (``"torchrun"``, ``"slurm"``,
+    ``"mpi"``), or ``None``. ``MPLAUNCH_IN_PROCESS=1`` forces ``"forced"``, ``=0`` forces ``None``.
+
+    Args:
+        environ: the variables to read; ``None`` reads ``os.environ``.
+    """
+    env = os.environ if environ is None else environ
+    forced = env.get("MPLAUNCH_IN_PROCESS")
+    if forced in ("0", "1"):
+        return "forced" if forced == "1" else None
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    if env.get("SLURM_STEP_ID") is not None and _more_than_one(env, "SLURM_STEP_NUM_TASKS"):
+        return "slurm"
+    if any(_more_than_one(env, n) for n in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")):
+        return "mpi"
+    return None

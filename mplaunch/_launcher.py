@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from mplaunch import _checks, _transport
 from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs, usable_cpu_count
-from mplaunch._env import DEFAULT_MASTER_ADDR
+from mplaunch._env import DEFAULT_MASTER_ADDR, outer_launcher
 from mplaunch._errors import (
     LaunchRefusedError,
     LaunchTimeoutError,
@@ -210,6 +210,8 @@ def _function_reference(function: Any, by_value: bool) -> Any:
 def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
     """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s)."""
     _checks.check_not_bootstrapping()
+    if outer_launcher() is not None:
+        return _run_in_process(function, args, kwargs, config)
     nprocs = resolve_nprocs(config.nprocs)
     start_method = config.start_method or _checks.default_start_method()
     _checks.check_cuda_fork(start_method)
@@ -247,6 +249,20 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
             )
             results = _run_workers(spec, payload if start_method == "fork" else None, config)
     return results if config.return_all else results[0]
+
+
+def _run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:
+    """Already one rank of an outer launcher's job: run the function here, as that rank, and return its value
+    (a one-element list with ``return_all``); nothing is launched."""
+    from mplaunch._worker import process_group
+
+    backend = config.backend
+    if backend is not None and torch.distributed.is_initialized():
+        backend = None  # the caller already has its process group
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    with process_group(resolve_backend(backend, world_size), int(os.environ.get("LOCAL_RANK", "0"))):
+        value = function._mplaunch_target(*args, **kwargs)
+    return [value] if config.return_all else value
 
 
 def _run_workers(spec: WorkerSpec, payload: Payload | None, config: LaunchConfig) -> list[Any]:

@@ -85,7 +85,7 @@ def _set_threads(num_threads: int) -> None:
 
 
 @contextlib.contextmanager
-def _process_group(backend: str | None, rank: int) -> Iterator[None]:
+def process_group(backend: str | None, rank: int) -> Iterator[None]:
     """Initialise the default process group from the torchrun environment around the function."""
     if backend is None:
         yield
@@ -178,7 +178,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
             payload.state.restore()
             function = getattr(payload.function, "_mplaunch_target", payload.function)
             args, kwargs = unshare((payload.args, payload.kwargs))
-            with _process_group(spec.backend, rank):
+            with process_group(spec.backend, rank):
                 value = function(*args, **kwargs)
             if rank not in spec.reporting_ranks:
                 value = None

@@ -314,3 +314,40 @@ def test_two_hundred_launches_leave_nothing_behind(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "same True" in done.stdout, done.stdout
     assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
+
+
+UNDER_TORCHRUN = """
+    import torch.distributed as dist
+    from mplaunch import parallel, worker_info
+
+    @parallel(nprocs=2, start_method="spawn", backend="gloo", timeout=60)
+    def work() -> tuple[int, int, int]:
+        value = torch_sum()
+        return worker_info().rank, dist.get_world_size(), value
+
+    def torch_sum() -> int:
+        import torch
+        t = torch.tensor([dist.get_rank() + 1])
+        dist.all_reduce(t)
+        return int(t.item())
+
+    if __name__ == "__main__":
+        rank, world, total = work()
+        print(f"rank {rank} of {world}: total {total}")
+"""
+
+
+def test_under_torchrun_the_call_runs_in_process_as_that_rank(tmp_path: Path) -> None:
+    script = write_script(tmp_path, UNDER_TORCHRUN)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0 of 2: total 3", "rank 1 of 2: total 3"]  # 2 ranks in all: nothing nested

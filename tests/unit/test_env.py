@@ -42,3 +42,31 @@ def test_worker_info_reads_the_environment() -> None:
     assert (plain.rank, plain.world_size, plain.local_world_size) == (0, 1, 1)
     with pytest.raises(ValueError, match="RANK='x'"):
         worker_info({"RANK": "x"})
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, None),
+        ({"TORCHELASTIC_RUN_ID": "abc", "RANK": "1"}, "torchrun"),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2"}, "slurm"),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}, None),  # a one-task step: launch as usual
+        ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "1"}, None),  # the batch script itself, not a task of srun
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
+        ({"PMI_SIZE": "1"}, None),
+        ({"TORCHELASTIC_RUN_ID": "abc", "MPLAUNCH_IN_PROCESS": "0"}, None),
+        ({"MPLAUNCH_IN_PROCESS": "1"}, "forced"),
+    ],
+)
+def test_outer_launcher_detection(environ: dict[str, str], expected: str | None) -> None:
+    from mplaunch import outer_launcher
+
+    assert outer_launcher(environ) == expected
+
+
+def test_forced_in_process_call_runs_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch import parallel
+
+    monkeypatch.setenv("MPLAUNCH_IN_PROCESS", "1")
+    assert parallel(nprocs=2, start_method="spawn")(os.getpid)() == os.getpid()
+    assert parallel(nprocs=2, start_method="spawn", return_all=True)(os.getpid)() == [os.getpid()]
