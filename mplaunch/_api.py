@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import ParamSpec
@@ -87,6 +88,9 @@ def parallel(
     timeout: float | None = ...,
     grace_period: float = ...,
     backend: str | None = ...,
+    prefix_output: bool = ...,
+    console_ranks: Iterable[int] | None = ...,
+    log_dir: str | os.PathLike[str] | None = ...,
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
 
 
@@ -101,6 +105,9 @@ def parallel(
     timeout: float | None = ...,
     grace_period: float = ...,
     backend: str | None = ...,
+    prefix_output: bool = ...,
+    console_ranks: Iterable[int] | None = ...,
+    log_dir: str | os.PathLike[str] | None = ...,
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, list[R]]]: ...
 
 
@@ -114,6 +121,9 @@ def parallel(
     timeout: float | None = None,
     grace_period: float = 5.0,
     backend: str | None = None,
+    prefix_output: bool = False,
+    console_ranks: Iterable[int] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Make ``function`` run on ``nprocs`` worker processes of this machine each time it is called.
 
@@ -140,6 +150,11 @@ def parallel(
             is available with a device per worker, else gloo): each worker calls ``init_process_group`` with
             it before the function (binding ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group``
             after it, also when it raises. ``None`` (default): the function manages process groups itself.
+        prefix_output: prefix every line a worker writes to ``sys.stdout``/``sys.stderr`` with ``[rank N] ``.
+        console_ranks: ranks whose output reaches the console, e.g. ``[0]``; ``None`` (default): all. The
+            other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
+        log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,
+            overwritten at each call.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that
@@ -171,6 +186,9 @@ def parallel(
         timeout=timeout,
         grace_period=grace_period,
         backend=backend,
+        prefix_output=prefix_output,
+        console_ranks=console_ranks,
+        log_dir=log_dir,
     )
     if function is not None:
         return ParallelFunction(function, config)

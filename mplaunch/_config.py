@@ -6,6 +6,7 @@ import dataclasses
 import math
 import multiprocessing
 import os
+from collections.abc import Iterable
 
 from mplaunch._errors import InvalidOptionError
 
@@ -24,6 +25,9 @@ class LaunchConfig:
         grace_period: seconds a worker gets between SIGTERM and SIGKILL when the launch stops it.
         backend: process-group backend each worker initialises around the function (``"gloo"``,
             ``"nccl"``, ``"auto"``, ...), or ``None`` to leave process groups to the function.
+        prefix_output: prefix each line a worker prints with ``[rank N] ``.
+        console_ranks: the ranks whose output reaches the console, or ``None`` for every rank.
+        log_dir: a directory where each rank's output is also written to ``rank{N}.log``, or ``None``.
     """
 
     nprocs: int | str = 1
@@ -32,6 +36,9 @@ class LaunchConfig:
     timeout: float | None = None
     grace_period: float = 5.0
     backend: str | None = None
+    prefix_output: bool = False
+    console_ranks: frozenset[int] | None = None
+    log_dir: str | None = None
 
 
 def make_config(
@@ -42,6 +49,9 @@ def make_config(
     timeout: float | None,
     grace_period: float,
     backend: str | None = None,
+    prefix_output: bool = False,
+    console_ranks: Iterable[int] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
 ) -> LaunchConfig:
     """Validate the options and return them as a :class:`LaunchConfig`.
 
@@ -67,14 +77,38 @@ def make_config(
     if not _is_positive_seconds(grace_period, allow_zero=True):
         raise InvalidOptionError(f"grace_period={grace_period!r} is not valid: pass a number of seconds >= 0.")
     _check_backend(backend)
+    if not isinstance(prefix_output, bool):
+        raise InvalidOptionError(f"prefix_output={prefix_output!r} is not valid: pass True or False.")
+    ranks = None if console_ranks is None else _check_ranks(console_ranks)
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise InvalidOptionError(f"log_dir={log_dir!r} is not valid: pass a directory path, or None.")
     return LaunchConfig(
         backend=backend,
+        prefix_output=prefix_output,
+        console_ranks=ranks,
+        log_dir=None if log_dir is None else os.path.abspath(os.fspath(log_dir)),
         nprocs=nprocs,
         start_method=start_method,
         return_all=return_all,
         timeout=None if timeout is None else float(timeout),
         grace_period=float(grace_period),
     )
+
+
+def _check_ranks(console_ranks: Iterable[int]) -> frozenset[int]:
+    message = (
+        f"console_ranks={console_ranks!r} is not valid: pass the ranks whose output should reach the console as "
+        "a collection of whole numbers >= 0 (e.g. console_ranks=[0]), or None for every rank."
+    )
+    if isinstance(console_ranks, (str, bytes)):
+        raise InvalidOptionError(message)
+    try:
+        ranks = frozenset(console_ranks)
+    except TypeError:
+        raise InvalidOptionError(message) from None
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+        raise InvalidOptionError(message)
+    return ranks
 
 
 def _check_backend(backend: str | None) -> None:

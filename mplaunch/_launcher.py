@@ -246,6 +246,9 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
                 reporting_ranks=reporting,
                 environ=dict(os.environ) if start_method == "forkserver" else None,
                 backend=resolve_backend(config.backend, nprocs),
+                prefix_output=config.prefix_output,
+                console_ranks=config.console_ranks,
+                log_dir=config.log_dir,
             )
             results = _run_workers(spec, payload if start_method == "fork" else None, config)
     return results if config.return_all else results[0]

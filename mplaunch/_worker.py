@@ -17,6 +17,7 @@ import torch
 
 from mplaunch import _transport
 from mplaunch._env import apply_environment, rank_environment
+from mplaunch._output import rank_output
 from mplaunch._sharing import to_cpu, unshare
 from mplaunch._state import GlobalState
 
@@ -39,6 +40,9 @@ class WorkerSpec:
     reporting_ranks: frozenset[int]
     environ: dict[str, str] | None  # the parent's environment, for forkserver workers (they inherit the server's)
     backend: str | None = None
+    prefix_output: bool = False
+    console_ranks: frozenset[int] | None = None
+    log_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,8 +182,9 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
             payload.state.restore()
             function = getattr(payload.function, "_mplaunch_target", payload.function)
             args, kwargs = unshare((payload.args, payload.kwargs))
-            with process_group(spec.backend, rank):
-                value = function(*args, **kwargs)
+            with rank_output(rank, spec.prefix_output, spec.console_ranks, spec.log_dir):
+                with process_group(spec.backend, rank):
+                    value = function(*args, **kwargs)
             if rank not in spec.reporting_ranks:
                 value = None
             elif torch.cuda.is_initialized():

@@ -223,3 +223,12 @@ def all_reduce_in_given_group() -> tuple[int, float]:
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
     return dist.get_world_size(), value.item()
+
+
+def chatty(lines: int) -> int:
+    rank = worker_info().rank
+    for i in range(lines):
+        print(f"out {i} from {rank}", flush=i % 2 == 0)
+    print(f"err from {rank}", file=sys.stderr)
+    sys.stdout.write("no newline at the end")
+    return rank

@@ -98,3 +98,19 @@ def test_backend_is_validated_and_auto_resolves_without_cuda(monkeypatch: pytest
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
     assert resolve_backend("auto", 2) == "nccl" and resolve_backend("auto", 3) == "gloo"
     assert resolve_backend("gloo", 2) == "gloo" and resolve_backend(None, 2) is None
+
+
+@pytest.mark.parametrize(
+    ("options", "text"),
+    [
+        ({"console_ranks": "0"}, "console_ranks='0'"),
+        ({"console_ranks": [-1]}, "console_ranks=[-1]"),
+        ({"console_ranks": 3}, "console_ranks=3"),
+        ({"prefix_output": "yes"}, "prefix_output='yes'"),
+        ({"log_dir": 5}, "log_dir=5"),
+    ],
+)
+def test_output_options_are_validated(options: dict[str, object], text: str) -> None:
+    with pytest.raises(InvalidOptionError, match=text.replace("[", r"\[").replace("]", r"\]")):
+        parallel(**options)  # type: ignore[call-overload]
+    assert parallel(console_ranks=(0, 1), log_dir="logs")(len).config.console_ranks == frozenset({0, 1})
