@@ -91,6 +91,11 @@ def parallel(
     prefix_output: bool = ...,
     console_ranks: Iterable[int] | None = ...,
     log_dir: str | os.PathLike[str] | None = ...,
+    nnodes: int | None = ...,
+    node_rank: int | None = ...,
+    rdzv_endpoint: str | None = ...,
+    max_restarts: int = ...,
+    rdzv_timeout: float = ...,
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
 
 
@@ -108,6 +113,11 @@ def parallel(
     prefix_output: bool = ...,
     console_ranks: Iterable[int] | None = ...,
     log_dir: str | os.PathLike[str] | None = ...,
+    nnodes: int | None = ...,
+    node_rank: int | None = ...,
+    rdzv_endpoint: str | None = ...,
+    max_restarts: int = ...,
+    rdzv_timeout: float = ...,
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, list[R]]]: ...
 
 
@@ -124,6 +134,11 @@ def parallel(
     prefix_output: bool = False,
     console_ranks: Iterable[int] | None = None,
     log_dir: str | os.PathLike[str] | None = None,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+    rdzv_timeout: float = 600.0,
 ) -> Any:
     """Make ``function`` run on ``nprocs`` worker processes of this machine each time it is called.
 
@@ -155,6 +170,17 @@ def parallel(
             other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
         log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,
             overwritten at each call.
+        nnodes: number of nodes (machines) taking part, each running this call with ``nprocs`` workers;
+            ``None`` (default) reads ``MPLAUNCH_NNODES`` (or SLURM's, in an ``srun`` step with one task per
+            node), else 1. With more than one, the call launches through
+            ``torch.distributed.launcher.api.elastic_launch`` with c10d rendezvous, and returns rank 0's value
+            on every node (with ``return_all``, this node's ranks' values).
+        node_rank: this node's index (``MPLAUNCH_NODE_RANK``, ``SLURM_NODEID``); informative, as c10d
+            rendezvous orders the nodes itself.
+        rdzv_endpoint: ``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
+            (``MPLAUNCH_RDZV_ENDPOINT``; default port 29400).
+        max_restarts: times elastic may restart all workers after a failure (multi-node only).
+        rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that
@@ -189,6 +215,11 @@ def parallel(
         prefix_output=prefix_output,
         console_ranks=console_ranks,
         log_dir=log_dir,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        rdzv_timeout=rdzv_timeout,
     )
     if function is not None:
         return ParallelFunction(function, config)

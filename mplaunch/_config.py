@@ -28,6 +28,11 @@ class LaunchConfig:
         prefix_output: prefix each line a worker prints with ``[rank N] ``.
         console_ranks: the ranks whose output reaches the console, or ``None`` for every rank.
         log_dir: a directory where each rank's output is also written to ``rank{N}.log``, or ``None``.
+        nnodes: number of nodes, or ``None`` to read it from the environment (one node if unset).
+        node_rank: this node's index, or ``None`` (informative: c10d rendezvous orders the nodes).
+        rdzv_endpoint: ``host[:port]`` of the c10d rendezvous on a multi-node launch.
+        max_restarts: how often torch.distributed.elastic may restart the workers of a multi-node launch.
+        rdzv_timeout: seconds to wait for every node to join a multi-node launch.
     """
 
     nprocs: int | str = 1
@@ -39,6 +44,11 @@ class LaunchConfig:
     prefix_output: bool = False
     console_ranks: frozenset[int] | None = None
     log_dir: str | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
+    rdzv_timeout: float = 600.0
 
 
 def make_config(
@@ -52,6 +62,11 @@ def make_config(
     prefix_output: bool = False,
     console_ranks: Iterable[int] | None = None,
     log_dir: str | os.PathLike[str] | None = None,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+    rdzv_timeout: float = 600.0,
 ) -> LaunchConfig:
     """Validate the options and return them as a :class:`LaunchConfig`.
 
@@ -82,7 +97,19 @@ def make_config(
     ranks = None if console_ranks is None else _check_ranks(console_ranks)
     if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
         raise InvalidOptionError(f"log_dir={log_dir!r} is not valid: pass a directory path, or None.")
+    for name, value, low in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0), ("max_restarts", max_restarts, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number >= {low}.")
+    if rdzv_endpoint is not None and (not isinstance(rdzv_endpoint, str) or not rdzv_endpoint):
+        raise InvalidOptionError(f"rdzv_endpoint={rdzv_endpoint!r} is not valid: pass 'host:port', e.g. 'node0:29400'.")
+    if not _is_positive_seconds(rdzv_timeout):
+        raise InvalidOptionError(f"rdzv_timeout={rdzv_timeout!r} is not valid: pass a number of seconds > 0.")
     return LaunchConfig(
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        rdzv_timeout=float(rdzv_timeout),
         backend=backend,
         prefix_output=prefix_output,
         console_ranks=ranks,

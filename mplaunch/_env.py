@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from typing import Any
 
 #: Variables that describe a rank's place in a job. The parent's values never reach a worker: mplaunch
 #: sets each of them per rank. ``MASTER_ADDR``/``MASTER_PORT`` are kept when the user set them.
@@ -136,14 +137,18 @@ def worker_info(environ: Mapping[str, str] | None = None) -> WorkerInfo:
 #: How an outer launcher is recognised; the first rule that matches wins. Documented in the README.
 OUTER_LAUNCHERS = (
     ("torchrun", "TORCHELASTIC_RUN_ID is set (torchrun / torch.distributed.elastic)"),
-    ("slurm", "SLURM_STEP_ID is set and SLURM_STEP_NUM_TASKS > 1 (a task of an srun step)"),
+    ("slurm", "SLURM_STEP_ID is set and SLURM_STEP_NUM_TASKS > SLURM_STEP_NUM_NODES (several tasks per node)"),
     ("mpi", "OMPI_COMM_WORLD_SIZE, PMI_SIZE or MV2_COMM_WORLD_SIZE > 1 (a rank of an MPI job)"),
 )
 
 
-def _more_than_one(environ: Mapping[str, str], name: str) -> bool:
+def _count(environ: Mapping[str, str], name: str) -> int:
     value = environ.get(name, "")
-    return value.isdigit() and int(value) > 1
+    return int(value) if value.isdigit() else 1
+
+
+def _more_than_one(environ: Mapping[str, str], name: str) -> bool:
+    return _count(environ, name) > 1
 
 
 def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
@@ -159,8 +164,76 @@ def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
         return "forced" if forced == "1" else None
     if env.get("TORCHELASTIC_RUN_ID"):
         return "torchrun"
-    if env.get("SLURM_STEP_ID") is not None and _more_than_one(env, "SLURM_STEP_NUM_TASKS"):
+    if env.get("SLURM_STEP_ID") is not None and _count(env, "SLURM_STEP_NUM_TASKS") > _count(
+        env, "SLURM_STEP_NUM_NODES"
+    ):
         return "slurm"
     if any(_more_than_one(env, n) for n in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")):
         return "mpi"
     return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeSetup:
+    """Where this node stands in a multi-node launch.
+
+    Attributes:
+        nnodes: number of nodes (machines), each starting ``nprocs`` workers.
+        node_rank: this node's index, if known (with c10d rendezvous the order of joining decides ranks).
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous store, the same on every node.
+        run_id: the job's name, the same on every node.
+    """
+
+    nnodes: int
+    node_rank: int | None
+    rdzv_endpoint: str
+    run_id: str
+
+
+DEFAULT_RDZV_PORT = 29400
+
+
+def node_setup(
+    nnodes: int | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    environ: Mapping[str, str] | None = None,
+) -> NodeSetup | None:
+    """Resolve the multi-node options: the arguments first, then ``MPLAUNCH_NNODES``,
+    ``MPLAUNCH_NODE_RANK``, ``MPLAUNCH_RDZV_ENDPOINT``, ``MPLAUNCH_RUN_ID``, then, in an ``srun`` step that
+    runs one task per node, SLURM's ``SLURM_STEP_NUM_NODES``, ``SLURM_NODEID``, ``SLURM_LAUNCH_NODE_IPADDR``
+    (port 29400) and ``SLURM_JOB_ID``. Returns ``None`` for a single node.
+
+    Raises:
+        ValueError: more than one node but no rendezvous endpoint, or a variable that is not a number.
+    """
+    env = os.environ if environ is None else environ
+    slurm_per_node = (
+        env.get("SLURM_STEP_ID") is not None
+        and _count(env, "SLURM_STEP_NUM_NODES") > 1
+        and _count(env, "SLURM_STEP_NUM_TASKS") == _count(env, "SLURM_STEP_NUM_NODES")
+    )
+
+    def pick(given: Any, name: str, slurm_name: str) -> Any:
+        if given is not None:
+            return given
+        value = env.get(name) or (env.get(slurm_name) if slurm_per_node else None)
+        return value
+
+    count = pick(nnodes, "MPLAUNCH_NNODES", "SLURM_STEP_NUM_NODES")
+    count = int(count) if count is not None else 1
+    if count <= 1:
+        return None
+    rank = pick(node_rank, "MPLAUNCH_NODE_RANK", "SLURM_NODEID")
+    endpoint = pick(rdzv_endpoint, "MPLAUNCH_RDZV_ENDPOINT", "SLURM_LAUNCH_NODE_IPADDR")
+    if endpoint is None:
+        raise ValueError(
+            f"nnodes={count} needs a rendezvous endpoint that every node can reach: pass rdzv_endpoint='host:port' "
+            "or set MPLAUNCH_RDZV_ENDPOINT."
+        )
+    if ":" not in endpoint:
+        endpoint = f"{endpoint}:{DEFAULT_RDZV_PORT}"
+    run_id = env.get("MPLAUNCH_RUN_ID") or (
+        f"{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}" if slurm_per_node else "mplaunch"
+    )
+    return NodeSetup(count, None if rank is None else int(rank), endpoint, run_id)

@@ -23,8 +23,9 @@ import torch.multiprocessing as mp
 
 from mplaunch import _checks, _transport
 from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs, usable_cpu_count
-from mplaunch._env import DEFAULT_MASTER_ADDR, outer_launcher
+from mplaunch._env import DEFAULT_MASTER_ADDR, NodeSetup, node_setup, outer_launcher
 from mplaunch._errors import (
+    InvalidOptionError,
     LaunchRefusedError,
     LaunchTimeoutError,
     RemoteError,
@@ -213,17 +214,18 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
     if outer_launcher() is not None:
         return _run_in_process(function, args, kwargs, config)
     nprocs = resolve_nprocs(config.nprocs)
+    nodes = _nodes(config)
     start_method = config.start_method or _checks.default_start_method()
     _checks.check_cuda_fork(start_method)
     _checks.check_main_guard(start_method, frame)
     by_value = start_method != "fork" and not _checks.main_is_importable()
-    reporting = frozenset(range(nprocs)) if config.return_all else frozenset({0})
+    reporting = frozenset(range(nprocs * (nodes.nnodes if nodes else 1))) if config.return_all else frozenset({0})
     num_threads = _num_threads(nprocs, start_method)
     payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
     import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker
 
     with _launch_directory() as directory:
-        if start_method != "fork":
+        if start_method != "fork" or nodes is not None:
             try:
                 _transport.dump(payload, directory, PAYLOAD, by_value=by_value)
             except Exception as error:
@@ -233,6 +235,27 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
                     "'forkserver' every argument is pickled; pass picklable values, create the object inside "
                     "the function, or use start_method='fork'."
                 ) from error
+        if nodes is not None:
+            spec = WorkerSpec(
+                directory=directory,
+                nprocs=nprocs,
+                start_method=start_method,
+                parent_pid=os.getpid(),
+                master_addr="",
+                master_port=0,
+                agent_store=True,
+                num_threads=num_threads,
+                reporting_ranks=reporting,
+                environ=None,
+                backend=resolve_backend(config.backend, nprocs),
+                prefix_output=config.prefix_output,
+                console_ranks=config.console_ranks,
+                log_dir=config.log_dir,
+            )
+            from mplaunch._elastic import launch_nodes
+
+            results = launch_nodes(spec, nodes, config, _rebuild_exception)
+            return results if config.return_all else results[0]
         with _rendezvous() as (addr, port, agent_store), _parent_signals():
             spec = WorkerSpec(
                 directory=directory,
@@ -252,6 +275,13 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
             )
             results = _run_workers(spec, payload if start_method == "fork" else None, config)
     return results if config.return_all else results[0]
+
+
+def _nodes(config: LaunchConfig) -> NodeSetup | None:
+    try:
+        return node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
+    except ValueError as error:
+        raise InvalidOptionError(str(error)) from None
 
 
 def _run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:

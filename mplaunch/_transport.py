@@ -41,6 +41,8 @@ def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
 class _StorageWriter:
     """The ``persistent_id`` half of a pickler: records every storage once, in the order first seen."""
 
+    inline_bytes = INLINE_BYTES
+
     def _init_storages(self) -> None:
         self.storages: list[torch.UntypedStorage] = []
         self._seen: dict[int, int] = {}
@@ -63,7 +65,7 @@ class _StorageWriter:
         self._seen[key] = index
         self.storages.append(untyped)
         nbytes = untyped.nbytes()
-        if nbytes < INLINE_BYTES:
+        if nbytes < self.inline_bytes:
             return ("inline", index, dtype, bytes(_storage_bytes(untyped)))
         return ("file", index, dtype, nbytes)
 
@@ -107,6 +109,23 @@ def _pickle(obj: object, by_value: bool) -> tuple[bytes, list[torch.UntypedStora
     cloud_pickler = _CloudPickler(buffer)
     cloud_pickler.dump(obj)
     return buffer.getvalue(), cloud_pickler.storages
+
+
+class _InlineCloudPickler(_CloudPickler):
+    inline_bytes = 1 << 62
+
+
+def to_bytes(obj: object) -> bytes:
+    """Pickle ``obj`` into one self-contained ``bytes`` object (every storage inline), to send it to
+    another machine; by value where needed (cloudpickle)."""
+    buffer = io.BytesIO()
+    _InlineCloudPickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    """Read an object written by :func:`to_bytes`."""
+    return _Unpickler(io.BytesIO(data), "", "", private=True).load()
 
 
 def pickle_error(obj: object, *, by_value: bool = False) -> Exception | None:

@@ -22,6 +22,7 @@ from mplaunch._sharing import to_cpu, unshare
 from mplaunch._state import GlobalState
 
 PAYLOAD = "payload"
+REMOTE_RANK0 = "remote-rank0"  # rank 0's outcome, fetched by a node that does not run rank 0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -140,9 +141,12 @@ def _pickle_exception(error: BaseException) -> bytes:
         error.__traceback__, error.__cause__, error.__context__ = traceback_, cause, context
 
 
-def _write_outcome(spec: WorkerSpec, rank: int, outcome: dict[str, Any]) -> None:
+def _write_outcome(spec: WorkerSpec, rank: int, outcome: dict[str, Any]) -> dict[str, Any]:
+    """Write the outcome; a result that cannot be pickled is replaced by the error saying so. Returns what
+    was written."""
     try:
         _transport.dump(outcome, spec.directory, outcome_name(rank))
+        return outcome
     except Exception as error:  # noqa: BLE001 - the result cannot be pickled: report that instead
         if not outcome["ok"]:
             raise
@@ -152,7 +156,50 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: dict[str, Any]) -> None
             f"pickled to send it to the parent: {error}"
         )
         failure.__cause__ = error
-        _transport.dump(_error_outcome(failure), spec.directory, outcome_name(rank))
+        replacement = _error_outcome(failure)
+        _transport.dump(replacement, spec.directory, outcome_name(rank))
+        return replacement
+
+
+def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> dict[str, Any]:
+    """Restore the parent's state, run the function with private arguments, and return the outcome."""
+    try:
+        _set_threads(spec.num_threads)
+        if payload is None:
+            payload = _transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+        payload.state.restore()
+        function = getattr(payload.function, "_mplaunch_target", payload.function)
+        args, kwargs = unshare((payload.args, payload.kwargs))
+        with rank_output(rank, spec.prefix_output, spec.console_ranks, spec.log_dir):
+            with process_group(spec.backend, local_rank):
+                value = function(*args, **kwargs)
+        if rank not in spec.reporting_ranks:
+            value = None
+        elif torch.cuda.is_initialized():
+            value = to_cpu(value)
+        return {"ok": True, "pid": os.getpid(), "value": value}
+    except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
+        return _error_outcome(error)
+
+
+def _finish(failed: bool) -> None:
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if failed:
+        sys.exit(1)
+
+
+def _start(spec: WorkerSpec) -> None:
+    """Signals, parent-death and exit handlers: the first things a worker does."""
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked while starting
+    _die_with_parent(None if spec.start_method == "forkserver" else spec.parent_pid)
+    if spec.start_method == "fork":
+        atexit._clear()  # the parent's exit handlers are not ours to run
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
@@ -161,11 +208,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     The outcome (the return value for reporting ranks, ``None`` for the others, or the exception) is written
     to the launch directory before the process exits; the parent reads it when it sees the process end.
     """
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked while starting
-    _die_with_parent(None if spec.start_method == "forkserver" else spec.parent_pid)
-    if spec.start_method == "fork":
-        atexit._clear()  # the parent's exit handlers are not ours to run
+    _start(spec)
     if spec.environ is not None:
         os.environ.clear()
         os.environ.update(spec.environ)
@@ -173,33 +216,46 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
         os.environ,
         rank_environment(rank, spec.nprocs, spec.master_addr, spec.master_port, agent_store=spec.agent_store),
     )
-    failed = False
+    outcome = {"ok": False}
     try:
-        try:
-            _set_threads(spec.num_threads)
-            if payload is None:
-                payload = _transport.load(spec.directory, PAYLOAD, private=True, remove=False)
-            payload.state.restore()
-            function = getattr(payload.function, "_mplaunch_target", payload.function)
-            args, kwargs = unshare((payload.args, payload.kwargs))
-            with rank_output(rank, spec.prefix_output, spec.console_ranks, spec.log_dir):
-                with process_group(spec.backend, rank):
-                    value = function(*args, **kwargs)
-            if rank not in spec.reporting_ranks:
-                value = None
-            elif torch.cuda.is_initialized():
-                value = to_cpu(value)
-            outcome: dict[str, Any] = {"ok": True, "pid": os.getpid(), "value": value}
-        except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
-            failed = True
-            outcome = _error_outcome(error)
+        outcome = _execute(rank, rank, spec, payload)
         _write_outcome(spec, rank, outcome)
     finally:
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-    if failed:
-        sys.exit(1)
+        _finish(not outcome["ok"])
+
+
+def elastic_entry(spec: WorkerSpec) -> int:
+    """The entrypoint of a worker started by ``torch.distributed.elastic`` on one node of a multi-node launch.
+
+    Elastic has set the torchrun environment. The outcome is written to this node's launch directory; rank
+    0's is also published in the rendezvous store, where the first worker of every other node fetches it,
+    so every node's parent can return rank 0's result. Returns the global rank.
+    """
+    _start(spec)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    outcome = {"ok": False}
+    try:
+        outcome = _write_outcome(spec, rank, _execute(rank, local_rank, spec, None))
+        _share_rank0(spec, rank, local_rank, outcome)
+    finally:
+        _finish(not outcome["ok"])
+    return rank
+
+
+def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: dict[str, Any]) -> None:
+    """Rank 0 publishes its outcome in the rendezvous store; the first worker of each other node fetches it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    on_first_node = os.environ.get("GROUP_RANK", "0") == "0"
+    if rank != 0 and (on_first_node or local_rank != 0 or not outcome["ok"]):
+        return  # a failed worker does not wait for rank 0: its own failure is what this node reports
+    store = TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(hours=24)
+    )
+    key = f"mplaunch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank0"
+    if rank == 0:
+        store.set(key, _transport.to_bytes(outcome))  # type: ignore[arg-type]
+    else:
+        _transport.dump(_transport.from_bytes(store.get(key)), spec.directory, REMOTE_RANK0)

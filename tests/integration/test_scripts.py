@@ -341,7 +341,15 @@ def test_under_torchrun_the_call_runs_in_process_as_that_rank(tmp_path: Path) ->
     script = write_script(tmp_path, UNDER_TORCHRUN)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--log-dir={tmp_path / 'logs'}",
+            str(script),
+        ],
         capture_output=True,
         text=True,
         timeout=180,
@@ -351,3 +359,30 @@ def test_under_torchrun_the_call_runs_in_process_as_that_rank(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
     assert lines == ["rank 0 of 2: total 3", "rank 1 of 2: total 3"]  # 2 ranks in all: nothing nested
+
+
+CONCURRENT = """
+    import sys
+    from mplaunch import parallel
+    sys.path.insert(0, sys.argv[1])
+    from tests import workers
+
+    if __name__ == "__main__":
+        run = parallel(nprocs=2, start_method="fork", backend="gloo", return_all=True, timeout=60)
+        print("results", [run(workers.all_reduce_in_given_group)() for _ in range(3)])
+"""
+
+
+def test_concurrent_launches_with_process_groups_never_collide(tmp_path: Path) -> None:
+    script = write_script(tmp_path, CONCURRENT)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parents = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(REPO)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
+    outputs = [parent.communicate(timeout=120) for parent in parents]
+    for parent, (out, err) in zip(parents, outputs, strict=True):
+        assert parent.returncode == 0, err
+        assert out.strip() == "results " + str([[(2, 3.0), (2, 3.0)]] * 3)

@@ -50,6 +50,7 @@ def test_worker_info_reads_the_environment() -> None:
         ({}, None),
         ({"TORCHELASTIC_RUN_ID": "abc", "RANK": "1"}, "torchrun"),
         ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2"}, "slurm"),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2"}, None),  # a task per node
         ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"}, None),  # a one-task step: launch as usual
         ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "1"}, None),  # the batch script itself, not a task of srun
         ({"OMPI_COMM_WORLD_SIZE": "2"}, "mpi"),
@@ -70,3 +71,38 @@ def test_forced_in_process_call_runs_here(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("MPLAUNCH_IN_PROCESS", "1")
     assert parallel(nprocs=2, start_method="spawn")(os.getpid)() == os.getpid()
     assert parallel(nprocs=2, start_method="spawn", return_all=True)(os.getpid)() == [os.getpid()]
+
+
+def test_node_setup_reads_arguments_then_mplaunch_then_slurm() -> None:
+    from mplaunch._env import node_setup
+
+    assert node_setup(None, None, None, {}) is None
+    assert node_setup(1, None, None, {}) is None
+    setup = node_setup(2, 1, "host", {})
+    assert setup is not None and (setup.nnodes, setup.node_rank, setup.rdzv_endpoint) == (2, 1, "host:29400")
+    env = {"MPLAUNCH_NNODES": "3", "MPLAUNCH_NODE_RANK": "2", "MPLAUNCH_RDZV_ENDPOINT": "h:1", "MPLAUNCH_RUN_ID": "j"}
+    setup = node_setup(None, None, None, env)
+    assert setup is not None and (setup.nnodes, setup.node_rank, setup.rdzv_endpoint, setup.run_id) == (
+        3,
+        2,
+        "h:1",
+        "j",
+    )
+    slurm = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1",
+        "SLURM_JOB_ID": "77",
+    }
+    setup = node_setup(None, None, None, slurm)
+    assert setup is not None and (setup.nnodes, setup.node_rank, setup.rdzv_endpoint, setup.run_id) == (
+        2,
+        1,
+        "10.0.0.1:29400",
+        "77.0",
+    )
+    assert node_setup(None, None, None, {**slurm, "SLURM_STEP_NUM_TASKS": "8"}) is None  # tasks per rank: in-process
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        node_setup(2, None, None, {})

@@ -1,0 +1,109 @@
+"""Multi-node launches, delegated to ``torch.distributed.elastic`` (the engine torchrun runs on).
+
+mplaunch does not start or watch these workers itself: elastic's agent does, with c10d rendezvous. What
+mplaunch adds around it: the state snapshot, private arguments, per-rank output and the process group (all
+in :func:`mplaunch._worker.elastic_entry`), rank 0's result on every node, the original exception type, and
+the caller's signal handlers and environment as they were (elastic replaces the handlers and sets variables).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+from mplaunch import _transport
+from mplaunch._config import LaunchConfig
+from mplaunch._env import NodeSetup
+from mplaunch._errors import LaunchTimeoutError, WorkerExitedError
+from mplaunch._worker import REMOTE_RANK0, WorkerSpec, elastic_entry, outcome_name
+
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+@contextlib.contextmanager
+def _caller_state_kept() -> Iterator[None]:
+    """Put back the signal handlers and environment variables that elastic changes."""
+    handlers = {signum: signal.getsignal(signum) for signum in _HANDLED}
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        if dict(os.environ) != environ:
+            os.environ.clear()
+            os.environ.update(environ)
+
+
+def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig, rebuild: Any) -> list[Any]:
+    """Run this node's share of a multi-node launch; return the values of rank 0 (``return_all=False``) or of
+    this node's ranks, in rank order. ``rebuild`` turns an error outcome into the exception to raise."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+    from torch.distributed.launcher.api import elastic_launch
+
+    elastic_config = ElasticConfig(
+        min_nodes=nodes.nnodes,
+        max_nodes=nodes.nnodes,
+        nproc_per_node=spec.nprocs,
+        run_id=nodes.run_id,
+        role="mplaunch",
+        rdzv_endpoint=nodes.rdzv_endpoint,
+        rdzv_backend="c10d",
+        rdzv_configs={"join_timeout": config.rdzv_timeout},
+        max_restarts=config.max_restarts,
+        monitor_interval=0.1,
+        start_method=spec.start_method,
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(spec.directory, "elastic")),
+    )
+    failed: dict[int, Any] = {}
+    with _caller_state_kept():
+        try:
+            elastic_launch(elastic_config, elastic_entry)(spec)
+        except ChildFailedError as error:
+            failed = dict(error.failures)
+        except RendezvousError as error:
+            raise LaunchTimeoutError(
+                f"not all {nodes.nnodes} nodes joined the rendezvous at {nodes.rdzv_endpoint} within "
+                f"rdzv_timeout={config.rdzv_timeout:g} s ({type(error).__name__}: {error}). Start the call on every "
+                "node with the same rdzv_endpoint, or raise rdzv_timeout.",
+                config.rdzv_timeout,
+                (),
+            ) from error
+    return _collect(spec, failed, config, rebuild)
+
+
+def _local_ranks(directory: str) -> list[int]:
+    names = (entry[len("rank") : -len(".pkl")] for entry in os.listdir(directory) if entry.startswith("rank"))
+    return sorted(int(name) for name in names if name.isdigit())
+
+
+def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig, rebuild: Any) -> list[Any]:
+    """This node's failure first (lowest rank), then rank 0's (fetched from node 0), else the values."""
+    outcomes = {
+        rank: _transport.load(spec.directory, outcome_name(rank), private=False, remove=True)
+        for rank in _local_ranks(spec.directory)
+    }
+    for rank in sorted(set(failed) | {r for r, o in outcomes.items() if not o["ok"]}):
+        outcome = outcomes.get(rank)
+        if outcome is not None and not outcome["ok"]:
+            raise rebuild(outcome, rank)
+        failure = failed[rank]
+        raise WorkerExitedError(
+            f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode} before returning",
+            rank,
+            failure.pid,
+            failure.exitcode,
+        )
+    if config.return_all:
+        return [outcomes[rank]["value"] for rank in sorted(outcomes)]
+    rank0 = outcomes.get(0) or _transport.load(spec.directory, REMOTE_RANK0, private=False, remove=True)
+    if not rank0["ok"]:
+        raise rebuild(rank0, 0)
+    return [rank0["value"]]
