@@ -386,3 +386,29 @@ def test_concurrent_launches_with_process_groups_never_collide(tmp_path: Path) -
     for parent, (out, err) in zip(parents, outputs, strict=True):
         assert parent.returncode == 0, err
         assert out.strip() == "results " + str([[(2, 3.0), (2, 3.0)]] * 3)
+
+
+MANY_TENSORS = """
+    import resource, sys
+    import torch
+    from mplaunch import parallel
+
+    @parallel(nprocs=2, start_method=sys.argv[1], timeout=120)
+    def total(module: torch.nn.Module, tensors: list) -> float:
+        return sum(float(t.sum()) for t in tensors) + sum(float(p.sum()) for p in module.parameters())
+
+    if __name__ == "__main__":
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        module = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(150)])  # 300 parameters
+        torch.nn.init.ones_(module[0].weight)
+        tensors = [torch.ones(32 * 1024) for _ in range(300)]  # 128 KiB each: every one in a file of its own
+        expected = sum(float(t.sum()) for t in tensors) + sum(float(p.sum()) for p in module.parameters())
+        print("same", total(module, tensors) == expected)
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_many_tensor_arguments_fit_a_small_open_file_limit(tmp_path: Path, start_method: str) -> None:
+    done = run_script(write_script(tmp_path, MANY_TENSORS), start_method)
+    assert done.returncode == 0, done.stderr
+    assert "same True" in done.stdout
