@@ -18,7 +18,7 @@ TIMEOUT = 90  # only a deadlock reaches it
 def test_returns_rank0_value_with_kwargs_and_env_contract(start_method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "5")  # stale values in the parent never reach a worker
     monkeypatch.setenv("WORLD_SIZE", "9")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "stale")
+    monkeypatch.setenv("GROUP_RANK", "3")  # (TORCHELASTIC_RUN_ID would mean "already under torchrun": in-process)
     before = dict(os.environ)
     run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(workers.rank_and_env)
     results = run()
