@@ -152,6 +152,24 @@ def _guard_spans(tree: ast.Module) -> list[tuple[int, int]]:
     return spans
 
 
+_spans_cache: dict[tuple[str, float], list[tuple[int, int]] | None] = {}
+
+
+def _guard_spans_of_file(path: str) -> list[tuple[int, int]] | None:
+    """The guard blocks of a script, parsed once per version of the file; ``None`` if it cannot be read."""
+    try:
+        key = (path, os.stat(path).st_mtime)
+    except OSError:
+        return None
+    if key not in _spans_cache:
+        try:
+            with open(path, encoding="utf-8") as file:
+                _spans_cache[key] = _guard_spans(ast.parse(file.read()))
+        except (OSError, SyntaxError, ValueError):
+            _spans_cache[key] = None
+    return _spans_cache[key]
+
+
 def check_main_guard(start_method: str, frame: FrameType | None) -> None:
     """Refuse ``spawn``/``forkserver`` when the call comes from top-level script code outside an
     ``if __name__ == "__main__":`` block, which every worker would run again on import.
@@ -166,13 +184,9 @@ def check_main_guard(start_method: str, frame: FrameType | None) -> None:
     path = getattr(sys.modules["__main__"], "__file__", None)
     if main_frame is None or path is None:
         return
-    try:
-        with open(path, encoding="utf-8") as file:
-            tree = ast.parse(file.read())
-    except (OSError, SyntaxError, ValueError):
-        return
+    spans = _guard_spans_of_file(path)
     line = main_frame.f_lineno
-    if not any(start <= line <= end for start, end in _guard_spans(tree)):
+    if spans is not None and not any(start <= line <= end for start, end in spans):
         where = f"Your script {os.path.basename(path)} (line {line})"
         raise LaunchRefusedError(_MAIN_GUARD_MESSAGE.format(where=where))
 

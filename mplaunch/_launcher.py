@@ -273,7 +273,9 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
                 console_ranks=config.console_ranks,
                 log_dir=config.log_dir,
             )
-            results = _run_workers(spec, payload if start_method == "fork" else None, config)
+            results = _run_workers(
+                spec, payload if start_method == "fork" else None, config, getattr(function, "__module__", None)
+            )
     return results if config.return_all else results[0]
 
 
@@ -298,14 +300,30 @@ def _run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return [value] if config.return_all else value
 
 
-def _run_workers(spec: WorkerSpec, payload: Payload | None, config: LaunchConfig) -> list[Any]:
+def _preload(function_module: str | None) -> list[str]:
+    """Modules the fork server imports once, when it starts, so that its workers do not: torch, NumPy's
+    random module when this process uses NumPy (restoring its state imports it), mplaunch's worker side, and
+    the function's
+    module. Only the first forkserver launch of a process starts the server, so later functions from other
+    modules are imported by each worker."""
+    modules = ["__main__", "torch", "lightning_utilities", "mplaunch._worker"]
+    if "numpy" in sys.modules:
+        modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it
+    if function_module and function_module != "__main__":
+        modules.append(function_module)
+    return modules
+
+
+def _run_workers(
+    spec: WorkerSpec, payload: Payload | None, config: LaunchConfig, payload_module: str | None = None
+) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
     supervisor = _Supervisor(spec, processes, config)
     try:
         with _main_without_file():
             if spec.start_method == "forkserver":
-                context.set_forkserver_preload(["__main__", "torch", "mplaunch._worker", "lightning_utilities"])
+                context.set_forkserver_preload(_preload(payload_module))
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
             with _signals_blocked():
                 for rank in range(spec.nprocs):
