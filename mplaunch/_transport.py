@@ -2,7 +2,7 @@
 
 An object is pickled once; the bytes of every tensor storage it holds go to a file of their own in a
 directory on a RAM-backed file system (``/dev/shm`` where there is one), and the pickle refers to them by
-index (``persistent_id``, as ``torch.save`` does). The reader maps each file as the storage of its tensors:
+index (as ``torch.save`` does with ``persistent_id``). The reader maps each file as the storage of its tensors:
 
 * a *result* (worker to parent) is mapped shared and its files are unlinked at once, so it costs one copy
   (the writer's), stays valid after the writer exits, and nothing is left on disk;
@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 from typing import Any
 
 import cloudpickle
@@ -39,7 +40,10 @@ def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
 
 
 class _StorageWriter:
-    """The ``persistent_id`` half of a pickler: records every storage once, in the order first seen."""
+    """The storage half of a pickler: records every storage once, in the order first seen, and pickles a
+    reference to it. It hooks ``reducer_override``, which pickle consults only for objects that are not
+    builtin containers or atoms, so a list of a million ints costs nothing extra (``persistent_id`` would
+    be a Python call per object)."""
 
     inline_bytes = INLINE_BYTES
 
@@ -47,18 +51,18 @@ class _StorageWriter:
         self.storages: list[torch.UntypedStorage] = []
         self._seen: dict[int, int] = {}
 
-    def persistent_id(self, obj: object) -> Any:
+    def _reduce_storage(self, obj: object) -> Any:
         if isinstance(obj, torch.storage.TypedStorage):
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
             untyped, dtype = obj, None
         else:
-            return None
+            return NotImplemented
         if untyped.device.type == "meta":
-            return None
+            return NotImplemented
         key = untyped._cdata
         if key in self._seen:
-            return ("ref", self._seen[key], dtype)
+            return (_rebuild_storage, ("ref", self._seen[key], dtype, None))
         if untyped.device.type != "cpu":
             untyped = untyped.cpu()
         index = len(self.storages)
@@ -66,8 +70,8 @@ class _StorageWriter:
         self.storages.append(untyped)
         nbytes = untyped.nbytes()
         if nbytes < self.inline_bytes:
-            return ("inline", index, dtype, bytes(_storage_bytes(untyped)))
-        return ("file", index, dtype, nbytes)
+            return (_rebuild_storage, ("inline", index, dtype, bytes(_storage_bytes(untyped))))
+        return (_rebuild_storage, ("file", index, dtype, nbytes))
 
 
 class _Pickler(_StorageWriter, pickle.Pickler):
@@ -76,6 +80,9 @@ class _Pickler(_StorageWriter, pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._init_storages()
+
+    def reducer_override(self, obj: Any) -> Any:
+        return self._reduce_storage(obj)
 
 
 class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
@@ -92,23 +99,24 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
             raise TypeError(f"cannot pickle an open file ({type(obj).__qualname__}); open it inside the function")
-        return super().reducer_override(obj)
+        reduced = self._reduce_storage(obj)
+        return reduced if reduced is not NotImplemented else super().reducer_override(obj)
 
 
-def _pickle(obj: object, by_value: bool) -> tuple[bytes, list[torch.UntypedStorage]]:
+def _pickle(obj: object, by_value: bool) -> tuple[memoryview, list[torch.UntypedStorage]]:
     """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails."""
     if not by_value:
         buffer = io.BytesIO()
         pickler: _StorageWriter = _Pickler(buffer)
         try:
             pickler.dump(obj)  # type: ignore[attr-defined]
-            return buffer.getvalue(), pickler.storages
+            return buffer.getbuffer(), pickler.storages
         except _PICKLE_ERRORS:
             pass
     buffer = io.BytesIO()
     cloud_pickler = _CloudPickler(buffer)
     cloud_pickler.dump(obj)
-    return buffer.getvalue(), cloud_pickler.storages
+    return buffer.getbuffer(), cloud_pickler.storages
 
 
 class _InlineCloudPickler(_CloudPickler):
@@ -125,7 +133,7 @@ def to_bytes(obj: object) -> bytes:
 
 def from_bytes(data: bytes) -> Any:
     """Read an object written by :func:`to_bytes`."""
-    return _Unpickler(io.BytesIO(data), "", "", private=True).load()
+    return _Reader("", "", private=True).load(data)
 
 
 def pickle_error(obj: object, *, by_value: bool = False) -> Exception | None:
@@ -171,31 +179,50 @@ def exists(directory: str, name: str) -> bool:
     return os.path.exists(os.path.join(directory, f"{name}.pkl"))
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, directory: str, name: str, private: bool) -> None:
-        super().__init__(file)
+class _Reader:
+    """Maps the storages of one object being unpickled; :func:`_rebuild_storage` finds it in ``_reading``."""
+
+    def __init__(self, directory: str, name: str, private: bool) -> None:
         self._directory = directory
         self._name = name
         self._private = private
         self._storages: dict[int, torch.UntypedStorage] = {}
         self.files: list[str] = []
 
-    def persistent_load(self, pid: Any) -> Any:
-        kind, index, dtype = pid[0], pid[1], pid[2]
+    def storage(self, kind: str, index: int, dtype: torch.dtype | None, data: Any) -> Any:
         if kind == "inline":
-            storage = torch.UntypedStorage(len(pid[3]))
-            if pid[3]:
-                _storage_bytes(storage)[:] = pid[3]
+            storage = torch.UntypedStorage(len(data))
+            if data:
+                _storage_bytes(storage)[:] = data
             self._storages[index] = storage
         elif kind == "file":
             path = os.path.join(self._directory, f"{self._name}.{index}.bin")
-            mapped: Any = torch.UntypedStorage.from_file(path, shared=not self._private, nbytes=pid[3])
+            mapped: Any = torch.UntypedStorage.from_file(path, shared=not self._private, nbytes=data)
             self._storages[index] = mapped
             self.files.append(path)
         untyped = self._storages[index]
         if dtype is None:
             return untyped
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    def load(self, data: bytes) -> Any:
+        previous = getattr(_reading, "reader", None)
+        _reading.reader = self
+        try:
+            return pickle.loads(data)
+        finally:
+            _reading.reader = previous
+
+
+_reading = threading.local()
+
+
+def _rebuild_storage(kind: str, index: int, dtype: torch.dtype | None, data: Any) -> Any:
+    """Unpickling side of :class:`_StorageWriter`: the storage, from the reader now unpickling."""
+    reader: _Reader | None = getattr(_reading, "reader", None)
+    if reader is None:
+        raise pickle.UnpicklingError("mplaunch storages can only be read with mplaunch._transport.load")
+    return reader.storage(kind, index, dtype, data)
 
 
 def load(directory: str, name: str, *, private: bool, remove: bool) -> Any:
@@ -214,12 +241,12 @@ def load(directory: str, name: str, *, private: bool, remove: bool) -> Any:
     path = os.path.join(directory, f"{name}.pkl")
     with open(path, "rb") as file:
         data = file.read()
-    unpickler = _Unpickler(io.BytesIO(data), directory, name, private)
+    reader = _Reader(directory, name, private)
     try:
-        return unpickler.load()
+        return reader.load(data)
     finally:
         if remove:
-            for leftover in [*unpickler.files, path]:
+            for leftover in [*reader.files, path]:
                 try:
                     os.unlink(leftover)
                 except FileNotFoundError:
