@@ -18,6 +18,7 @@ from mplaunch import _transport
 from mplaunch._config import LaunchConfig
 from mplaunch._env import NodeSetup
 from mplaunch._errors import LaunchTimeoutError, WorkerExitedError
+from mplaunch._supervisor import rebuild_exception
 from mplaunch._worker import REMOTE_RANK0, WorkerSpec, elastic_entry, outcome_name
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -39,9 +40,9 @@ def _caller_state_kept() -> Iterator[None]:
             os.environ.update(environ)
 
 
-def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig, rebuild: Any) -> list[Any]:
+def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig) -> list[Any]:
     """Run this node's share of a multi-node launch; return the values of rank 0 (``return_all=False``) or of
-    this node's ranks, in rank order. ``rebuild`` turns an error outcome into the exception to raise."""
+    this node's ranks, in rank order."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -76,7 +77,7 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig, rebui
                 config.rdzv_timeout,
                 (),
             ) from error
-    return _collect(spec, failed, config, rebuild)
+    return _collect(spec, failed, config)
 
 
 def _local_ranks(directory: str) -> list[int]:
@@ -84,7 +85,7 @@ def _local_ranks(directory: str) -> list[int]:
     return sorted(int(name) for name in names if name.isdigit())
 
 
-def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig, rebuild: Any) -> list[Any]:
+def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig) -> list[Any]:
     """This node's failure first (lowest rank), then rank 0's (fetched from node 0), else the values."""
     outcomes = {
         rank: _transport.load(spec.directory, outcome_name(rank), private=False, remove=True)
@@ -93,7 +94,7 @@ def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig, reb
     for rank in sorted(set(failed) | {r for r, o in outcomes.items() if not o["ok"]}):
         outcome = outcomes.get(rank)
         if outcome is not None and not outcome["ok"]:
-            raise rebuild(outcome, rank)
+            raise rebuild_exception(outcome, rank)
         failure = failed[rank]
         raise WorkerExitedError(
             f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode} before returning",
@@ -105,5 +106,5 @@ def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig, reb
         return [outcomes[rank]["value"] for rank in sorted(outcomes)]
     rank0 = outcomes.get(0) or _transport.load(spec.directory, REMOTE_RANK0, private=False, remove=True)
     if not rank0["ok"]:
-        raise rebuild(rank0, 0)
+        raise rebuild_exception(rank0, 0)
     return [rank0["value"]]

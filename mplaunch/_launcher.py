@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing.forkserver
 import os
 import shutil
@@ -10,10 +11,8 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 import warnings
 from collections.abc import Iterator
-from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
@@ -27,14 +26,10 @@ from mplaunch._env import DEFAULT_MASTER_ADDR, NodeSetup, node_setup, outer_laun
 from mplaunch._errors import (
     InvalidOptionError,
     LaunchRefusedError,
-    LaunchTimeoutError,
-    RemoteError,
-    RemoteTraceback,
-    WorkerExitedError,
-    WorkerFailedError,
 )
 from mplaunch._state import GlobalState
-from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, outcome_name, run
+from mplaunch._supervisor import Supervisor
+from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, run
 
 _DIR_PREFIX = "mplaunch-"
 _BASELINE_NATIVE_THREADS = min(_checks.native_thread_count(), 1)
@@ -219,64 +214,52 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
     _checks.check_cuda_fork(start_method)
     _checks.check_main_guard(start_method, frame)
     by_value = start_method != "fork" and not _checks.main_is_importable()
-    reporting = frozenset(range(nprocs * (nodes.nnodes if nodes else 1))) if config.return_all else frozenset({0})
-    num_threads = _num_threads(nprocs, start_method)
+    world_size = nprocs * (nodes.nnodes if nodes else 1)
     payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
     import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker
 
     with _launch_directory() as directory:
+        spec = WorkerSpec(
+            directory=directory,
+            nprocs=nprocs,
+            start_method=start_method,
+            parent_pid=os.getpid(),
+            master_addr="",
+            master_port=0,
+            agent_store=True,
+            num_threads=_num_threads(nprocs, start_method),
+            reporting_ranks=frozenset(range(world_size)) if config.return_all else frozenset({0}),
+            environ=dict(os.environ) if start_method == "forkserver" and nodes is None else None,
+            backend=resolve_backend(config.backend, nprocs),
+            prefix_output=config.prefix_output,
+            console_ranks=config.console_ranks,
+            log_dir=config.log_dir,
+        )
         if start_method != "fork" or nodes is not None:
-            try:
-                _transport.dump(payload, directory, PAYLOAD, by_value=by_value)
-            except Exception as error:
-                culprit = _checks.describe_unpicklable(args, kwargs, by_value)
-                raise LaunchRefusedError(
-                    f"cannot send the call to {start_method!r} workers: {culprit}. Under 'spawn' and "
-                    "'forkserver' every argument is pickled; pass picklable values, create the object inside "
-                    "the function, or use start_method='fork'."
-                ) from error
+            _write_payload(payload, spec, by_value)
         if nodes is not None:
-            spec = WorkerSpec(
-                directory=directory,
-                nprocs=nprocs,
-                start_method=start_method,
-                parent_pid=os.getpid(),
-                master_addr="",
-                master_port=0,
-                agent_store=True,
-                num_threads=num_threads,
-                reporting_ranks=reporting,
-                environ=None,
-                backend=resolve_backend(config.backend, nprocs),
-                prefix_output=config.prefix_output,
-                console_ranks=config.console_ranks,
-                log_dir=config.log_dir,
-            )
             from mplaunch._elastic import launch_nodes
 
-            results = launch_nodes(spec, nodes, config, _rebuild_exception)
-            return results if config.return_all else results[0]
-        with _rendezvous() as (addr, port, agent_store), _parent_signals():
-            spec = WorkerSpec(
-                directory=directory,
-                nprocs=nprocs,
-                start_method=start_method,
-                parent_pid=os.getpid(),
-                master_addr=addr,
-                master_port=port,
-                agent_store=agent_store,
-                num_threads=num_threads,
-                reporting_ranks=reporting,
-                environ=dict(os.environ) if start_method == "forkserver" else None,
-                backend=resolve_backend(config.backend, nprocs),
-                prefix_output=config.prefix_output,
-                console_ranks=config.console_ranks,
-                log_dir=config.log_dir,
-            )
-            results = _run_workers(
-                spec, payload if start_method == "fork" else None, config, getattr(function, "__module__", None)
-            )
+            results = launch_nodes(spec, nodes, config)
+        else:
+            with _rendezvous() as (addr, port, agent_store), _parent_signals():
+                spec = dataclasses.replace(spec, master_addr=addr, master_port=port, agent_store=agent_store)
+                in_memory = payload if start_method == "fork" else None
+                results = _run_workers(spec, in_memory, config, getattr(function, "__module__", None))
     return results if config.return_all else results[0]
+
+
+def _write_payload(payload: Payload, spec: WorkerSpec, by_value: bool) -> None:
+    """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled."""
+    try:
+        _transport.dump(payload, spec.directory, PAYLOAD, by_value=by_value)
+    except Exception as error:
+        culprit = _checks.describe_unpicklable(payload.args, payload.kwargs, by_value)
+        raise LaunchRefusedError(
+            f"cannot send the call to {spec.start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
+            "every argument is pickled; pass picklable values, create the object inside the function, or use "
+            "start_method='fork'."
+        ) from error
 
 
 def _nodes(config: LaunchConfig) -> NodeSetup | None:
@@ -319,7 +302,7 @@ def _run_workers(
 ) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
-    supervisor = _Supervisor(spec, processes, config)
+    supervisor = Supervisor(spec, processes, config)
     try:
         with _main_without_file():
             if spec.start_method == "forkserver":
@@ -332,162 +315,9 @@ def _run_workers(
                     )
                     process.start()
                     processes.append(process)
-        return supervisor.wait()
+        results: list[Any] = supervisor.wait()
+        return results
     finally:
         supervisor.stop()
         for process in processes:
             process.close()
-
-
-class _Supervisor:
-    """Waits for the workers of one launch, reads their outcomes, and stops them all."""
-
-    def __init__(self, spec: WorkerSpec, processes: list[BaseProcess], config: LaunchConfig) -> None:
-        self.spec = spec
-        self.processes = processes
-        self.config = config
-        self.values: dict[int, Any] = {}
-        self.stopped: set[int] = set()
-
-    def wait(self) -> list[Any]:
-        deadline = None if self.config.timeout is None else time.monotonic() + self.config.timeout
-        pending: dict[Any, int] = {process.sentinel: rank for rank, process in enumerate(self.processes)}
-        while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait(list(pending), timeout=remaining)
-            if not ready:
-                self._raise_timeout(sorted(pending.values()))
-            for sentinel in ready:
-                rank = pending.pop(sentinel)
-                failure = self._collect(rank)
-                if failure is not None:
-                    self._raise_failure(failure, rank)
-        return [self.values.get(rank) for rank in range(self.spec.nprocs)]
-
-    def _collect(self, rank: int) -> BaseException | None:
-        """Read the outcome of a finished worker: store its value, or return its failure."""
-        process = self.processes[rank]
-        process.join()
-        name = outcome_name(rank)
-        if not _transport.exists(self.spec.directory, name):
-            return self._exit_error(rank, process)
-        try:
-            outcome = _transport.load(self.spec.directory, name, private=False, remove=True)
-        except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
-            failure = RemoteError(
-                f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
-                f"{type(error).__name__}: {error}",
-                rank,
-                process.pid,
-                type(error).__qualname__,
-            )
-            failure.__cause__ = error
-            return failure
-        if outcome["ok"]:
-            if rank in self.spec.reporting_ranks:
-                self.values[rank] = outcome["value"]
-            return None
-        return _rebuild_exception(outcome, rank)
-
-    def _exit_error(self, rank: int, process: BaseProcess) -> WorkerExitedError:
-        code = process.exitcode
-        error = WorkerExitedError("", rank, process.pid, code)
-        if error.signal_name is not None:
-            what = f"was killed by {error.signal_name} (exit code {code})"
-            if error.signal_name == "SIGKILL":
-                what += "; the out-of-memory killer is a likely cause (see `dmesg`), or a `kill -9`"
-        elif code == 0:
-            what = "exited with code 0 before returning (os._exit() or sys.exit() from another thread?)"
-        else:
-            what = f"exited with code {code} before returning"
-        error.args = (f"rank {rank} (pid {process.pid}) {what}",)
-        return error
-
-    def _raise_failure(self, failure: BaseException, rank: int) -> None:
-        self.stop()
-        others = []
-        for other in range(self.spec.nprocs):
-            if other == rank or other in self.stopped or other in self.values:
-                continue
-            if self.processes[other].exitcode is None:
-                continue
-            other_failure = self._collect(other)
-            if other_failure is not None:
-                others.append(other_failure)
-        _set_attribute(failure, "failures", tuple(others))
-        raise failure from failure.__cause__
-
-    def _raise_timeout(self, running: list[int]) -> None:
-        self.stop()
-        timeout = self.config.timeout or 0.0
-        raise LaunchTimeoutError(
-            f"the launch did not finish within timeout={timeout:g} s; ranks {running} were still running and "
-            "have been stopped. Raise `timeout`, or look for a rank stuck in a collective.",
-            timeout,
-            tuple(running),
-        )
-
-    def stop(self) -> None:
-        """SIGTERM every live worker, SIGKILL those still alive after ``grace_period`` seconds, reap all."""
-        alive = [(rank, p) for rank, p in enumerate(self.processes) if p.exitcode is None]
-        try:
-            for rank, process in alive:
-                self.stopped.add(rank)
-                _signal(process, signal.SIGTERM)
-            deadline = time.monotonic() + self.config.grace_period
-            remaining = [p for _, p in alive]
-            while remaining and time.monotonic() < deadline:
-                wait([p.sentinel for p in remaining], timeout=max(0.0, deadline - time.monotonic()))
-                remaining = [p for p in remaining if p.exitcode is None]
-        finally:
-            for _, process in alive:
-                if process.exitcode is None:
-                    _signal(process, signal.SIGKILL)
-            for process in self.processes:
-                process.join()
-
-
-def _signal(process: BaseProcess, signum: int) -> None:
-    if process.pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signum)
-
-
-def _set_attribute(error: BaseException, name: str, value: Any) -> None:
-    with contextlib.suppress(AttributeError, TypeError):
-        setattr(error, name, value)
-
-
-def _rebuild_exception(outcome: dict[str, Any], rank: int) -> BaseException:
-    """The worker's exception as itself (or a :class:`RemoteError`), the remote traceback as its cause."""
-    import pickle
-
-    pid = outcome["pid"]
-    error: BaseException | None = None
-    if outcome["exception"] is not None:
-        try:
-            error = pickle.loads(outcome["exception"])
-        except Exception:  # noqa: BLE001
-            error = None
-    if error is not None and not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt: not for the parent
-        error = WorkerExitedError(
-            f"rank {rank} (pid {pid}) raised {outcome['repr']} before returning, so it has no result",
-            rank,
-            pid,
-            getattr(error, "code", 1) if isinstance(getattr(error, "code", 1), int) else 1,
-        )
-    if error is None:
-        error = RemoteError(
-            f"rank {rank} (pid {pid}) raised {outcome['type_name']}: {outcome['message']} (the exception could "
-            "not be sent as itself because it cannot be pickled or unpickled)",
-            rank,
-            pid,
-            outcome["type_name"],
-        )
-    header = f"rank {rank} (pid {pid})"
-    error.__cause__ = RemoteTraceback(f'\n"""\n{header} raised:\n{outcome["traceback"]}"""')
-    _set_attribute(error, "rank", rank)
-    _set_attribute(error, "pid", pid)
-    if hasattr(error, "add_note") and not isinstance(error, WorkerFailedError):
-        error.add_note(f"(raised in mplaunch worker {header})")
-    return error
