@@ -18,6 +18,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest
 
 bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench]"
 	$(PY) benchmarks/run.py --quick
 
 clean:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -12,6 +13,7 @@ from typing_extensions import ParamSpec
 
 from mplaunch import _launcher
 from mplaunch._config import LaunchConfig, make_config
+from mplaunch._errors import InvalidOptionError
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -41,7 +43,11 @@ class ParallelFunction(Generic[P, T]):
     def _mplaunch_target(self) -> Callable[P, Any]:
         return self.__wrapped__
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> T:
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        """Bind a decorated method to ``instance``, which becomes the first argument (pickled under spawn)."""
+        return self if instance is None else types.MethodType(self, instance)
+
+    def __call__(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Start the workers, run the function in each with these arguments, wait, and return the result.
 
         Returns:
@@ -61,16 +67,17 @@ class ParallelFunction(Generic[P, T]):
         return _launcher.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        module = sys.modules.get(self.__module__)
+        module = sys.modules.get(getattr(self, "__module__", ""))
         holder: Any = module
-        for part in self.__qualname__.split("."):
+        for part in getattr(self, "__qualname__", "<unnamed>").split("."):
             holder = getattr(holder, part, None)
         if holder is self:
             return str(self.__qualname__)
         return (ParallelFunction, (self.__wrapped__, self.config))
 
     def __repr__(self) -> str:
-        return f"<parallel function {self.__module__}.{self.__qualname__} ({self.config})>"
+        name = getattr(self, "__qualname__", None) or repr(self.__wrapped__)
+        return f"<parallel function {getattr(self, '__module__', '?')}.{name} ({self.config})>"
 
 
 @overload
@@ -222,6 +229,11 @@ def parallel(
         rdzv_timeout=rdzv_timeout,
     )
     if function is not None:
+        if not callable(function):
+            raise InvalidOptionError(
+                f"parallel({function!r}) is not valid: decorate a function (@parallel), or pass options by "
+                f"keyword, e.g. @parallel(nprocs={function!r})."
+            )
         return ParallelFunction(function, config)
 
     def decorate(fn: Callable[P, R]) -> ParallelFunction[P, Any]:

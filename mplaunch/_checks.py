@@ -141,15 +141,29 @@ def _main_frame(frame: FrameType | None) -> FrameType | None:
 
 
 def _guard_spans(tree: ast.Module) -> list[tuple[int, int]]:
+    """Line spans of the ``if`` blocks whose test involves ``__name__`` and ``"__main__"`` (any spelling:
+    ``==``, ``in``, combined with ``and``, negated)."""
     spans = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
-            names = [node.test.left, *node.test.comparators]
-            has_name = any(isinstance(n, ast.Name) and n.id == "__name__" for n in names)
-            has_main = any(isinstance(n, ast.Constant) and n.value == "__main__" for n in names)
+        if isinstance(node, ast.If):
+            parts = list(ast.walk(node.test))
+            has_name = any(isinstance(n, ast.Name) and n.id == "__name__" for n in parts)
+            has_main = any(isinstance(n, ast.Constant) and n.value == "__main__" for n in parts)
             if has_name and has_main:
                 spans.append((node.lineno, node.end_lineno or node.lineno))
     return spans
+
+
+def defined_in_main_guard(function: Any) -> bool:
+    """Whether ``function`` belongs to ``__main__`` and is defined inside its ``if __name__ == "__main__":``
+    block, where a ``spawn``/``forkserver`` worker that re-imports the script will not find it."""
+    main = sys.modules.get("__main__")
+    code = getattr(function, "__code__", None)
+    path = getattr(main, "__file__", None)
+    if getattr(function, "__module__", None) != "__main__" or code is None or not isinstance(path, str):
+        return False
+    spans = _guard_spans_of_file(path) or []
+    return any(start <= code.co_firstlineno <= end for start, end in spans)
 
 
 _spans_cache: dict[tuple[str, float], list[tuple[int, int]] | None] = {}

@@ -29,9 +29,14 @@ RANK_VARIABLES = (
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE",
+    "MPLAUNCH_HOSTED_MASTER_PORT",
 )
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+#: Set in workers to the MASTER_PORT of the store their launch hosts: a MASTER_PORT equal to it was not
+#: chosen by the user, so a launch from inside a worker hosts a store of its own.
+OWN_PORT_VARIABLE = "MPLAUNCH_HOSTED_MASTER_PORT"
 
 
 def rank_environment(
@@ -67,6 +72,7 @@ def rank_environment(
     }
     if agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        env[OWN_PORT_VARIABLE] = str(master_port)  # so that a launch from this worker knows it is not the user's
     return env
 
 
@@ -155,12 +161,17 @@ def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     """Name the launcher this process already runs under as one rank (``"torchrun"``, ``"slurm"``,
     ``"mpi"``), or ``None``. ``MPLAUNCH_IN_PROCESS=1`` forces ``"forced"``, ``=0`` forces ``None``.
 
+    Raises:
+        ValueError: ``MPLAUNCH_IN_PROCESS`` is set to something other than ``0`` or ``1``.
+
     Args:
         environ: the variables to read; ``None`` reads ``os.environ``.
     """
     env = os.environ if environ is None else environ
     forced = env.get("MPLAUNCH_IN_PROCESS")
-    if forced in ("0", "1"):
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"MPLAUNCH_IN_PROCESS={forced!r} is not valid: set it to 1 (run in-process), 0 (launch).")
         return "forced" if forced == "1" else None
     if env.get("TORCHELASTIC_RUN_ID"):
         return "torchrun"

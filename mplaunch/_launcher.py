@@ -13,6 +13,7 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
+from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
@@ -22,14 +23,14 @@ import torch.multiprocessing as mp
 
 from mplaunch import _checks, _transport
 from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs, usable_cpu_count
-from mplaunch._env import DEFAULT_MASTER_ADDR, NodeSetup, node_setup, outer_launcher
+from mplaunch._env import DEFAULT_MASTER_ADDR, OWN_PORT_VARIABLE, NodeSetup, node_setup, outer_launcher
 from mplaunch._errors import (
     InvalidOptionError,
     LaunchRefusedError,
 )
 from mplaunch._state import GlobalState
 from mplaunch._supervisor import Supervisor
-from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, run
+from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, _prctl, run
 
 _DIR_PREFIX = "mplaunch-"
 _BASELINE_NATIVE_THREADS = min(_checks.native_thread_count(), 1)
@@ -41,19 +42,33 @@ class _ParentTerminated(BaseException):
 
 
 def _shm_root() -> str:
+    """Where launch directories go: ``MPLAUNCH_SHM_DIR`` if set, else /dev/shm, else the temp dir."""
+    configured = os.environ.get("MPLAUNCH_SHM_DIR")
+    if configured:
+        return configured
     root = "/dev/shm"
     if os.path.isdir(root) and os.access(root, os.W_OK):
         return root
     return tempfile.gettempdir()
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace, so that directories of another namespace sharing /dev/shm (e.g. a
+    container with --ipc=host) are never judged by pids of this one."""
+    try:
+        return os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    except OSError:
+        return "0"
+
+
 def _remove_stale_directories(root: str) -> None:
     """Remove launch directories left by parents that were killed (their pid no longer exists)."""
+    namespace = _pid_namespace()
     for entry in os.listdir(root):
         if not entry.startswith(_DIR_PREFIX):
             continue
-        pid = entry[len(_DIR_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        pid, _, rest = entry[len(_DIR_PREFIX) :].partition("-")
+        if pid.isdigit() and rest.startswith(f"{namespace}-") and not _pid_alive(int(pid)):
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
 
@@ -71,7 +86,7 @@ def _pid_alive(pid: int) -> bool:
 def _launch_directory() -> Iterator[str]:
     root = _shm_root()
     _remove_stale_directories(root)
-    directory = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=root)
+    directory = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-{_pid_namespace()}-", dir=root)
     try:
         yield directory
     finally:
@@ -86,9 +101,14 @@ def _rendezvous() -> Iterator[tuple[str, int, bool]]:
     (port 0) and holds it for the whole launch, as torchrun's agent does: no "free port" is picked and
     released, so concurrent launches cannot collide.
     """
-    addr = os.environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR
+    own_port = os.environ.get(OWN_PORT_VARIABLE)
     port = os.environ.get("MASTER_PORT")
+    if port and port == own_port:  # inherited from the launch this process is a worker of: not the user's
+        port = None
+    addr = (os.environ.get("MASTER_ADDR") if own_port is None else None) or DEFAULT_MASTER_ADDR
     if port:
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise LaunchRefusedError(f"MASTER_PORT={port!r} is not a TCP port: set it to 1-65535, or unset it.")
         yield addr, int(port), False
         return
     if not torch.distributed.is_available():
@@ -101,7 +121,13 @@ def _rendezvous() -> Iterator[tuple[str, int, bool]]:
         return
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+    try:
+        store = TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    except RuntimeError as error:  # DistNetworkError and friends
+        raise LaunchRefusedError(
+            f"cannot host the rendezvous store for MASTER_ADDR={addr!r}: {error}. Set MASTER_ADDR to an address "
+            "of this machine (127.0.0.1 by default), or unset it."
+        ) from error
     try:
         yield addr, store.port, True
     finally:
@@ -194,11 +220,12 @@ def _function_reference(function: Any, by_value: bool) -> Any:
     """What to send as the function: the decorated object when a worker can import it by name, else the
     plain function (pickled by reference where possible, by value otherwise)."""
     wrapped = function._mplaunch_target
-    if by_value:
+    qualname = getattr(function, "__qualname__", None)
+    if by_value or qualname is None:  # e.g. a functools.partial or a callable object
         return wrapped
-    module = sys.modules.get(function.__module__)
+    module = sys.modules.get(getattr(function, "__module__", ""))
     holder: Any = module
-    for part in function.__qualname__.split("."):
+    for part in qualname.split("."):
         holder = getattr(holder, part, None)
     return function if holder is function else wrapped
 
@@ -206,17 +233,31 @@ def _function_reference(function: Any, by_value: bool) -> Any:
 def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
     """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s)."""
     _checks.check_not_bootstrapping()
-    if outer_launcher() is not None:
+    try:
+        outer = outer_launcher()
+    except ValueError as error:
+        raise InvalidOptionError(str(error)) from None
+    if outer is not None:
         return _run_in_process(function, args, kwargs, config)
+    with _parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
+        return _launch(function, args, kwargs, config, frame)
+
+
+def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
     nprocs = resolve_nprocs(config.nprocs)
     nodes = _nodes(config)
     start_method = config.start_method or _checks.default_start_method()
     _checks.check_cuda_fork(start_method)
     _checks.check_main_guard(start_method, frame)
-    by_value = start_method != "fork" and not _checks.main_is_importable()
+    by_value = start_method != "fork" and (
+        not _checks.main_is_importable() or _checks.defined_in_main_guard(function._mplaunch_target)
+    )
     world_size = nprocs * (nodes.nnodes if nodes else 1)
     payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
-    import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker
+    if start_method == "fork":
+        import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker
+
+        _prctl()
 
     with _launch_directory() as directory:
         spec = WorkerSpec(
@@ -235,6 +276,8 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
             console_ranks=config.console_ranks,
             log_dir=config.log_dir,
         )
+        if spec.backend == "nccl" and not torch.cuda.is_available():
+            raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
         if start_method != "fork" or nodes is not None:
             _write_payload(payload, spec, by_value)
         if nodes is not None:
@@ -242,17 +285,35 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
 
             results = launch_nodes(spec, nodes, config)
         else:
-            with _rendezvous() as (addr, port, agent_store), _parent_signals():
+            with _rendezvous() as (addr, port, agent_store):
                 spec = dataclasses.replace(spec, master_addr=addr, master_port=port, agent_store=agent_store)
                 in_memory = payload if start_method == "fork" else None
                 results = _run_workers(spec, in_memory, config, getattr(function, "__module__", None))
     return results if config.return_all else results[0]
 
 
+def _space_hint(directory: str) -> str:
+    """Say how much room the shared-memory file system has, and how to get more."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return ""
+    free, total = stats.f_bavail * stats.f_frsize / 2**20, stats.f_blocks * stats.f_frsize / 2**20
+    return (
+        f"It has {free:.0f} MiB free of {total:.0f} MiB; mplaunch needs room there for the arguments and results "
+        "(e.g. docker run --shm-size=8g), or set MPLAUNCH_SHM_DIR to a larger directory."
+    )
+
+
 def _write_payload(payload: Payload, spec: WorkerSpec, by_value: bool) -> None:
     """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled."""
     try:
         _transport.dump(payload, spec.directory, PAYLOAD, by_value=by_value)
+    except OSError as error:
+        raise LaunchRefusedError(
+            f"cannot write the call's arguments to {os.path.dirname(spec.directory)}: {error}. "
+            f"{_space_hint(spec.directory)}"
+        ) from error
     except Exception as error:
         culprit = _checks.describe_unpicklable(payload.args, payload.kwargs, by_value)
         raise LaunchRefusedError(

@@ -27,6 +27,20 @@ class RankStream(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._console or self._log, "encoding", None) or "utf-8"
+
+    def fileno(self) -> int:
+        """The console stream's descriptor (writes through it bypass the prefix), for faulthandler and
+        subprocess; raises ``io.UnsupportedOperation`` when this rank's console output is dropped."""
+        if self._console is None:
+            raise io.UnsupportedOperation("this rank's console output is dropped (console_ranks)")
+        return self._console.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
     def write(self, text: str) -> int:
         *lines, self._pending = (self._pending + text).split("\n")
         if lines:

@@ -49,7 +49,7 @@ class GlobalState:
 
     It covers: deterministic algorithms (and warn-only), ``torch.backends.cudnn.benchmark`` and
     ``.deterministic``, the float32 matmul precision, the default dtype, anomaly detection (and its NaN
-    check), the RNG states of Python's ``random``, NumPy's global generator (when NumPy is imported), torch's
+    check), the RNG states of Python's ``random``, NumPy's global generator (when ``numpy.random`` is imported), torch's
     CPU generator, every CUDA device's generator when CUDA is already initialised (capturing never creates a
     CUDA context), and whatever was added with :func:`register_state`. It does not cover thread counts
     (set per worker by the launcher), other libraries' state, or generators you created yourself.
@@ -80,7 +80,7 @@ class GlobalState:
     @classmethod
     def capture(cls) -> GlobalState:
         """Capture the calling process's state. Reads only; never initialises CUDA."""
-        numpy = sys.modules.get("numpy")
+        numpy = sys.modules.get("numpy") if "numpy.random" in sys.modules else None  # unused: nothing to carry
         return cls(
             deterministic=torch.are_deterministic_algorithms_enabled(),
             deterministic_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),

@@ -32,6 +32,7 @@ class Supervisor:
         self.config = config
         self.values: dict[int, Any] = {}
         self.stopped: set[int] = set()
+        self.collected: set[int] = set()
 
     def wait(self) -> list[Any]:
         deadline = None if self.config.timeout is None else time.monotonic() + self.config.timeout
@@ -52,6 +53,7 @@ class Supervisor:
         """Read the outcome of a finished worker: store its value, or return its failure."""
         process = self.processes[rank]
         process.join()
+        self.collected.add(rank)
         name = outcome_name(rank)
         if not _transport.exists(self.spec.directory, name):
             return self._exit_error(rank, process)
@@ -88,16 +90,16 @@ class Supervisor:
         return error
 
     def _raise_failure(self, failure: BaseException, rank: int) -> None:
+        """Stop the others, keep their own failures (not the stop we caused) on ``failure``, raise it."""
         self.stop()
         others = []
         for other in range(self.spec.nprocs):
-            if other == rank or other in self.stopped or other in self.values:
-                continue
-            if self.processes[other].exitcode is None:
+            if other == rank or other in self.values or other in self.collected:
                 continue
             other_failure = self._collect(other)
-            if other_failure is not None:
-                others.append(other_failure)
+            if other_failure is None or (other in self.stopped and _caused_by_stop(other_failure)):
+                continue
+            others.append(other_failure)
         _set_attribute(failure, "failures", tuple(others))
         raise failure from failure.__cause__
 
@@ -112,7 +114,8 @@ class Supervisor:
         )
 
     def stop(self) -> None:
-        """SIGTERM every live worker, SIGKILL those still alive after ``grace_period`` seconds, reap all."""
+        """SIGTERM every live worker and what it started (its process group), SIGKILL what is still alive after
+        ``grace_period`` seconds, reap all; then SIGKILL whatever the finished workers left running."""
         alive = [(rank, p) for rank, p in enumerate(self.processes) if p.exitcode is None]
         try:
             for rank, process in alive:
@@ -129,12 +132,27 @@ class Supervisor:
                     _signal(process, signal.SIGKILL)
             for process in self.processes:
                 process.join()
+                _signal(process, signal.SIGKILL, group_only=True)  # grandchildren left behind
 
 
-def _signal(process: BaseProcess, signum: int) -> None:
-    if process.pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(process.pid, signum)
+def _caused_by_stop(failure: BaseException) -> bool:
+    """Whether a stopped worker's failure is just the SIGTERM/SIGKILL with which the launch stopped it."""
+    if isinstance(failure, WorkerExitedError):
+        return failure.signal_name in ("SIGTERM", "SIGKILL") or "Terminated(" in str(failure)
+    return False
+
+
+def _signal(process: BaseProcess, signum: int, *, group_only: bool = False) -> None:
+    """Signal a worker's process group (it made one of its own at start), or the worker alone if it has
+    not made it yet."""
+    if process.pid is None:
+        return
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        if not group_only:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signum)
 
 
 def _set_attribute(error: BaseException, name: str, value: Any) -> None:

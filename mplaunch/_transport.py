@@ -15,6 +15,7 @@ Nothing here flows through a pipe, so no size can fill a pipe buffer and deadloc
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -174,6 +175,14 @@ def dump(obj: object, directory: str, name: str, *, by_value: bool = False) -> N
     os.replace(staging, os.path.join(directory, f"{name}.pkl"))
 
 
+def remove(directory: str, name: str) -> None:
+    """Remove whatever :func:`dump` wrote (or began to write) for ``name``."""
+    for entry in os.listdir(directory):
+        if entry.startswith((f"{name}.", f".{name}.")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, entry))
+
+
 def exists(directory: str, name: str) -> bool:
     """Whether a complete object ``name`` has been written to ``directory``."""
     return os.path.exists(os.path.join(directory, f"{name}.pkl"))
@@ -200,10 +209,11 @@ class _Reader:
             mapped: Any = torch.UntypedStorage.from_file(path, shared=not self._private, nbytes=data)
             self._storages[index] = mapped
             self.files.append(path)
-        untyped = self._storages[index]
-        if dtype is None:
-            return untyped
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        # An untyped storage comes back wrapped as bytes, as torch.load returns it (tensors of the newer
+        # dtypes, e.g. float8 or uint16, pickle their untyped storage and expect this on rebuild).
+        return torch.storage.TypedStorage(
+            wrap_storage=self._storages[index], dtype=dtype or torch.uint8, _internal=True
+        )
 
     def load(self, data: bytes) -> Any:
         previous = getattr(_reading, "reader", None)

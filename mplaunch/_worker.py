@@ -6,9 +6,12 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
+import select
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -61,26 +64,49 @@ def outcome_name(rank: int) -> str:
     return f"rank{rank}"
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies; exit now if the parent is already gone.
+@functools.lru_cache(maxsize=1)
+def _prctl() -> Any:
+    """libc's prctl, loaded once (in the parent before a fork, so forked workers inherit it)."""
+    return ctypes.CDLL(None, use_errno=True).prctl
 
-    ``parent_pid`` is the launching process, or ``None`` under forkserver, where the parent is the fork
-    server (which exits when the launching process dies, and so takes its workers with it).
+
+def _die_with_parent(parent_pid: int, start_method: str) -> None:
+    """Make sure this worker dies when the launching process dies, even by SIGKILL; exit now if it is gone.
+
+    Under fork and spawn the launching process is the parent: Linux's ``PR_SET_PDEATHSIG`` sends SIGKILL.
+    Under forkserver the parent is the fork server, which outlives a killed launcher (its children keep the
+    server's "alive" pipe open), so a daemon thread waits on a pidfd of the launching process instead.
     """
     if not sys.platform.startswith("linux"):
         return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+    if start_method != "forkserver":
+        try:
+            _prctl()(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent_pid:
+            os._exit(1)
         return
-    orphaned = os.getppid() == 1 if parent_pid is None else os.getppid() != parent_pid
-    if orphaned:
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
         os._exit(1)
+    except (OSError, AttributeError):  # kernel < 5.3
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="mplaunch-parent-watch", daemon=True).start()
+
+
+class Terminated(SystemExit):
+    """Raised in a worker by the SIGTERM with which the launch stops it (distinct from the user's SystemExit)."""
 
 
 def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+    raise Terminated(128 + signum)
 
 
 def _set_threads(num_threads: int) -> None:
@@ -98,6 +124,8 @@ def process_group(backend: str | None, rank: int) -> Iterator[None]:
     import torch.distributed as dist
 
     if backend == "nccl":
+        if torch.cuda.device_count() == 0:
+            raise RuntimeError("backend='nccl' needs CUDA devices, and this worker sees none; use backend='gloo'")
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend)
     try:
@@ -107,8 +135,18 @@ def process_group(backend: str | None, rank: int) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+def _safely(describe: Callable[[BaseException], str], error: BaseException) -> str:
+    try:
+        return describe(error)
+    except Exception as failure:  # noqa: BLE001 - a broken __str__ must not hide the error itself
+        return f"<{type(error).__qualname__}: {describe.__name__}() failed with {type(failure).__name__}>"
+
+
 def _error_outcome(error: BaseException) -> dict[str, Any]:
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    try:
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    except Exception:  # noqa: BLE001
+        text = "".join(traceback.format_tb(error.__traceback__)) + _safely(repr, error)
     try:
         exc_bytes = _pickle_exception(error)
     except Exception:  # noqa: BLE001 - an exception that cannot be pickled travels as text
@@ -118,8 +156,8 @@ def _error_outcome(error: BaseException) -> dict[str, Any]:
         "pid": os.getpid(),
         "exception": exc_bytes,
         "type_name": f"{type(error).__module__}.{type(error).__qualname__}",
-        "message": str(error),
-        "repr": repr(error),
+        "message": _safely(str, error),
+        "repr": _safely(repr, error),
         "traceback": text,
     }
 
@@ -147,14 +185,23 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: dict[str, Any]) -> dict
     try:
         _transport.dump(outcome, spec.directory, outcome_name(rank))
         return outcome
-    except Exception as error:  # noqa: BLE001 - the result cannot be pickled: report that instead
+    except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
+        _transport.remove(spec.directory, outcome_name(rank))
         if not outcome["ok"]:
             raise
         value = outcome["value"]
-        failure = TypeError(
-            f"the result of rank {rank} (type {type(value).__module__}.{type(value).__qualname__}) cannot be "
-            f"pickled to send it to the parent: {error}"
-        )
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        failure: Exception
+        if isinstance(error, OSError):
+            failure = OSError(
+                error.errno,
+                f"the result of rank {rank} (type {kind}) could not be written to {spec.directory} for the parent: "
+                f"{error.strerror}. Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR.",
+            )
+        else:
+            failure = TypeError(
+                f"the result of rank {rank} (type {kind}) cannot be pickled to send it to the parent: {error}"
+            )
         failure.__cause__ = error
         replacement = _error_outcome(failure)
         _transport.dump(replacement, spec.directory, outcome_name(rank))
@@ -169,7 +216,9 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
             payload = _transport.load(spec.directory, PAYLOAD, private=True, remove=False)
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
-        args, kwargs = unshare((payload.args, payload.kwargs))
+        args, kwargs = payload.args, payload.kwargs
+        if spec.start_method == "fork":  # inherited: shared memory stays shared; else mapped private already
+            args, kwargs = unshare((args, kwargs))
         with rank_output(rank, spec.prefix_output, spec.console_ranks, spec.log_dir):
             with process_group(spec.backend, local_rank):
                 value = function(*args, **kwargs)
@@ -190,16 +239,18 @@ def _finish(failed: bool) -> None:
         except (OSError, ValueError, AttributeError):
             pass
     if failed:
-        sys.exit(1)
+        os._exit(1)
 
 
 def _start(spec: WorkerSpec) -> None:
     """Signals, parent-death and exit handlers: the first things a worker does."""
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked while starting
-    _die_with_parent(None if spec.start_method == "forkserver" else spec.parent_pid)
-    if spec.start_method == "fork":
-        atexit._clear()  # the parent's exit handlers are not ours to run
+    _die_with_parent(spec.parent_pid, spec.start_method)
+    if spec.start_method != "spawn":
+        atexit._clear()  # inherited from the parent or the fork server: not ours to run
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a process group of its own: stopping the worker stops what it started too
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
@@ -222,6 +273,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
         _write_outcome(spec, rank, outcome)
     finally:
         _finish(not outcome["ok"])
+    os._exit(0)  # done: threads the function left running must not keep the worker (and the call) alive
 
 
 def elastic_entry(spec: WorkerSpec) -> int:

@@ -232,3 +232,56 @@ def chatty(lines: int) -> int:
     print(f"err from {rank}", file=sys.stderr)
     sys.stdout.write("no newline at the end")
     return rank
+
+
+def newer_dtypes() -> dict[str, torch.Tensor]:
+    return {
+        "uint16": torch.arange(60_000, dtype=torch.int32).to(torch.uint16),
+        "f8": torch.ones(8).to(torch.float8_e4m3fn),
+    }
+
+
+def nested_launch() -> list[tuple[int, float]]:
+    from mplaunch import parallel
+
+    inner = parallel(nprocs=2, start_method="fork", backend="gloo", return_all=True, timeout=60)
+    return inner(all_reduce_in_given_group)()  # type: ignore[no-any-return]
+
+
+def leave_a_thread_running() -> int:
+    import threading
+
+    threading.Thread(target=time.sleep, args=(120,), daemon=False).start()
+    return worker_info().rank
+
+
+class BrokenStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
+def raise_broken_str() -> None:
+    raise BrokenStr("hidden")
+
+
+def raise_at_once() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()  # both ranks raise within microseconds of each other
+    raise KeyError(f"rank {worker_info().rank}")
+
+
+def anonymous_memory_after_reading(tensor: torch.Tensor) -> int:
+    float(tensor.sum())  # touch every page
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
+
+
+class Model:
+    def __init__(self, scale: int) -> None:
+        self.scale = scale
+
+    def times(self, x: int) -> int:
+        return self.scale * x

@@ -130,3 +130,25 @@ def test_unpicklable_argument_is_refused_before_launching(start_method: str) -> 
 
 def test_fork_needs_no_pickling() -> None:
     assert launch(workers.call_holding, "fork")(lambda: 1, threading.Lock()) == 1
+
+
+def test_failures_of_ranks_that_raised_at_the_same_time_are_kept() -> None:
+    with pytest.raises(KeyError) as caught:
+        launch(workers.raise_at_once)()
+    others = caught.value.failures  # type: ignore[attr-defined]
+    assert len(others) == 1 and isinstance(others[0], KeyError) and others[0].rank != caught.value.rank  # type: ignore[attr-defined]
+
+
+def test_an_exception_whose_str_raises_still_arrives() -> None:
+    with pytest.raises(workers.BrokenStr) as caught:
+        launch(workers.raise_broken_str)()
+    assert caught.value.rank in (0, 1)  # type: ignore[attr-defined]
+
+
+def test_nccl_without_cuda_is_refused_before_launching() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(LaunchRefusedError, match="backend='nccl' needs CUDA"):
+        parallel(nprocs=2, start_method="fork", backend="nccl")(workers.sleep)(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -107,3 +108,37 @@ def test_backend_option_with_a_raising_function_still_fails_cleanly() -> None:
     run = parallel(nprocs=2, start_method="fork", backend="gloo", timeout=TIMEOUT)(workers.raise_value_error)
     with pytest.raises(ValueError, match="bad value"):
         run()
+
+
+def test_newer_dtypes_travel() -> None:
+    result = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.newer_dtypes)()
+    assert result["uint16"].dtype == torch.uint16 and result["uint16"].to(torch.int32)[-1].item() == 59_999
+    assert result["f8"].dtype == torch.float8_e4m3fn and result["f8"].float().sum().item() == 8.0
+
+
+def test_a_worker_can_launch_its_own_workers() -> None:
+    """The inner launch must host its own store, not reuse the outer launch's MASTER_PORT."""
+    assert parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(workers.nested_launch)() == [(2, 3.0), (2, 3.0)]
+
+
+def test_a_thread_left_running_does_not_hold_the_call() -> None:
+    start = time.monotonic()
+    assert parallel(nprocs=2, start_method="fork", return_all=True, timeout=60)(workers.leave_a_thread_running)() == [
+        0,
+        1,
+    ]
+    assert time.monotonic() - start < 30
+
+
+def test_methods_partials_and_a_parameter_named_self() -> None:
+    import functools
+
+    class Holder:
+        times = parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(workers.Model.times)
+
+    holder = Holder()
+    holder.scale = 3  # type: ignore[attr-defined]
+    assert holder.times(2) == 6  # bound like a method
+    partial = parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(functools.partial(workers.identity, 1))
+    assert partial(2) == ((1, 2), {})
+    assert parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(workers.identity)(self=1) == ((), {"self": 1})

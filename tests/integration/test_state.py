@@ -84,3 +84,11 @@ def test_worker_threads_default_to_cores_per_worker(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     result = parallel(nprocs=1, start_method="forkserver", timeout=TIMEOUT)(workers.rank_and_env)()
     assert result["threads"] == 1 and result["env"]["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("start_method", ["forkserver"])
+def test_spawned_arguments_are_mapped_not_copied(start_method: str) -> None:
+    anonymous = parallel(nprocs=1, start_method=start_method, timeout=TIMEOUT)(workers.anonymous_memory_after_reading)
+    baseline = anonymous(torch.ones(1024))
+    # read through a private mapping of the parent's copy: no private 128 MiB copy was made
+    assert anonymous(torch.ones(128 * 2**20 // 4)) - baseline < 32 * 2**20

@@ -114,3 +114,8 @@ def test_output_options_are_validated(options: dict[str, object], text: str) -> 
     with pytest.raises(InvalidOptionError, match=text.replace("[", r"\[").replace("]", r"\]")):
         parallel(**options)  # type: ignore[call-overload]
     assert parallel(console_ranks=(0, 1), log_dir="logs")(len).config.console_ranks == frozenset({0, 1})
+
+
+def test_a_positional_option_is_refused_with_the_fix() -> None:
+    with pytest.raises(InvalidOptionError, match=r"parallel\(2\) is not valid.*nprocs=2"):
+        parallel(2)  # type: ignore[call-overload]
