@@ -188,6 +188,14 @@ def test_sigterm_to_the_parent_stops_workers_and_ends_it_by_sigterm(started: Sta
     parent.communicate(timeout=30)
     assert parent.returncode == -signal.SIGTERM
     assert_gone(pids, within=1.0)
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{parent.pid}-")]  # cleaned up first
+
+
+def test_killing_the_parent_under_forkserver_takes_the_workers(started: Starter) -> None:
+    parent, pids = started(SIGNALLED, "forkserver")
+    parent.kill()
+    parent.communicate(timeout=30)
+    assert_gone(pids, within=15.0)
 
 
 ORPHANED = """
@@ -413,3 +421,22 @@ def test_many_tensor_arguments_fit_a_small_open_file_limit(tmp_path: Path, start
     done = run_script(write_script(tmp_path, MANY_TENSORS), start_method)
     assert done.returncode == 0, done.stderr
     assert "same True" in done.stdout
+
+
+DEFINED_IN_GUARD = """
+    import sys
+    from mplaunch import parallel
+
+    if __name__ == "__main__":
+        @parallel(nprocs=1, start_method=sys.argv[1], timeout=60)
+        def inside(x: int) -> int:
+            return x + 1
+
+        print("result", inside(1))
+"""
+
+
+def test_a_function_defined_inside_the_guard_is_sent_by_value(tmp_path: Path) -> None:
+    done = run_script(write_script(tmp_path, DEFINED_IN_GUARD), "forkserver")
+    assert done.returncode == 0, done.stderr
+    assert "result 2" in done.stdout

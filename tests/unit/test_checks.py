@@ -52,9 +52,13 @@ def test_main_importability(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _checks.main_is_importable()
 
 
-def test_guard_spans_find_both_spellings() -> None:
-    source = 'x = 1\nif __name__ == "__main__":\n    run()\nif "__main__" == __name__:\n    run()\n'
-    assert _checks._guard_spans(ast.parse(source)) == [(2, 3), (4, 5)]
+def test_guard_spans_find_every_spelling() -> None:
+    source = (
+        'x = 1\nif __name__ == "__main__":\n    run()\nif "__main__" == __name__:\n    run()\n'
+        'if __name__ == "__main__" and x:\n    run()\nif __name__ in ("__main__",):\n    run()\n'
+        'if not __name__ != "__main__":\n    run()\nif x:\n    run()\n'
+    )
+    assert _checks._guard_spans(ast.parse(source)) == [(2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
 
 
 def test_describe_unpicklable_names_the_argument() -> None:

@@ -106,3 +106,21 @@ def test_node_setup_reads_arguments_then_mplaunch_then_slurm() -> None:
     assert node_setup(None, None, None, {**slurm, "SLURM_STEP_NUM_TASKS": "8"}) is None  # tasks per rank: in-process
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         node_setup(2, None, None, {})
+
+
+def test_bad_in_process_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch import InvalidOptionError, outer_launcher, parallel
+
+    with pytest.raises(ValueError, match="MPLAUNCH_IN_PROCESS='yes'"):
+        outer_launcher({"MPLAUNCH_IN_PROCESS": "yes"})
+    monkeypatch.setenv("MPLAUNCH_IN_PROCESS", "yes")
+    with pytest.raises(InvalidOptionError, match="set it to 1"):
+        parallel(nprocs=2, start_method="fork")(os.getpid)()
+
+
+def test_bad_master_port_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch import LaunchRefusedError, parallel
+
+    monkeypatch.setenv("MASTER_PORT", "abc")
+    with pytest.raises(LaunchRefusedError, match="MASTER_PORT='abc' is not a TCP port"):
+        parallel(nprocs=2, start_method="fork")(os.getpid)()
