@@ -23,9 +23,11 @@ class Plan:
     gloo_slow: int
     payload: int  # launches per result payload
     payload_large: int  # launches for the 512 MiB payload
+    payload_peers: int  # launches per payload for peers (mplaunch gets `payload`/`payload_large`)
     baseline: int  # repeats of each in-process baseline
     imports: int  # fresh interpreters timing `import mplaunch` after `import torch`
     state: int  # GlobalState.capture().restore() calls
+    peers_slow: bool  # also measure peers (not raw torch, not mplaunch) with their slow methods (spawn)
     launch_timeout: float = 120.0  # seconds one launch may take before it is abandoned
     cell_timeout: float = 600.0  # seconds one cell process may take before it is killed
 
@@ -35,7 +37,9 @@ class Plan:
     def gloo_count(self, slow: bool) -> int:
         return self.gloo_slow if slow else self.gloo
 
-    def payload_count(self, kind: str) -> int:
+    def payload_count(self, kind: str, peer: bool) -> int:
+        if peer:
+            return self.payload_peers
         return self.payload_large if kind.startswith("512") else self.payload
 
     def to_json(self) -> str:
@@ -50,14 +54,16 @@ QUICK = Plan(
     name="quick",
     rounds=1,
     warm=8,
-    warm_slow=1,
+    warm_slow=2,
     gloo=3,
-    gloo_slow=1,
+    gloo_slow=0,
     payload=3,
     payload_large=2,
+    payload_peers=1,
     baseline=5,
     imports=3,
     state=200,
+    peers_slow=False,
     cell_timeout=150.0,
 )
 FULL = Plan(
@@ -69,7 +75,9 @@ FULL = Plan(
     gloo_slow=2,
     payload=7,
     payload_large=5,
+    payload_peers=3,
     baseline=15,
     imports=9,
     state=2000,
+    peers_slow=True,
 )

@@ -71,10 +71,17 @@ class PeakRss:
 
 def touch(value: Any) -> None:
     """Read one byte of every page of every tensor in ``value`` (a tensor or a tuple/list/dict of them), so
-    memory that is mapped but not yet read is faulted in, as the first real use of the result would."""
+    memory that is mapped but not yet read is faulted in, as the first real use of the result would.
+
+    NumPy does the reading, single-threaded: a torch reduction this large would start this process's OpenMP
+    thread pool, and GNU OpenMP hangs in a forked child that then runs a parallel torch operation (launchers
+    that fork without limiting threads, like ``elastic_launch``, would then hang building the next payload).
+    """
+    import numpy
+
     if isinstance(value, torch.Tensor):
         flat = value.detach().reshape(-1).view(torch.uint8)
-        int(flat[::PAGE].sum())
+        int(numpy.add.reduce(flat[::PAGE].numpy(), dtype=numpy.int64))
     elif isinstance(value, dict):
         for item in value.values():
             touch(item)
@@ -88,7 +95,7 @@ def payload_size_ok(value: Any, nbytes: int | None, kind: str) -> bool:
     if nbytes is not None:
         return isinstance(value, torch.Tensor) and value.nbytes == nbytes
     if kind == "int":
-        return value == 42
+        return bool(value == 42)
     return isinstance(value, list) and len(value) == 10**6 and value[-1] == 10**6 - 1
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from benchmarks.config import METHOD_ORDER
@@ -20,9 +21,9 @@ LARGE = "512 MiB tensor"
 LIST = "list 10**6 ints"
 
 
-def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 class Round:
@@ -41,7 +42,7 @@ class Round:
     def first(self, runner: str, method: str) -> float | None:
         return self.cells.get(f"{runner}/{method}", {}).get("first")
 
-    def payload(self, runner: str, method: str, kind: str, field: str) -> list[float]:
+    def payload(self, runner: str, method: str, kind: str, field: str) -> list[float | None]:
         cell = self.cells.get(f"{runner}/{method}", {})
         return [sample.get(field) for sample in (cell.get("payload") or {}).get(kind, [])]
 
@@ -68,7 +69,7 @@ def _per_round(rounds: list[Round], ratio: Callable[[Round], float | None]) -> f
     return _median([ratio(r) for r in rounds])
 
 
-def _pooled(rounds: list[Round], samples: Callable[[Round], list[float]]) -> list[float]:
+def _pooled(rounds: list[Round], samples: Callable[[Round], Sequence[float | None]]) -> list[float]:
     return [s for r in rounds for s in samples(r) if s is not None]
 
 
@@ -91,12 +92,14 @@ def _latency_row(rounds: list[Round], runner: Runner, method: str, section: str)
 
 def latency_rows(rounds: list[Round], section: str) -> list[dict[str, Any]]:
     """Rows of (a) (``section="launch"``) or (c) (``section="gloo"``)."""
-    return [
+    rows = [
         _latency_row(rounds, runner, method, section)
         for method in METHOD_ORDER
         for runner in RUNNERS
-        if method in runner.methods and not (section == "launch" and runner.own_process_group)
+        if any(f"{runner.key}/{method}" in r.cells for r in rounds)
+        and not (section == "launch" and runner.own_process_group)
     ]
+    return [row for row in rows if row["median"] is not None or row["first"] is not None]
 
 
 def _payload_row(rounds: list[Round], runner: Runner, kind: str) -> dict[str, Any]:
@@ -130,7 +133,11 @@ def payload_rows(rounds: list[Round]) -> list[dict[str, Any]]:
         rows.append(
             {"payload": kind, "runner": "baseline", "label": name, "median": baseline, "ratio": 1.0, "n": len(rounds)}
         )
-        rows += [_payload_row(rounds, runner, kind) for runner in RUNNERS if runner.payload_method]
+        rows += [
+            _payload_row(rounds, runner, kind)
+            for runner in RUNNERS
+            if runner.payload_method and any(f"{runner.key}/{runner.payload_method}" in r.cells for r in rounds)
+        ]
     return rows
 
 
@@ -221,11 +228,15 @@ def summarize(raw_rounds: list[dict[str, Any]], imports: dict[str, Any]) -> dict
 
 
 def _s(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+    if value is None:
+        return "-"
+    return f"{value:.1e}" if 0 < abs(value) < 10**-digits else f"{value:.{digits}f}"
 
 
 def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" if value < 10 else f"{value:.1f}x" if value < 100 else f"{value:.0f}x"
 
 
 def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -240,14 +251,14 @@ def _latency_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def _payload_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        f"  {'payload':<17}{'launcher':<26}{'ready->ret s':>13}{'x base':>9}{'touch s':>9}"
+        f"  {'payload':<17}{'launcher':<26}{'ready->ret s':>13}{'x base':>10}{'touch s':>9}"
         f"{'peak RSS+ MiB':>15}{'x size':>8}{'n':>4}"
     ]
     for row in rows:
         rss = row.get("rss_increase")
         lines.append(
-            f"  {row['payload']:<17}{row['label']:<26}{_s(row['median'], 4):>13}{_x(row['ratio']):>9}"
-            f"{_s(row.get('touch'), 4):>9}{_s(None if rss is None else rss / MiB, 1):>15}"
+            f"  {row['payload']:<17}{row['label']:<26}{_s(row['median'], 4):>13}{_x(row['ratio']):>10}"
+            f"{_s(row.get('touch'), 4):>9}{'-' if rss is None else f'{rss / MiB:.1f}':>15}"
             f"{_x(row.get('rss_ratio')):>8}{row['n']:>4}"
         )
     return lines
@@ -356,6 +367,7 @@ def _payload_panel(axis: Any, rows: list[dict[str, Any]]) -> None:
         name = "baseline (shm copy / pickle)" if row["runner"] == "baseline" else row["label"]
         series.setdefault(name, {})[row["payload"]] = row["median"]
     _grouped_bars(axis, payloads, series)
+    axis.set_ylim(bottom=1e-4)  # the int's pickle round trip (microseconds) is in the table
     axis.set_title("(b) result return: ready in rank 0 -> call returned")
     axis.set_ylabel("seconds (log)")
     axis.tick_params(axis="x", labelsize=8)
@@ -367,7 +379,8 @@ def _targets_panel(axis: Any, targets: list[dict[str, Any]]) -> None:
         if target["value"] is None:
             continue
         score = target["value"] / target["limit"] if target["at_most"] else target["limit"] / target["value"]
-        names.append(target["target"])
+        shown = f"{target['value']:.1f} ms" if target["unit"] == "ms" else f"{target['value']:.2f}x"
+        names.append(textwrap.fill(f"{target['target']} ({shown})", 38))
         scores.append(score)
         colours.append("tab:green" if target["status"] == "PASS" else "tab:red")
     axis.barh(range(len(names)), scores, color=colours)

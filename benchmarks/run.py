@@ -2,7 +2,9 @@
 
 Usage::
 
-    python benchmarks/run.py [--quick] [--only RUNNER ...]
+    python benchmarks/run.py [--quick] [--only [RUNNER ...]] [--results DIR]
+
+(``benchmarks/profile_launch.py`` profiles a warm launch; see its docstring.)
 
 What is measured, always with ``nprocs=2`` on this machine:
 
@@ -10,7 +12,8 @@ What is measured, always with ``nprocs=2`` on this machine:
     started yet) and the median of later calls, per start method (fork, forkserver, spawn).
 (b) Result return from rank 0 of an int, a list of 10**6 ints, and 1 MiB / 64 MiB / 512 MiB float32 tensors:
     rank 0 builds the value, notes ``time.time()`` and returns both; the parent notes ``time.time()`` when
-    the call returns, so the interval covers pickling, transport, the workers' exit and unpickling. The
+    the call returns, so the interval covers pickling, transport, the workers' exit and unpickling (and
+    waiting for rank 1, which returns None: a call returns when every rank has finished). The
     parent's peak RSS increase is read from the kernel (``VmHWM`` after resetting it through
     ``/proc/self/clear_refs``, see ``measure.PeakRss``) after reading every page of the result, so a
     lazily mapped result is counted once it is used. Baselines, in-process: one copy of the tensor into a
@@ -46,7 +49,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))
 
 from benchmarks import report  # noqa: E402
 from benchmarks.config import FULL, METHOD_ORDER, QUICK, Plan  # noqa: E402
@@ -55,7 +58,7 @@ from benchmarks.runners import RUNNERS  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 IMPORT_PROBE = (
     "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); import mplaunch; "
-    "t2 = time.perf_counter(); print(t1 - t0, t2 - t1)"
+    "t2 = time.perf_counter(); print(t1 - t0, t2 - t1, mplaunch.__file__)"
 )
 PACKAGES = ("torch", "mplaunch", "lightning", "accelerate", "pytorch-ignite", "matplotlib", "psutil")
 
@@ -96,11 +99,12 @@ def leftover_processes(group: int, wait: float = 3.0) -> int:
 
 
 def run_cell(runner: str, method: str, plan: Plan, label: str, logs: Path) -> dict[str, Any]:
-    """Run one cell in a fresh process (its own session, so all its processes can be found) and return its
-    samples, or its errors."""
+    """Run one cell in a fresh process (its own session, so all its processes can be found) and return what
+    it measured, with its errors."""
     out = logs / f"{label}.json"
     out.unlink(missing_ok=True)
     command = [sys.executable, "-m", "benchmarks.cell", runner, method, plan.to_json(), str(out)]
+    killed = False
     with open(logs / f"{label}.log", "w") as log:
         process = subprocess.Popen(
             command, cwd=logs, env=child_environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -108,31 +112,41 @@ def run_cell(runner: str, method: str, plan: Plan, label: str, logs: Path) -> di
         try:
             process.wait(timeout=plan.cell_timeout)
         except subprocess.TimeoutExpired:
+            killed = True
             process.kill()
             process.wait()
     left = leftover_processes(process.pid)
-    result: dict[str, Any] = (
-        json.loads(out.read_text())
-        if out.exists()
-        else {"errors": {"cell": f"exited with code {process.returncode} without results; see {logs / label}.log"}}
-    )
+    result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    errors = result.setdefault("errors", {})
+    if killed:
+        errors["cell"] = f"ran past its limit of {plan.cell_timeout:g} s and was killed; see {logs / label}.log"
+    elif process.returncode:
+        errors["cell"] = f"exited with code {process.returncode}; see {logs / label}.log"
     if left:
-        result.setdefault("errors", {})["leftovers"] = f"{left} process(es) still alive after the cell; killed"
+        errors["leftovers"] = f"{left} process(es) still alive after the cell; killed"
     return result
 
 
-def cells_of_round(only: set[str] | None, notes: list[str]) -> list[tuple[str, str]]:
-    """``(runner, method)`` pairs in table order (methods outer), skipping peers that are not installed."""
+def cells_of_round(plan: Plan, only: set[str] | None, notes: list[str]) -> list[tuple[str, str]]:
+    """``(runner, method)`` pairs in table order (methods outer), skipping peers that are not installed and,
+    unless the plan says otherwise, peers' slow methods."""
     available = []
     for runner in RUNNERS:
-        if only and runner.key not in only and runner.key not in ("raw", "mplaunch"):
+        if runner.peer and only is not None and runner.key not in only:
             continue
         reason = runner.missing()
         if reason:
             notes.append(f"skipped {runner.label}: {reason}")
         else:
             available.append(runner)
-    return [(r.key, m) for m in METHOD_ORDER for r in available if m in r.methods]
+    if not plan.peers_slow:
+        notes.append("peers' spawn cells are measured only without --quick")
+    return [
+        (r.key, m)
+        for m in METHOD_ORDER
+        for r in available
+        if m in r.methods and (plan.peers_slow or not r.peer or m not in r.slow_methods)
+    ]
 
 
 def run_round(index: int, plan: Plan, cells: list[tuple[str, str]], logs: Path, started: float) -> dict[str, Any]:
@@ -154,9 +168,27 @@ def run_round(index: int, plan: Plan, cells: list[tuple[str, str]], logs: Path, 
     return data
 
 
+def cell_errors(rounds: list[dict[str, Any]]) -> list[str]:
+    """One note per distinct failure: ``runner/method part: error (rounds ...)``."""
+    seen: dict[str, list[int]] = {}
+    for index, data in enumerate(rounds):
+        for name, cell in {"baselines": data.get("baselines", {}), **data["cells"]}.items():
+            for part, error in cell.get("errors", {}).items():
+                seen.setdefault(f"{name} {part}: {error}", []).append(index + 1)
+    return [f"{text} (round {', '.join(map(str, indices))})" for text, indices in seen.items()]
+
+
 def measure_imports(plan: Plan, logs: Path) -> dict[str, Any]:
-    """Median seconds of ``import torch`` and of ``import mplaunch`` after it, in fresh interpreters."""
-    torch_s, mplaunch_s = [], []
+    """Median seconds of ``import torch`` and of ``import mplaunch`` after it, in fresh interpreters.
+
+    mplaunch's bytecode is compiled first, as installing a wheel does: with PYTHONDONTWRITEBYTECODE set (as on
+    these machines) an editable checkout would otherwise be compiled from source at every import, while
+    torch's installed bytecode is not.
+    """
+    import compileall
+
+    compileall.compile_dir(str(ROOT / "mplaunch"), quiet=1)
+    torch_s, mplaunch_s, path = [], [], ""
     for _ in range(plan.imports):
         output = subprocess.run(
             [sys.executable, "-c", IMPORT_PROBE],
@@ -169,7 +201,9 @@ def measure_imports(plan: Plan, logs: Path) -> dict[str, Any]:
         ).stdout.split()
         torch_s.append(float(output[0]))
         mplaunch_s.append(float(output[1]))
+        path = output[2]
     return {
+        "mplaunch_file": path,
         "torch": statistics.median(torch_s),
         "mplaunch_after_torch": statistics.median(mplaunch_s),
         "n": plan.imports,
@@ -179,7 +213,7 @@ def measure_imports(plan: Plan, logs: Path) -> dict[str, Any]:
 
 
 def describe_environment() -> dict[str, Any]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for package in PACKAGES:
         try:
             versions[package] = metadata.version(package)
@@ -197,20 +231,23 @@ def describe_environment() -> dict[str, Any]:
     }
 
 
-def save(results: dict[str, Any], notes: list[str]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(results, indent=1))
+def save(results: dict[str, Any], directory: Path, publish: bool) -> str | None:
+    """Write ``latest.json`` and ``chart.png`` to ``directory``; with ``publish``, copy the chart to
+    ``benchmarks/chart.png``. Return a note when no chart could be drawn."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "latest.json").write_text(json.dumps(results, indent=1))
+    env = results["environment"]
+    title = (
+        f"mplaunch benchmarks ({results['plan']['name']}, {env['usable_cpus']} CPUs, torch "
+        f"{env['versions']['torch']}, mplaunch {env['git']})"
+    )
     try:
-        chart = RESULTS / "chart.png"
-        env = results["environment"]
-        title = (
-            f"mplaunch benchmarks ({results['plan']['name']}, {env['usable_cpus']} CPUs, torch "
-            f"{env['versions']['torch']}, mplaunch {env['git']})"
-        )
-        report.draw_chart(results["summary"], str(chart), title)
-        shutil.copyfile(chart, ROOT / "benchmarks" / "chart.png")
+        report.draw_chart(results["summary"], str(directory / "chart.png"), title)
     except ImportError:
-        notes.append("no chart: matplotlib is not installed (pip install -e '.[bench]')")
+        return "no chart: matplotlib is not installed (pip install -e '.[bench]')"
+    if publish:
+        shutil.copyfile(directory / "chart.png", ROOT / "benchmarks" / "chart.png")
+    return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -218,10 +255,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer repeats and one round (< 3 minutes on 2 cores)")
     parser.add_argument(
         "--only",
-        nargs="+",
+        nargs="*",
         metavar="RUNNER",
         choices=[r.key for r in RUNNERS],
-        help="measure only these peers (raw torch and mplaunch are always measured)",
+        help="measure only these peers, none if no name is given (raw torch and mplaunch are always measured)",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        help=f"write results here instead of {RESULTS.relative_to(ROOT)} (and leave benchmarks/chart.png alone)",
     )
     return parser.parse_args(argv)
 
@@ -230,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
     started = time.perf_counter()
-    logs = RESULTS / "logs"
+    directory = (args.results or RESULTS).resolve()
+    logs = directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
-    cells = cells_of_round(set(args.only) if args.only else None, notes)
+    cells = cells_of_round(plan, None if args.only is None else set(args.only), notes)
     environment = describe_environment()
     if environment["load_average_at_start"][0] > 0.5:
         notes.append(
@@ -243,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     imports = measure_imports(plan, logs)
     rounds = [run_round(index, plan, cells, logs, started) for index in range(plan.rounds)]
     environment["load_average_at_end"] = os.getloadavg()
+    notes += cell_errors(rounds)
     summary = report.summarize(rounds, imports)
-    notes.append(f"total {time.perf_counter() - started:.0f} s; samples and logs in {RESULTS}")
+    notes.append(f"total {time.perf_counter() - started:.0f} s; samples and logs in {directory}")
     results = {
         "plan": json.loads(plan.to_json()),
         "environment": environment,
@@ -253,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "notes": notes,
     }
-    save(results, notes)
+    chart_note = save(results, directory, publish=args.results is None)
+    if chart_note:
+        notes.append(chart_note)
     print(report.format_report(summary, notes))
     return 0
 

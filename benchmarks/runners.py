@@ -54,6 +54,11 @@ class Runner:
     own_process_group: bool = False
     slow_methods: tuple[str, ...] = ("spawn",)
 
+    @property
+    def peer(self) -> bool:
+        """Another launcher (not the raw torch baseline, not mplaunch)."""
+        return self.key not in ("raw", "mplaunch")
+
     def missing(self) -> str | None:
         """Why this runner cannot run here, or ``None``."""
         top = self.module.partition(".")[0]
@@ -87,7 +92,9 @@ def _launch_raw(method: str, function: Callable[..., Any], args: tuple[Any, ...]
     if preload:
         mp.get_context(start_method).set_forkserver_preload(["torch"])
     target = functools.partial(workers.with_rank_env, function, "127.0.0.1", free_port(), NPROCS)
-    context = mp.start_processes(target, args=args, nprocs=NPROCS, start_method=start_method, join=False)
+    context = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
+        target, args=args, nprocs=NPROCS, start_method=start_method, join=False
+    )
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):
@@ -121,10 +128,17 @@ def _launch_elastic(method: str, function: Callable[..., Any], args: tuple[Any, 
 
 
 def _launch_accelerate(method: str, function: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> None:
-    """Accelerate's ``notebook_launcher`` (it always forks, through ``elastic_launch``)."""
+    """Accelerate's ``notebook_launcher`` (it always forks, through ``elastic_launch``). It leaves a
+    ``torchelastic_*`` log directory in the temporary directory per launch, so it gets one of its own."""
     from accelerate import notebook_launcher
 
-    notebook_launcher(function, args=args, num_processes=NPROCS, use_port=str(free_port()))
+    previous = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="bench-accelerate-") as logs:
+        tempfile.tempdir = logs
+        try:
+            notebook_launcher(function, args=args, num_processes=NPROCS, use_port=str(free_port()))
+        finally:
+            tempfile.tempdir = previous
 
 
 def _launch_fabric(method: str, function: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
@@ -139,7 +153,7 @@ def _launch_ignite(method: str, function: Callable[..., Any], args: tuple[Any, .
     """Ignite ``idist.Parallel(backend="gloo")``; it sets up a gloo group in every worker."""
     import ignite.distributed as idist
 
-    with idist.Parallel(backend="gloo", nproc_per_node=NPROCS, start_method=method) as parallel:
+    with idist.Parallel(backend="gloo", nproc_per_node=NPROCS, start_method=method) as parallel:  # type: ignore[attr-defined]
         parallel.run(functools.partial(workers.drop_first, function), *args)
 
 

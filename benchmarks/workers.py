@@ -98,3 +98,7 @@ def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
+
+
+def noop_with(argument: Any) -> None:
+    """Return at once: what a launch with this argument costs is the start-up alone."""
