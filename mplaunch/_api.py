@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import types
@@ -229,14 +230,24 @@ def parallel(
         rdzv_timeout=rdzv_timeout,
     )
     if function is not None:
-        if not callable(function):
-            raise InvalidOptionError(
-                f"parallel({function!r}) is not valid: decorate a function (@parallel), or pass options by "
-                f"keyword, e.g. @parallel(nprocs={function!r})."
-            )
-        return ParallelFunction(function, config)
+        return _wrap(function, config)
 
     def decorate(fn: Callable[P, R]) -> ParallelFunction[P, Any]:
-        return ParallelFunction(fn, config)
+        return _wrap(fn, config)
 
     return decorate
+
+
+def _wrap(function: Any, config: LaunchConfig) -> ParallelFunction[Any, Any]:
+    """Check what is being decorated, then decorate it."""
+    if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+        raise InvalidOptionError(
+            f"parallel() cannot run the async function {function.__qualname__}: decorate a plain function that "
+            "calls asyncio.run(...) instead."
+        )
+    if not callable(function):
+        raise InvalidOptionError(
+            f"parallel({function!r}) is not valid: decorate a function (@parallel), or pass options by "
+            f"keyword, e.g. @parallel(nprocs={function!r})."
+        )
+    return ParallelFunction(function, config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import multiprocessing.forkserver
 import os
 import shutil
@@ -243,7 +244,22 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
         return _launch(function, args, kwargs, config, frame)
 
 
+def _check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise the ``TypeError`` a plain call would raise for wrong arguments, here, before any worker starts."""
+    target = function._mplaunch_target
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # builtins and other callables without a signature
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        name = getattr(target, "__qualname__", repr(target))
+        raise TypeError(f"{name}(): {error} (checked before launching any worker)") from None
+
+
 def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
+    _check_arguments(function, args, kwargs)
     nprocs = resolve_nprocs(config.nprocs)
     nodes = _nodes(config)
     start_method = config.start_method or _checks.default_start_method()
@@ -253,6 +269,11 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
         not _checks.main_is_importable() or _checks.defined_in_main_guard(function._mplaunch_target)
     )
     world_size = nprocs * (nodes.nnodes if nodes else 1)
+    if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
+        raise InvalidOptionError(
+            f"console_ranks={sorted(config.console_ranks)} names no rank of this launch (ranks 0 to "
+            f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
+        )
     payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
     if start_method == "fork":
         import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker

@@ -119,3 +119,20 @@ def test_output_options_are_validated(options: dict[str, object], text: str) -> 
 def test_a_positional_option_is_refused_with_the_fix() -> None:
     with pytest.raises(InvalidOptionError, match=r"parallel\(2\) is not valid.*nprocs=2"):
         parallel(2)  # type: ignore[call-overload]
+
+
+def test_wrong_call_arguments_fail_before_launching() -> None:
+    # nprocs=2 with spawn would take seconds per launch: the error must come first, in the parent
+    with pytest.raises(TypeError, match=r"bare\(\): missing a required argument: 'x'.*before launching"):
+        parallel(nprocs=2, start_method="spawn")(bare.__wrapped__)()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'z'"):
+        parallel(nprocs=2, start_method="spawn")(bare.__wrapped__)(1, z=2)
+
+
+def test_async_functions_and_unreachable_console_ranks_are_refused() -> None:
+    async def coroutine() -> None: ...
+
+    with pytest.raises(InvalidOptionError, match="async function.*asyncio.run"):
+        parallel(coroutine)
+    with pytest.raises(InvalidOptionError, match=r"console_ranks=\[7\] names no rank"):
+        parallel(nprocs=2, start_method="fork", console_ranks=[7])(len)([])
