@@ -221,7 +221,8 @@ def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], by_value
 def native_thread_count() -> int:
     """Threads of this process that Python did not start and that carry the process's own name, as GNU
     OpenMP's pool threads do (ZeroMQ's, libuv's and most libraries' helper threads are named); Linux only,
-    0 elsewhere."""
+    0 elsewhere. Unnamed helper threads of other C code (e.g. faulthandler's ``dump_traceback_later``
+    watchdog) count too: the check errs towards one thread per forked worker, never towards a hang."""
     try:
         own_name = _read("/proc/self/comm")
         python_threads = {thread.native_id for thread in threading.enumerate()}
