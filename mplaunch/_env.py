@@ -140,14 +140,6 @@ def worker_info(environ: Mapping[str, str] | None = None) -> WorkerInfo:
     )
 
 
-#: How an outer launcher is recognised; the first rule that matches wins. Documented in the README.
-OUTER_LAUNCHERS = (
-    ("torchrun", "TORCHELASTIC_RUN_ID is set (torchrun / torch.distributed.elastic)"),
-    ("slurm", "SLURM_STEP_ID is set and SLURM_STEP_NUM_TASKS > SLURM_STEP_NUM_NODES (several tasks per node)"),
-    ("mpi", "OMPI_COMM_WORLD_SIZE, PMI_SIZE or MV2_COMM_WORLD_SIZE > 1 (a rank of an MPI job)"),
-)
-
-
 def _count(environ: Mapping[str, str], name: str) -> int:
     value = environ.get(name, "")
     return int(value) if value.isdigit() else 1
@@ -158,8 +150,10 @@ def _more_than_one(environ: Mapping[str, str], name: str) -> bool:
 
 
 def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
-    """Name the launcher this process already runs under as one rank (``"torchrun"``, ``"slurm"``,
-    ``"mpi"``), or ``None``. ``MPLAUNCH_IN_PROCESS=1`` forces ``"forced"``, ``=0`` forces ``None``.
+    """Name the launcher this process already runs under as one rank, or ``None``. First match wins:
+    ``TORCHELASTIC_RUN_ID`` set: ``"torchrun"``; ``SLURM_STEP_ID`` set with more tasks than nodes in the step:
+    ``"slurm"``; ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE`` or ``MV2_COMM_WORLD_SIZE`` > 1: ``"mpi"`` (README,
+    "Already launched?"). ``MPLAUNCH_IN_PROCESS=1`` forces ``"forced"``, ``=0`` forces ``None``.
 
     Raises:
         ValueError: ``MPLAUNCH_IN_PROCESS`` is set to something other than ``0`` or ``1``.
