@@ -1,34 +1,46 @@
 """Moving Python objects with tensors between the parent and its workers through files in shared memory.
 
-An object is pickled once; the bytes of every tensor storage it holds go to a file of their own in a
-directory on a RAM-backed file system (``/dev/shm`` where there is one), and the pickle refers to them by
-index (as ``torch.save`` does with ``persistent_id``). The reader maps each file as the storage of its tensors:
+An object is pickled once (protocol 5). The bytes of every tensor storage of 64 KiB or more, and every
+out-of-band buffer of that size (NumPy arrays, :class:`pickle.PickleBuffer`), go to one data
+file ``name.bin`` at page-aligned offsets, in a directory on a RAM-backed file system (``/dev/shm`` where
+there is one); the pickle ``name.pkl`` refers to them by offset. The reader maps each piece with ``mmap``:
 
 * a *result* (worker to parent) is mapped shared and its files are unlinked at once, so it costs one copy
   (the writer's), stays valid after the writer exits, and nothing is left on disk;
 * a *payload* (parent to workers) is written once and mapped private (copy-on-write) by every worker, so
-  workers never see each other's in-place updates, start-up does not grow with the argument size, and a
-  mapped storage holds no open file descriptor.
+  workers never see each other's in-place updates and start-up does not grow with the argument size.
 
-Nothing here flows through a pipe, so no size can fill a pipe buffer and deadlock a join.
+Every mapping is made with libc's ``mmap`` on a descriptor closed right after, so a mapped storage holds no
+file descriptor, and it is wrapped as an *ordinary* CPU storage (``torch.frombuffer``): ``is_shared()`` is
+false, so ``torch.multiprocessing`` (DataLoader workers, queues) moves it into shared memory of its own the
+usual way, and ``share_memory_()`` and ``torch.save`` work. The mapping is unmapped when the last tensor or
+array using it is freed. Nothing here flows through a pipe, so no size can fill a pipe buffer and deadlock a
+join.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
+import mmap
 import os
 import pickle
+import struct
 import threading
+import weakref
 from typing import Any
 
 import cloudpickle
 import torch
 
-#: Storages smaller than this many bytes travel inside the pickle instead of in a file of their own.
+#: Storages and buffers smaller than this many bytes travel inside the pickle instead of in the data file.
 INLINE_BYTES = 64 * 1024
 
 _PICKLE_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
+_PAGE = mmap.PAGESIZE
+_HEADER = struct.Struct("<Q")  # number of out-of-band buffers
+_EXTENT = struct.Struct("<QQ")  # offset, size of one out-of-band buffer in the data file
 
 
 def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
@@ -44,13 +56,22 @@ class _StorageWriter:
     """The storage half of a pickler: records every storage once, in the order first seen, and pickles a
     reference to it. It hooks ``reducer_override``, which pickle consults only for objects that are not
     builtin containers or atoms, so a list of a million ints costs nothing extra (``persistent_id`` would
-    be a Python call per object)."""
+    be a Python call per object). Large out-of-band buffers are recorded by ``buffer_callback``."""
 
     inline_bytes = INLINE_BYTES
 
     def _init_storages(self) -> None:
         self.storages: list[torch.UntypedStorage] = []
+        self.buffers: list[pickle.PickleBuffer] = []
         self._seen: dict[int, int] = {}
+
+    def _keep_buffer(self, buffer: pickle.PickleBuffer) -> bool:
+        """``buffer_callback``: large contiguous buffers go out of band (return False), others in band."""
+        view = buffer.raw()
+        if view.nbytes < self.inline_bytes:
+            return True
+        self.buffers.append(buffer)
+        return False
 
     def _reduce_storage(self, obj: object) -> Any:
         if isinstance(obj, torch.storage.TypedStorage):
@@ -79,8 +100,8 @@ class _Pickler(_StorageWriter, pickle.Pickler):
     """Pickles by reference, like ``pickle``; storages are recorded, not copied."""
 
     def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._init_storages()
+        super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
     def reducer_override(self, obj: Any) -> Any:
         return self._reduce_storage(obj)
@@ -94,8 +115,8 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     """
 
     def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._init_storages()
+        super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
@@ -104,20 +125,21 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
         return reduced if reduced is not NotImplemented else super().reducer_override(obj)
 
 
-def _pickle(obj: object, by_value: bool) -> tuple[memoryview, list[torch.UntypedStorage]]:
-    """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails."""
+def _pickle(obj: object, by_value: bool) -> tuple[memoryview, _StorageWriter]:
+    """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails.
+    Returns the pickle and the pickler, which holds the storages and out-of-band buffers it recorded."""
     if not by_value:
         buffer = io.BytesIO()
         pickler: _StorageWriter = _Pickler(buffer)
         try:
             pickler.dump(obj)  # type: ignore[attr-defined]
-            return buffer.getbuffer(), pickler.storages
+            return buffer.getbuffer(), pickler
         except _PICKLE_ERRORS:
             pass
     buffer = io.BytesIO()
     cloud_pickler = _CloudPickler(buffer)
     cloud_pickler.dump(obj)
-    return buffer.getbuffer(), cloud_pickler.storages
+    return buffer.getbuffer(), cloud_pickler
 
 
 class _InlineCloudPickler(_CloudPickler):
@@ -125,8 +147,8 @@ class _InlineCloudPickler(_CloudPickler):
 
 
 def to_bytes(obj: object) -> bytes:
-    """Pickle ``obj`` into one self-contained ``bytes`` object (every storage inline), to send it to
-    another machine; by value where needed (cloudpickle)."""
+    """Pickle ``obj`` into one self-contained ``bytes`` object (every storage and buffer inline), to send it
+    to another machine; by value where needed (cloudpickle)."""
     buffer = io.BytesIO()
     _InlineCloudPickler(buffer).dump(obj)
     return buffer.getvalue()
@@ -134,7 +156,7 @@ def to_bytes(obj: object) -> bytes:
 
 def from_bytes(data: bytes) -> Any:
     """Read an object written by :func:`to_bytes`."""
-    return _Reader("", "", private=True).load(data)
+    return _Reader(-1, private=True).load(data, [])
 
 
 def pickle_error(obj: object, *, by_value: bool = False) -> Exception | None:
@@ -146,41 +168,69 @@ def pickle_error(obj: object, *, by_value: bool = False) -> Exception | None:
     return None
 
 
-def _write_file(path: str, data: memoryview | bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        view = memoryview(data)
-        written = 0
-        while written < len(view):
-            written += os.write(fd, view[written : written + (1 << 30)])
-    finally:
-        os.close(fd)
+def _write_at(fd: int, data: memoryview | bytes, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    written = 0
+    while written < len(view):
+        written += os.pwrite(fd, view[written : written + (1 << 30)], offset + written)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _PAGE) * _PAGE
 
 
 def dump(obj: object, directory: str, name: str, *, by_value: bool = False) -> None:
-    """Write ``obj`` as ``directory/name.pkl`` plus one ``name.N.bin`` file per storage of 64 KiB or more.
+    """Write ``obj`` as ``directory/name.pkl``, plus ``name.bin`` holding its storages and buffers of
+    64 KiB or more.
 
     The ``.pkl`` file appears last and atomically (written aside, then renamed), so a reader that sees it
     sees a complete object. Tensors on other devices are copied to the CPU first.
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
+        OSError: the directory is missing or full.
     """
-    data, storages = _pickle(obj, by_value)
-    for index, storage in enumerate(storages):
+    data, pickler = _pickle(obj, by_value)
+    pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
+    offsets: dict[int, int] = {}  # storage index -> offset
+    end = 0
+    for index, storage in enumerate(pickler.storages):
         if storage.nbytes() >= INLINE_BYTES:
-            _write_file(os.path.join(directory, f"{name}.{index}.bin"), _storage_bytes(storage))
+            offsets[index] = end
+            pieces.append((end, _storage_bytes(storage)))
+            end = _aligned(end + storage.nbytes())
+    extents: list[tuple[int, int]] = []
+    for buffer in pickler.buffers:
+        raw = buffer.raw()
+        extents.append((end, raw.nbytes))
+        pieces.append((end, raw))
+        end = _aligned(end + raw.nbytes)
+    if pieces:
+        fd = os.open(os.path.join(directory, f"{name}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for offset, piece in pieces:
+                _write_at(fd, piece, offset)
+        finally:
+            os.close(fd)
+    table = pickle.dumps(offsets, protocol=5)
+    header = b"".join(
+        [_HEADER.pack(len(extents)), *(_EXTENT.pack(*extent) for extent in extents), _HEADER.pack(len(table)), table]
+    )
     staging = os.path.join(directory, f".{name}.pkl")
-    _write_file(staging, data)
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_at(fd, header, 0)
+        _write_at(fd, data, len(header))
+    finally:
+        os.close(fd)
     os.replace(staging, os.path.join(directory, f"{name}.pkl"))
 
 
 def remove(directory: str, name: str) -> None:
     """Remove whatever :func:`dump` wrote (or began to write) for ``name``."""
-    for entry in os.listdir(directory):
-        if entry.startswith((f"{name}.", f".{name}.")):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, entry))
+    for entry in (f"{name}.pkl", f"{name}.bin", f".{name}.pkl"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, entry))
 
 
 def exists(directory: str, name: str) -> bool:
@@ -188,15 +238,34 @@ def exists(directory: str, name: str) -> bool:
     return os.path.exists(os.path.join(directory, f"{name}.pkl"))
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, offset: int, nbytes: int, private: bool) -> Any:
+    """Map ``nbytes`` of ``fd`` at ``offset`` (page-aligned) as a writable ctypes array, unmapped when the
+    array (and so every tensor or memoryview made from it) is freed."""
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+    address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
+    if address is None or address == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
+    array = (ctypes.c_char * nbytes).from_address(address)
+    weakref.finalize(array, _libc.munmap, address, nbytes)
+    return array
+
+
 class _Reader:
     """Maps the storages of one object being unpickled; :func:`_rebuild_storage` finds it in ``_reading``."""
 
-    def __init__(self, directory: str, name: str, private: bool) -> None:
-        self._directory = directory
-        self._name = name
+    def __init__(self, fd: int, private: bool, offsets: dict[int, int] | None = None) -> None:
+        self._fd = fd
         self._private = private
+        self._offsets = offsets or {}
         self._storages: dict[int, torch.UntypedStorage] = {}
-        self.files: list[str] = []
 
     def storage(self, kind: str, index: int, dtype: torch.dtype | None, data: Any) -> Any:
         if kind == "inline":
@@ -205,21 +274,22 @@ class _Reader:
                 _storage_bytes(storage)[:] = data
             self._storages[index] = storage
         elif kind == "file":
-            path = os.path.join(self._directory, f"{self._name}.{index}.bin")
-            mapped: Any = torch.UntypedStorage.from_file(path, shared=not self._private, nbytes=data)
-            self._storages[index] = mapped
-            self.files.append(path)
+            array = _map(self._fd, self._offsets[index], data, self._private)
+            self._storages[index] = torch.frombuffer(array, dtype=torch.uint8).untyped_storage()
         # An untyped storage comes back wrapped as bytes, as torch.load returns it (tensors of the newer
         # dtypes, e.g. float8 or uint16, pickle their untyped storage and expect this on rebuild).
         return torch.storage.TypedStorage(
             wrap_storage=self._storages[index], dtype=dtype or torch.uint8, _internal=True
         )
 
-    def load(self, data: bytes) -> Any:
+    def buffers(self, extents: list[tuple[int, int]]) -> list[memoryview]:
+        return [memoryview(_map(self._fd, offset, nbytes, self._private)).cast("B") for offset, nbytes in extents]
+
+    def load(self, data: Any, buffers: list[memoryview]) -> Any:
         previous = getattr(_reading, "reader", None)
         _reading.reader = self
         try:
-            return pickle.loads(data)
+            return pickle.loads(data, buffers=buffers)
         finally:
             _reading.reader = previous
 
@@ -241,23 +311,32 @@ def load(directory: str, name: str, *, private: bool, remove: bool) -> Any:
     Args:
         directory: where it was written.
         name: its name.
-        private: map storages copy-on-write (each reader gets its own copy of what it changes) instead of
-            shared with the file.
+        private: map storages and buffers copy-on-write (each reader gets its own copy of what it changes)
+            instead of shared with the file.
         remove: unlink its files once mapped (the data lives on in the mappings until they are freed).
 
     Raises:
         Exception: whatever unpickling raises (a class missing in this process, a corrupt file).
     """
-    path = os.path.join(directory, f"{name}.pkl")
-    with open(path, "rb") as file:
-        data = file.read()
-    reader = _Reader(directory, name, private)
+    path, data_path = os.path.join(directory, f"{name}.pkl"), os.path.join(directory, f"{name}.bin")
     try:
-        return reader.load(data)
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            (count,) = _HEADER.unpack_from(view, 0)
+            extents = [_EXTENT.unpack_from(view, _HEADER.size + i * _EXTENT.size) for i in range(count)]
+            start = _HEADER.size + count * _EXTENT.size
+            (table_size,) = _HEADER.unpack_from(view, start)
+            start += _HEADER.size
+            offsets = pickle.loads(view[start : start + table_size])
+            fd = os.open(data_path, os.O_RDWR) if offsets or extents else -1
+            try:
+                reader = _Reader(fd, private, offsets)
+                with memoryview(view) as pickled:
+                    return reader.load(pickled[start + table_size :], reader.buffers(extents))
+            finally:
+                if fd >= 0:
+                    os.close(fd)
     finally:
         if remove:
-            for leftover in [*reader.files, path]:
-                try:
+            for leftover in (path, data_path):
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
-                except FileNotFoundError:
-                    pass

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import resource
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,7 +37,8 @@ def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
 
 def test_small_storages_travel_inline_and_large_ones_in_files(tmp_path: Path) -> None:
     _transport.dump([torch.zeros(10), torch.zeros(_transport.INLINE_BYTES // 4)], str(tmp_path), "x")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.1.bin", "x.pkl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin", "x.pkl"]
+    assert (tmp_path / "x.pkl").stat().st_size < 1024  # the large storage is not in the pickle
 
 
 def test_result_stays_valid_after_the_files_are_gone(tmp_path: Path) -> None:
@@ -85,3 +88,44 @@ def test_the_object_appears_only_when_complete(tmp_path: Path) -> None:
     _transport.dump(1, str(tmp_path), "x")
     assert _transport.exists(str(tmp_path), "x")
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
+def test_mapped_tensors_are_ordinary_tensors(tmp_path: Path) -> None:
+    """Issue 10: a mapped argument reported is_shared(), so torch's fd sharing (DataLoader workers, queues)
+    sent a descriptor that did not exist. Mapped storages are ordinary CPU storages now."""
+    _transport.dump(torch.arange(100_000, dtype=torch.float32), str(tmp_path), "payload")
+    back = _transport.load(str(tmp_path), "payload", private=True, remove=False)
+    assert not back.is_shared()
+    back.share_memory_()  # moves into shared memory of its own, as for any tensor
+    assert back.is_shared() and back[99_999].item() == 99_999
+    saved = tmp_path / "saved.pt"
+    torch.save(back, saved)
+    assert torch.equal(torch.load(saved), torch.arange(100_000, dtype=torch.float32))
+
+
+def test_numpy_arrays_travel_out_of_band(tmp_path: Path) -> None:
+    """Issue 10: NumPy arrays were copied through the pickle; now they are pickle-5 buffers in the data file,
+    mapped by the reader without a copy."""
+    array = np.arange(1 << 20, dtype=np.float64)
+    obj = {"array": array, "fortran": np.asfortranarray(np.ones((512, 256)))}
+    _transport.dump(obj, str(tmp_path), "x")
+    assert (tmp_path / "x.pkl").stat().st_size < 4096
+    back = _transport.load(str(tmp_path), "x", private=False, remove=True)
+    assert np.array_equal(back["array"], array) and back["fortran"].flags.f_contiguous
+    assert not list(tmp_path.iterdir())
+    back["array"][0] = 5.0  # writable, like the original
+    assert array[0] == 0.0
+
+
+def test_mappings_are_released_with_the_last_tensor(tmp_path: Path) -> None:
+    _transport.dump([torch.zeros(1 << 18), np.zeros(1 << 15)], str(tmp_path), "x")
+    back = _transport.load(str(tmp_path), "x", private=False, remove=True)
+
+    def mapped() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(str(tmp_path / "x.bin") in line for line in maps)
+
+    assert mapped() == 2
+    del back
+    gc.collect()
+    assert mapped() == 0
