@@ -1,0 +1,60 @@
+"""The thread policy for workers, in one process."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from mplaunch import _threads
+
+
+def test_openmp_runtimes_are_found_in_the_memory_map(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 fd:00 1 /venv/torch/lib/libgomp.so.1\n"
+        "7f01-7f02 r--p 00001000 fd:00 1 /venv/torch/lib/libgomp.so.1\n"
+        "7f02-7f03 r-xp 00000000 fd:00 2 /venv/scikit_learn.libs/libgomp-e985bcbb.so.1.0.0\n"
+        "7f03-7f04 r-xp 00000000 fd:00 3 /opt/intel/lib/libiomp5.so\n"
+        "7f04-7f05 r-xp 00000000 fd:00 4 /usr/lib/libgompish_not_a_runtime/x.so\n"
+        "7f05-7f06 r-xp 00000000 fd:00 5 /usr/lib/libopenblas.so.0\n"
+        "7f06-7f07 rw-p 00000000 00:00 0 \n"
+    )
+    assert _threads._loaded_runtimes(str(maps)) == [
+        "/venv/torch/lib/libgomp.so.1",
+        "/venv/scikit_learn.libs/libgomp-e985bcbb.so.1.0.0",
+        "/opt/intel/lib/libiomp5.so",
+    ]
+
+
+def test_the_pool_of_this_process_can_be_released() -> None:
+    import torch
+
+    torch.randn(10**6).exp().sum()
+    assert _threads._loaded_runtimes(), "torch's wheel maps an OpenMP runtime"
+    assert _threads.release_openmp_pools()
+
+
+def test_users_thread_count_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _threads.wanted_threads(8) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
+    monkeypatch.setattr(_threads, "usable_cpu_count", lambda: 8)
+    assert _threads.wanted_threads(2) == 4 and _threads.wanted_threads(16) == 1
+
+
+def test_an_unreleasable_pool_means_one_thread_and_a_warning_at_the_callers_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(_threads, "usable_cpu_count", lambda: 4)
+    monkeypatch.setattr(_threads, "release_openmp_pools", lambda: False)
+    monkeypatch.setattr(_threads, "_warned", False)
+    assert _threads.worker_threads(2, "spawn") == 2  # nothing to release for a fresh interpreter
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _threads.worker_threads(2, "fork") == 1
+        assert _threads.worker_threads(2, "fork") == 1
+    assert len(caught) == 1 and caught[0].filename == __file__  # once, pointing here, not into mplaunch
+    assert "could not be released" in str(caught[0].message)
