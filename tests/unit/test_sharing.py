@@ -1,0 +1,56 @@
+"""unshare(): private copies of shared tensors, without walking what cannot hold one."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from mplaunch import _sharing, unshare
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: int
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    name: str = "b"
+
+
+def test_shared_tensors_are_copied_wherever_they_sit() -> None:
+    shared = torch.zeros(4).share_memory_()
+    obj = {"d": collections.OrderedDict(w=shared), "t": (Pair(shared, 1),), "s": [Batch(shared)], "n": 3}
+    out = unshare(obj)
+    for tensor in (out["d"]["w"], out["t"][0].a, out["s"][0].x):
+        assert not tensor.is_shared() and torch.equal(tensor, shared)
+    assert type(out["d"]) is collections.OrderedDict and type(out["t"][0]) is Pair
+    assert type(out["s"][0]) is Batch and out["s"][0].name == "b" and out["n"] == 3
+    assert obj["d"]["w"] is shared  # the caller's containers are not modified
+
+
+def test_nothing_shared_returns_the_same_objects() -> None:
+    obj = ({"a": torch.ones(2)}, [1, 2], Pair(torch.ones(1), 2))
+    assert unshare(obj) is obj
+
+
+def test_bytes_and_long_lists_are_not_walked_element_by_element(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 10: under fork, a 1 MiB bytes argument took 4 s and a list of 10**6 ints 4.6 s (the walk treated
+    bytes as a sequence and visited every element in Python). Containers of plain values are passed over in
+    one pass in C now: the Python-level walk visits a handful of objects, not millions."""
+    visits = []
+    walk = _sharing._unshare_any
+
+    def counting(obj: object) -> object:
+        visits.append(type(obj))
+        return walk(obj)
+
+    monkeypatch.setattr(_sharing, "_unshare_any", counting)
+    data = (b"x" * 2**22, list(range(10**6)), {i: float(i) for i in range(10**5)}, [torch.ones(1)] * 3)
+    assert unshare(data) is data
+    assert len(visits) < 10, visits
