@@ -25,8 +25,8 @@ class ParallelFunction(Generic[P, T]):
     """A function that, when called, runs on ``nprocs`` worker processes and returns rank 0's value.
 
     Made by :func:`parallel`; it has the wrapped function's signature, ``__name__``, ``__qualname__``,
-    ``__module__`` and ``__doc__``. ``__wrapped__`` is the plain function, callable in-process for
-    debugging. It pickles by reference (module and qualified name), so workers started with ``spawn`` or
+    ``__module__`` and ``__doc__``. ``__wrapped__`` is the plain function; :meth:`debug` runs it here as rank 0 of a
+    world of 1 with a worker's setup (environment, process group), for debuggers. It pickles by reference (module and qualified name), so workers started with ``spawn`` or
     ``forkserver`` find it by importing its module, without launching again.
 
     Attributes:
@@ -66,6 +66,24 @@ class ParallelFunction(Generic[P, T]):
             KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
         """
         return _launcher.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
+
+    def debug(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run the function here, in this process, as rank 0 of a world of 1, set up as a worker would be.
+
+        For a debugger (breakpoints work) or a profiler: ``RANK``/``WORLD_SIZE``/... are set as in a worker
+        (and put back afterwards), ``MASTER_ADDR``/``MASTER_PORT`` point at a store hosted here, the process
+        group is initialised with ``backend`` when set (and destroyed after), and a parallel function called
+        inside runs in-process too. Unlike a worker, it keeps this process's own state, threads and output.
+
+        Returns:
+            The function's value as it is (tensors stay where they are); a one-element list with
+            ``return_all=True``.
+
+        Raises:
+            BaseException: whatever the function raises, unchanged.
+            TypeError: the arguments do not fit the function's signature.
+        """
+        return _launcher.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
 
     def __reduce__(self) -> str | tuple[Any, ...]:
         module = sys.modules.get(getattr(self, "__module__", ""))

@@ -6,7 +6,6 @@ import ast
 import multiprocessing
 import os
 import sys
-import threading
 import traceback
 from collections.abc import Callable
 from types import FrameType
@@ -218,28 +217,25 @@ def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], by_value
     return "the function or the captured global state"
 
 
-def native_thread_count() -> int:
-    """Threads of this process that Python did not start and that carry the process's own name, as GNU
-    OpenMP's pool threads do (ZeroMQ's, libuv's and most libraries' helper threads are named); Linux only,
-    0 elsewhere. Unnamed helper threads of other C code (e.g. faulthandler's ``dump_traceback_later``
-    watchdog) count too: the check errs towards one thread per forked worker, never towards a hang."""
+def check_log_dir(log_dir: str | None) -> None:
+    """Create ``log_dir`` (with its parents) here, before any worker starts, and check that it is a writable
+    directory.
+
+    Raises:
+        InvalidOptionError: it is an existing file, cannot be created, or is not writable.
+    """
+    if log_dir is None:
+        return
+    from mplaunch._errors import InvalidOptionError
+
     try:
-        own_name = _read("/proc/self/comm")
-        python_threads = {thread.native_id for thread in threading.enumerate()}
-        count = 0
-        for task in os.listdir("/proc/self/task"):
-            if int(task) in python_threads:
-                continue
-            try:
-                if _read(f"/proc/self/task/{task}/comm") == own_name:
-                    count += 1
-            except OSError:  # the thread ended meanwhile
-                continue
-        return count
-    except OSError:
-        return 0
-
-
-def _read(path: str) -> str:
-    with open(path) as file:
-        return file.read().strip()
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as error:
+        what = "is a file, not a directory" if os.path.isfile(log_dir) else f"cannot be created ({error.strerror})"
+        raise InvalidOptionError(
+            f"log_dir={log_dir!r} {what}: pass a directory that can be created and written to, or None."
+        ) from None
+    if not os.access(log_dir, os.W_OK | os.X_OK):
+        raise InvalidOptionError(
+            f"log_dir={log_dir!r} is not writable by this user: pass a directory you can write to, or None."
+        )

@@ -17,9 +17,19 @@ from typing import Any
 from mplaunch import _transport
 from mplaunch._config import LaunchConfig
 from mplaunch._env import NodeSetup
-from mplaunch._errors import LaunchTimeoutError, WorkerExitedError
-from mplaunch._supervisor import rebuild_exception
-from mplaunch._worker import REMOTE_RANK0, WorkerSpec, elastic_entry, outcome_name
+from mplaunch._errors import LaunchTimeoutError
+from mplaunch._protocol import (
+    REMOTE_RANK0,
+    Outcome,
+    Raised,
+    Returned,
+    WorkerSpec,
+    exit_error,
+    outcome_name,
+    outcome_rank,
+    rank_state,
+)
+from mplaunch._worker import elastic_entry
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -80,31 +90,31 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig) -> li
     return _collect(spec, failed, config)
 
 
-def _local_ranks(directory: str) -> list[int]:
-    names = (entry[len("rank") : -len(".pkl")] for entry in os.listdir(directory) if entry.startswith("rank"))
-    return sorted(int(name) for name in names if name.isdigit())
-
-
 def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig) -> list[Any]:
-    """This node's failure first (lowest rank), then rank 0's (fetched from node 0), else the values."""
-    outcomes = {
-        rank: _transport.load(spec.directory, outcome_name(rank), private=False, remove=True)
-        for rank in _local_ranks(spec.directory)
+    """Raise this node's first real failure (lowest rank; a rank ended by elastic's own stop only when no rank
+    raised), else rank 0's (fetched from node 0); else return the values."""
+    ranks = sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None)
+    outcomes: dict[int, Outcome] = {
+        rank: _transport.load(spec.directory, outcome_name(rank), private=False, remove=True) for rank in ranks
     }
-    for rank in sorted(set(failed) | {r for r, o in outcomes.items() if not o["ok"]}):
+    raised = sorted(rank for rank, outcome in outcomes.items() if isinstance(outcome, Raised))
+    others = sorted(set(failed) | {rank for rank, o in outcomes.items() if not isinstance(o, Returned)})
+    for rank in raised or others:
         outcome = outcomes.get(rank)
-        if outcome is not None and not outcome["ok"]:
-            raise rebuild_exception(outcome, rank)
-        failure = failed[rank]
-        raise WorkerExitedError(
-            f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode} before returning",
-            rank,
-            failure.pid,
-            failure.exitcode,
-        )
+        state = rank_state(rank, outcome, None, None, stopped=False)
+        if outcome is None:
+            failure = failed[rank]
+            state = exit_error(rank, failure.pid, failure.exitcode, None)
+        if isinstance(state, BaseException):
+            raise state
     if config.return_all:
-        return [outcomes[rank]["value"] for rank in sorted(outcomes)]
+        return [_value(outcomes[rank]) for rank in sorted(outcomes)]
     rank0 = outcomes.get(0) or _transport.load(spec.directory, REMOTE_RANK0, private=False, remove=True)
-    if not rank0["ok"]:
-        raise rebuild_exception(rank0, 0)
-    return [rank0["value"]]
+    state = rank_state(0, rank0, None, None, stopped=False)
+    if isinstance(state, BaseException):
+        raise state
+    return [_value(rank0)]
+
+
+def _value(outcome: Outcome) -> Any:
+    return outcome.value if isinstance(outcome, Returned) else None

@@ -30,9 +30,13 @@ RANK_VARIABLES = (
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE",
     "MPLAUNCH_HOSTED_MASTER_PORT",
+    "MPLAUNCH_WORKER",
 )
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+#: Set to 1 in every worker: a parallel function called there runs in-process as that rank (as under torchrun).
+WORKER_VARIABLE = "MPLAUNCH_WORKER"
 
 #: Set in workers to the MASTER_PORT of the store their launch hosts: a MASTER_PORT equal to it was not
 #: chosen by the user, so a launch from inside a worker hosts a store of its own.
@@ -69,6 +73,7 @@ def rank_environment(
         "GROUP_WORLD_SIZE": "1",
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
+        WORKER_VARIABLE: "1",
     }
     if agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
@@ -151,7 +156,8 @@ def _more_than_one(environ: Mapping[str, str], name: str) -> bool:
 
 def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     """Name the launcher this process already runs under as one rank, or ``None``. First match wins:
-    ``TORCHELASTIC_RUN_ID`` set: ``"torchrun"``; ``SLURM_STEP_ID`` set with more tasks than nodes in the step:
+    ``MPLAUNCH_WORKER=1`` (set in mplaunch's workers): ``"mplaunch"``; ``TORCHELASTIC_RUN_ID`` set:
+    ``"torchrun"``; ``SLURM_STEP_ID`` set with more tasks than nodes in the step:
     ``"slurm"``; ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE`` or ``MV2_COMM_WORLD_SIZE`` > 1: ``"mpi"`` (README,
     "Already launched?"). ``MPLAUNCH_IN_PROCESS=1`` forces ``"forced"``, ``=0`` forces ``None``.
 
@@ -167,6 +173,8 @@ def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
         if forced not in ("0", "1"):
             raise ValueError(f"MPLAUNCH_IN_PROCESS={forced!r} is not valid: set it to 1 (run in-process), 0 (launch).")
         return "forced" if forced == "1" else None
+    if env.get(WORKER_VARIABLE) == "1":
+        return "mplaunch"
     if env.get("TORCHELASTIC_RUN_ID"):
         return "torchrun"
     if env.get("SLURM_STEP_ID") is not None and _count(env, "SLURM_STEP_NUM_TASKS") > _count(

@@ -67,17 +67,26 @@ class WorkerExitedError(WorkerFailedError):
     """A worker ended without returning: killed by a signal, a non-zero exit, or an exit with no result.
 
     Attributes:
-        exitcode: the process exit code; negative ``-N`` when killed by signal ``N`` (as in ``multiprocessing``).
-        signal_name: e.g. ``"SIGKILL"`` when killed by a signal, else ``None``.
+        exitcode: the process exit code, as CPython defines it: ``sys.exit()`` and ``sys.exit(None)`` give 0,
+            ``sys.exit(True)`` gives 1, ``sys.exit("message")`` gives 1; negative ``-N`` when the process was
+            killed by signal ``N`` (as in ``multiprocessing``); ``128 + N`` when the worker caught signal ``N``
+            (SIGTERM, SIGINT) and exited.
+        signum: the number of the signal that ended the worker, else ``None``.
+        signal_name: e.g. ``"SIGKILL"`` or ``"SIGTERM"`` when a signal ended it, else ``None``.
     """
 
-    def __init__(self, message: str, rank: int, pid: int | None, exitcode: int | None) -> None:
+    def __init__(
+        self, message: str, rank: int, pid: int | None, exitcode: int | None, signum: int | None = None
+    ) -> None:
         super().__init__(message, rank, pid)
         self.exitcode = exitcode
-        self.signal_name = signal_name(exitcode)
+        if signum is None and exitcode is not None and exitcode < 0:
+            signum = -exitcode
+        self.signum = signum
+        self.signal_name = signal_name(-signum if signum is not None else None)
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.rank, self.pid, self.exitcode))
+        return (type(self), (self.args[0], self.rank, self.pid, self.exitcode, self.signum))
 
 
 class RemoteError(WorkerFailedError):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import signal
 import time
 from multiprocessing.connection import wait
@@ -12,30 +11,39 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from mplaunch import _transport
-from mplaunch._config import LaunchConfig
-from mplaunch._errors import (
-    LaunchTimeoutError,
-    RemoteError,
-    RemoteTraceback,
-    WorkerExitedError,
-    WorkerFailedError,
-)
-from mplaunch._worker import WorkerSpec, outcome_name
+from mplaunch._errors import LaunchTimeoutError, RemoteError
+from mplaunch._protocol import Outcome, RankState, Returned, WorkerSpec, outcome_name, rank_state, set_attribute
 
 
 class Supervisor:
-    """Waits for the workers of one launch, reads their outcomes, and stops them all."""
+    """Waits for the workers of one launch, reads their outcomes, and stops them all.
 
-    def __init__(self, spec: WorkerSpec, processes: list[BaseProcess], config: LaunchConfig) -> None:
+    Args:
+        spec: the launch's worker spec (directory, nprocs, reporting ranks).
+        processes: the started workers, indexed by rank (filled in by the launcher as they start).
+        timeout: seconds the whole launch may take, or ``None``.
+        grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+    """
+
+    def __init__(
+        self, spec: WorkerSpec, processes: list[BaseProcess], timeout: float | None, grace_period: float
+    ) -> None:
         self.spec = spec
         self.processes = processes
-        self.config = config
-        self.values: dict[int, Any] = {}
+        self.timeout = timeout
+        self.grace_period = grace_period
+        self.states: dict[int, RankState] = {}
         self.stopped: set[int] = set()
-        self.collected: set[int] = set()
 
     def wait(self) -> list[Any]:
-        deadline = None if self.config.timeout is None else time.monotonic() + self.config.timeout
+        """Wait for every worker; return the reporting ranks' values in rank order (``None`` for others).
+
+        Raises:
+            BaseException: the first failure (see :func:`~mplaunch._protocol.rank_state`), after stopping the
+                other workers; their own failures are on its ``failures`` attribute.
+            LaunchTimeoutError: ``timeout`` passed; every worker was stopped.
+        """
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         pending: dict[Any, int] = {process.sentinel: rank for rank, process in enumerate(self.processes)}
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -44,68 +52,53 @@ class Supervisor:
                 self._raise_timeout(sorted(pending.values()))
             for sentinel in ready:
                 rank = pending.pop(sentinel)
-                failure = self._collect(rank)
-                if failure is not None:
-                    self._raise_failure(failure, rank)
-        return [self.values.get(rank) for rank in range(self.spec.nprocs)]
+                state = self._collect(rank)
+                if isinstance(state, BaseException):
+                    self._raise_failure(state, rank)
+        return [state.value if isinstance(state := self.states[r], Returned) else None for r in range(self.spec.nprocs)]
 
-    def _collect(self, rank: int) -> BaseException | None:
-        """Read the outcome of a finished worker: store its value, or return its failure."""
+    def _collect(self, rank: int) -> RankState:
+        """Read the outcome of a finished worker and decide its state."""
         process = self.processes[rank]
         process.join()
-        self.collected.add(rank)
+        outcome: Outcome | None = None
         name = outcome_name(rank)
-        if not _transport.exists(self.spec.directory, name):
-            return self._exit_error(rank, process)
-        try:
-            outcome = _transport.load(self.spec.directory, name, private=False, remove=True)
-        except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
-            failure = RemoteError(
-                f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
-                f"{type(error).__name__}: {error}",
-                rank,
-                process.pid,
-                type(error).__qualname__,
-            )
-            failure.__cause__ = error
-            return failure
-        if outcome["ok"]:
-            if rank in self.spec.reporting_ranks:
-                self.values[rank] = outcome["value"]
-            return None
-        return rebuild_exception(outcome, rank)
-
-    def _exit_error(self, rank: int, process: BaseProcess) -> WorkerExitedError:
-        code = process.exitcode
-        error = WorkerExitedError("", rank, process.pid, code)
-        if error.signal_name is not None:
-            what = f"was killed by {error.signal_name} (exit code {code})"
-            if error.signal_name == "SIGKILL":
-                what += "; the out-of-memory killer is a likely cause (see `dmesg`), or a `kill -9`"
-        elif code == 0:
-            what = "exited with code 0 before returning (os._exit() or sys.exit() from another thread?)"
-        else:
-            what = f"exited with code {code} before returning"
-        error.args = (f"rank {rank} (pid {process.pid}) {what}",)
-        return error
+        if _transport.exists(self.spec.directory, name):
+            try:
+                outcome = _transport.load(self.spec.directory, name, private=False, remove=True)
+            except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
+                failure = RemoteError(
+                    f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
+                    f"{type(error).__name__}: {error}",
+                    rank,
+                    process.pid,
+                    type(error).__qualname__,
+                )
+                failure.__cause__ = error
+                self.states[rank] = failure
+                return failure
+        state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped)
+        self.states[rank] = state
+        return state
 
     def _raise_failure(self, failure: BaseException, rank: int) -> None:
-        """Stop the others, keep their own failures (not the stop we caused) on ``failure``, raise it."""
+        """Stop the others, keep their own failures (never the stop itself) on ``failure``, raise it."""
         self.stop()
         others = []
         for other in range(self.spec.nprocs):
-            if other == rank or other in self.values or other in self.collected:
-                continue
-            other_failure = self._collect(other)
-            if other_failure is None or (other in self.stopped and _caused_by_stop(other_failure)):
-                continue
-            others.append(other_failure)
-        _set_attribute(failure, "failures", tuple(others))
+            state = self.states.get(other)
+            if state is None:
+                state = self._collect(other)
+            if other != rank and isinstance(state, BaseException):
+                others.append(state)
+        set_attribute(failure, "failures", tuple(others))
         raise failure from failure.__cause__
 
     def _raise_timeout(self, running: list[int]) -> None:
         self.stop()
-        timeout = self.config.timeout or 0.0
+        for rank in running:
+            self._collect(rank)
+        timeout = self.timeout or 0.0
         raise LaunchTimeoutError(
             f"the launch did not finish within timeout={timeout:g} s; ranks {running} were still running and "
             "have been stopped. Raise `timeout`, or look for a rank stuck in a collective.",
@@ -114,14 +107,15 @@ class Supervisor:
         )
 
     def stop(self) -> None:
-        """SIGTERM every live worker and what it started (its process group), SIGKILL what is still alive after
-        ``grace_period`` seconds, reap all; then SIGKILL whatever the finished workers left running."""
+        """SIGTERM every live worker (each then stops what it started), SIGKILL its whole process group if it
+        is still alive after ``grace_period`` seconds, reap all; then SIGKILL whatever the finished workers
+        left running in their process groups."""
         alive = [(rank, p) for rank, p in enumerate(self.processes) if p.exitcode is None]
         try:
             for rank, process in alive:
                 self.stopped.add(rank)
-                _signal(process, signal.SIGTERM)
-            deadline = time.monotonic() + self.config.grace_period
+                _signal(process, signal.SIGTERM, group=False)
+            deadline = time.monotonic() + self.grace_period
             remaining = [p for _, p in alive]
             while remaining and time.monotonic() < deadline:
                 wait([p.sentinel for p in remaining], timeout=max(0.0, deadline - time.monotonic()))
@@ -129,65 +123,22 @@ class Supervisor:
         finally:
             for _, process in alive:
                 if process.exitcode is None:
-                    _signal(process, signal.SIGKILL)
+                    _signal(process, signal.SIGKILL, group=True)
             for process in self.processes:
                 process.join()
-                _signal(process, signal.SIGKILL, group_only=True)  # grandchildren left behind
+                _signal(process, signal.SIGKILL, group=True, group_only=True)  # grandchildren left behind
 
 
-def _caused_by_stop(failure: BaseException) -> bool:
-    """Whether a stopped worker's failure is just the SIGTERM/SIGKILL with which the launch stopped it."""
-    if isinstance(failure, WorkerExitedError):
-        return failure.signal_name in ("SIGTERM", "SIGKILL") or "Terminated(" in str(failure)
-    return False
-
-
-def _signal(process: BaseProcess, signum: int, *, group_only: bool = False) -> None:
-    """Signal a worker's process group (it made one of its own at start), or the worker alone if it has
-    not made it yet."""
-    if process.pid is None:
+def _signal(process: BaseProcess, signum: int, *, group: bool, group_only: bool = False) -> None:
+    """Signal a worker, or with ``group`` its process group (it makes one of its own at start; a worker that
+    has not made it yet is signalled alone). ``group_only``: only the group, whose leader may be gone."""
+    pid = process.pid
+    if pid is None:
         return
-    try:
-        os.killpg(process.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        if not group_only:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signum)
-
-
-def _set_attribute(error: BaseException, name: str, value: Any) -> None:
-    with contextlib.suppress(AttributeError, TypeError):
-        setattr(error, name, value)
-
-
-def rebuild_exception(outcome: dict[str, Any], rank: int) -> BaseException:
-    """The worker's exception as itself (or a :class:`RemoteError`), the remote traceback as its cause."""
-    pid = outcome["pid"]
-    error: BaseException | None = None
-    if outcome["exception"] is not None:
-        try:
-            error = pickle.loads(outcome["exception"])
-        except Exception:  # noqa: BLE001
-            error = None
-    if error is not None and not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt: not for the parent
-        error = WorkerExitedError(
-            f"rank {rank} (pid {pid}) raised {outcome['repr']} before returning, so it has no result",
-            rank,
-            pid,
-            getattr(error, "code", 1) if isinstance(getattr(error, "code", 1), int) else 1,
-        )
-    if error is None:
-        error = RemoteError(
-            f"rank {rank} (pid {pid}) raised {outcome['type_name']}: {outcome['message']} (the exception could "
-            "not be sent as itself because it cannot be pickled or unpickled)",
-            rank,
-            pid,
-            outcome["type_name"],
-        )
-    header = f"rank {rank} (pid {pid})"
-    error.__cause__ = RemoteTraceback(f'\n"""\n{header} raised:\n{outcome["traceback"]}"""')
-    _set_attribute(error, "rank", rank)
-    _set_attribute(error, "pid", pid)
-    if hasattr(error, "add_note") and not isinstance(error, WorkerFailedError):
-        error.add_note(f"(raised in mplaunch worker {header})")
-    return error
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group_only:
+            os.killpg(pid, signum)
+        elif group and os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)

@@ -1,71 +1,57 @@
-"""What runs first in a worker process, before and after the user's function."""
+"""What runs in a worker process, before and after the user's function.
+
+A worker writes exactly one outcome record (:mod:`mplaunch._protocol`) and then exits; the parent waits on
+the process, not on the record. A SIGTERM or SIGINT (the launch stopping it, or someone else) ends the
+function as :class:`Terminated` / :class:`Interrupted`, and whatever the function raises after that is a
+consequence of the signal: the outcome is then :class:`~mplaunch._protocol.Signalled`, never a failure of
+its own. Once the outcome is decided, further signals are noted and ignored, so writing the outcome and the
+exit handlers are never interrupted.
+"""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import ctypes
-import dataclasses
 import functools
+import multiprocessing
+import multiprocessing.util
 import os
 import select
 import signal
 import sys
 import threading
-import traceback
-from collections.abc import Callable, Iterator
+import time
 from typing import Any
 
 import torch
 
 from mplaunch import _transport
-from mplaunch._env import apply_environment, rank_environment
+from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
+from mplaunch._errors import RemoteError
+from mplaunch._group import process_group
 from mplaunch._output import rank_output
-from mplaunch._sharing import to_cpu, unshare
-from mplaunch._state import GlobalState
+from mplaunch._protocol import (
+    PAYLOAD,
+    REMOTE_RANK0,
+    Outcome,
+    Payload,
+    Raised,
+    Returned,
+    Signalled,
+    WorkerSpec,
+    outcome_name,
+)
+from mplaunch._sharing import unshare
 
-PAYLOAD = "payload"
-REMOTE_RANK0 = "remote-rank0"  # rank 0's outcome, fetched by a node that does not run rank 0
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """What every worker of one launch needs to know; small, so starting a worker sends little."""
-
-    directory: str
-    nprocs: int
-    start_method: str
-    parent_pid: int
-    master_addr: str
-    master_port: int
-    agent_store: bool
-    num_threads: int
-    reporting_ranks: frozenset[int]
-    environ: dict[str, str] | None  # the parent's environment, for forkserver workers (they inherit the server's)
-    backend: str | None = None
-    prefix_output: bool = False
-    console_ranks: frozenset[int] | None = None
-    log_dir: str | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Payload:
-    """The function, its arguments and the parent's state; under fork it is inherited, else read from a file."""
-
-    function: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    state: GlobalState
-
-
-def outcome_name(rank: int) -> str:
-    """The name under which rank ``rank`` writes its outcome in the launch directory."""
-    return f"rank{rank}"
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
+_outcome_decided = False  # after this, signals are noted and ignored
 
 
 @functools.lru_cache(maxsize=1)
-def _prctl() -> Any:
+def prctl() -> Any:
     """libc's prctl, loaded once (in the parent before a fork, so forked workers inherit it)."""
     return ctypes.CDLL(None, use_errno=True).prctl
 
@@ -81,7 +67,7 @@ def _die_with_parent(parent_pid: int, start_method: str) -> None:
         return
     if start_method != "forkserver":
         try:
-            _prctl()(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            prctl()(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             return
         if os.getppid() != parent_pid:
@@ -102,11 +88,21 @@ def _die_with_parent(parent_pid: int, start_method: str) -> None:
 
 
 class Terminated(SystemExit):
-    """Raised in a worker by the SIGTERM with which the launch stops it (distinct from the user's SystemExit)."""
+    """Raised in a worker by SIGTERM (the launch stopping it, or a ``kill``); a ``SystemExit``, so ``finally``
+    blocks run and ``except Exception`` does not swallow it."""
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise Terminated(128 + signum)
+class Interrupted(KeyboardInterrupt):
+    """Raised in a worker by SIGINT sent to it."""
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    global _signal_received
+    first = _signal_received is None
+    if first:
+        _signal_received = signum
+    if first and not _outcome_decided:
+        raise Terminated(128 + signum) if signum == signal.SIGTERM else Interrupted()
 
 
 def _set_threads(num_threads: int) -> None:
@@ -115,100 +111,16 @@ def _set_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-@contextlib.contextmanager
-def process_group(backend: str | None, rank: int) -> Iterator[None]:
-    """Initialise the default process group from the torchrun environment around the function."""
-    if backend is None:
-        yield
-        return
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        if torch.cuda.device_count() == 0:
-            raise RuntimeError("backend='nccl' needs CUDA devices, and this worker sees none; use backend='gloo'")
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _decide(outcome: Outcome) -> Outcome:
+    """Freeze the outcome: from now on signals no longer raise. A signal that came first wins."""
+    global _outcome_decided
+    _outcome_decided = True
+    if _signal_received is not None and not isinstance(outcome, Returned):
+        return Signalled(os.getpid(), _signal_received)
+    return outcome
 
 
-def _safely(describe: Callable[[BaseException], str], error: BaseException) -> str:
-    try:
-        return describe(error)
-    except Exception as failure:  # noqa: BLE001 - a broken __str__ must not hide the error itself
-        return f"<{type(error).__qualname__}: {describe.__name__}() failed with {type(failure).__name__}>"
-
-
-def _error_outcome(error: BaseException) -> dict[str, Any]:
-    try:
-        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    except Exception:  # noqa: BLE001
-        text = "".join(traceback.format_tb(error.__traceback__)) + _safely(repr, error)
-    try:
-        exc_bytes = _pickle_exception(error)
-    except Exception:  # noqa: BLE001 - an exception that cannot be pickled travels as text
-        exc_bytes = None
-    return {
-        "ok": False,
-        "pid": os.getpid(),
-        "exception": exc_bytes,
-        "type_name": f"{type(error).__module__}.{type(error).__qualname__}",
-        "message": _safely(str, error),
-        "repr": _safely(repr, error),
-        "traceback": text,
-    }
-
-
-def _pickle_exception(error: BaseException) -> bytes:
-    import pickle
-
-    import cloudpickle
-
-    traceback_, cause, context = error.__traceback__, error.__cause__, error.__context__
-    try:
-        error.__traceback__ = None
-        try:
-            return pickle.dumps(error)
-        except Exception:  # noqa: BLE001
-            data: bytes = cloudpickle.dumps(error)
-            return data
-    finally:
-        error.__traceback__, error.__cause__, error.__context__ = traceback_, cause, context
-
-
-def _write_outcome(spec: WorkerSpec, rank: int, outcome: dict[str, Any]) -> dict[str, Any]:
-    """Write the outcome; a result that cannot be pickled is replaced by the error saying so. Returns what
-    was written."""
-    try:
-        _transport.dump(outcome, spec.directory, outcome_name(rank))
-        return outcome
-    except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
-        _transport.remove(spec.directory, outcome_name(rank))
-        if not outcome["ok"]:
-            raise
-        value = outcome["value"]
-        kind = f"{type(value).__module__}.{type(value).__qualname__}"
-        failure: Exception
-        if isinstance(error, OSError):
-            failure = OSError(
-                error.errno,
-                f"the result of rank {rank} (type {kind}) could not be written to {spec.directory} for the parent: "
-                f"{error.strerror}. Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR.",
-            )
-        else:
-            failure = TypeError(
-                f"the result of rank {rank} (type {kind}) cannot be pickled to send it to the parent: {error}"
-            )
-        failure.__cause__ = error
-        replacement = _error_outcome(failure)
-        _transport.dump(replacement, spec.directory, outcome_name(rank))
-        return replacement
-
-
-def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> dict[str, Any]:
+def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Outcome:
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
     try:
         _set_threads(spec.num_threads)
@@ -222,58 +134,136 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         with rank_output(rank, spec.prefix_output, spec.console_ranks, spec.log_dir):
             with process_group(spec.backend, local_rank):
                 value = function(*args, **kwargs)
-        if rank not in spec.reporting_ranks:
-            value = None
-        elif torch.cuda.is_initialized():
-            value = to_cpu(value)
-        return {"ok": True, "pid": os.getpid(), "value": value}
+        return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
-        return _error_outcome(error)
+        return _decide(Raised.of(error))
 
 
-def _finish(failed: bool) -> None:
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    if failed:
-        os._exit(1)
+def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
+    """Write the outcome; a result that cannot be pickled or written is replaced by the error saying so.
+    Returns what was written."""
+    try:
+        _transport.dump(outcome, spec.directory, outcome_name(rank))
+        return outcome
+    except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
+        _transport.remove(spec.directory, outcome_name(rank))
+        if not isinstance(outcome, Returned):
+            raise
+        kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
+        how = "written to the launch directory" if isinstance(error, OSError) else "pickled"
+        advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR." if how[0] == "w" else ""
+        failure = RemoteError(
+            f"the result of rank {rank} (type {kind}) could not be {how} to send it to the parent: "
+            f"{type(error).__name__}: {error}.{advice}",
+            rank,
+            os.getpid(),
+            kind,
+        )
+        failure.__cause__ = error
+        replacement = Raised.of(failure)
+        _transport.dump(replacement, spec.directory, outcome_name(rank))
+        return replacement
+
+
+def _children() -> list[int]:
+    """Direct children of this process (Linux: /proc/self/task/*/children), else an empty list."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as file:
+                found.extend(int(pid) for pid in file.read().split())
+    return found
+
+
+def _stop_children(grace_period: float) -> None:
+    """A worker that is done stops what it started: SIGTERM to its process group (it made one of its own),
+    then SIGKILL to its children still alive after part of the grace period; the parent kills the rest of
+    the group after the worker exits. Exit handlers would otherwise join non-daemon children forever."""
+    children = _children()
+    if not children:
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # e.g. DataLoader's handler would raise for its workers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGTERM)
+        else:
+            for pid in children:
+                os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + min(1.0, grace_period / 2)
+    while (children := _children()) and time.monotonic() < deadline:
+        for pid in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.01)
+    for pid in children:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _exit_code(outcome: Outcome | None) -> int:
+    if isinstance(outcome, Returned):
+        return 0
+    if isinstance(outcome, Raised):
+        return 1 if outcome.exit_code is None else outcome.exit_code
+    signum = outcome.signum if isinstance(outcome, Signalled) else _signal_received
+    return 1 if signum is None else 128 + signum
+
+
+def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bool = False) -> None:
+    """Write the outcome, stop the worker's children, run exit handlers, and leave with the exit status."""
+    global _outcome_decided
+    _outcome_decided = True
+    if outcome is None and _signal_received is not None:  # stopped before the function started
+        outcome = Signalled(os.getpid(), _signal_received)
+    try:
+        if outcome is not None and not written:
+            outcome = _write_outcome(spec, rank, outcome)
+        _stop_children(spec.grace_period)
+        multiprocessing.util._exit_function()  # type: ignore[attr-defined] # finalizers, e.g. semaphores
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+    finally:
+        # threads the function left running must not keep the worker (and the call) alive
+        os._exit(_exit_code(outcome))
 
 
 def _start(spec: WorkerSpec) -> None:
     """Signals, parent-death and exit handlers: the first things a worker does."""
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # blocked while starting
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _on_signal)
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
         atexit._clear()  # inherited from the parent or the fork server: not ours to run
+    # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
+    multiprocessing.set_start_method(spec.mp_start_method, force=True)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a process group of its own: stopping the worker stops what it started too
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
-    """The target of every worker process: set up the rank, run the function, write the outcome.
+    """The target of every worker process: set up the rank, run the function, write the outcome, exit.
 
     The outcome (the return value for reporting ranks, ``None`` for the others, or the exception) is written
     to the launch directory before the process exits; the parent reads it when it sees the process end.
     """
-    _start(spec)
-    if spec.environ is not None:
-        os.environ.clear()
-        os.environ.update(spec.environ)
-    apply_environment(
-        os.environ,
-        rank_environment(rank, spec.nprocs, spec.master_addr, spec.master_port, agent_store=spec.agent_store),
-    )
-    outcome = {"ok": False}
+    outcome: Outcome | None = None
     try:
+        _start(spec)
+        if spec.environ is not None:
+            os.environ.clear()
+            os.environ.update(spec.environ)
+        apply_environment(
+            os.environ,
+            rank_environment(rank, spec.nprocs, spec.master_addr, spec.master_port, agent_store=spec.agent_store),
+        )
         outcome = _execute(rank, rank, spec, payload)
-        _write_outcome(spec, rank, outcome)
-    finally:
-        _finish(not outcome["ok"])
-    os._exit(0)  # done: threads the function left running must not keep the worker (and the call) alive
+    except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
+        pass
+    _finish(spec, rank, outcome)
 
 
 def elastic_entry(spec: WorkerSpec) -> int:
@@ -281,27 +271,34 @@ def elastic_entry(spec: WorkerSpec) -> int:
 
     Elastic has set the torchrun environment. The outcome is written to this node's launch directory; rank
     0's is also published in the rendezvous store, where the first worker of every other node fetches it,
-    so every node's parent can return rank 0's result. Returns the global rank.
+    so every node's parent can return rank 0's result. Returns the global rank; a failed worker exits.
     """
-    _start(spec)
+    outcome: Outcome | None = None
+    written = False
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    outcome = {"ok": False}
     try:
-        outcome = _write_outcome(spec, rank, _execute(rank, local_rank, spec, None))
-        _share_rank0(spec, rank, local_rank, outcome)
-    finally:
-        _finish(not outcome["ok"])
+        _start(spec)
+        os.environ[WORKER_VARIABLE] = "1"
+        outcome = _execute(rank, local_rank, spec, None)
+        if isinstance(outcome, Returned):
+            outcome, written = _write_outcome(spec, rank, outcome), True
+            _share_rank0(spec, rank, local_rank, outcome)
+    except BaseException:  # noqa: BLE001 - a stop that landed outside the function: reported by _finish
+        pass
+    if not isinstance(outcome, Returned):
+        _finish(spec, rank, outcome, written=written)
+    _stop_children(spec.grace_period)
     return rank
 
 
-def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: dict[str, Any]) -> None:
+def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome) -> None:
     """Rank 0 publishes its outcome in the rendezvous store; the first worker of each other node fetches it."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     on_first_node = os.environ.get("GROUP_RANK", "0") == "0"
-    if rank != 0 and (on_first_node or local_rank != 0 or not outcome["ok"]):
+    if rank != 0 and (on_first_node or local_rank != 0 or not isinstance(outcome, Returned)):
         return  # a failed worker does not wait for rank 0: its own failure is what this node reports
     store = TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(hours=24)

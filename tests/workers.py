@@ -285,3 +285,51 @@ class Model:
 
     def times(self, x: int) -> int:
         return self.scale * x
+
+
+def load_through_dataloader(x: torch.Tensor, contexts: tuple[str | None, ...]) -> dict[str, Any]:
+    """Issue 10: a tensor argument used by DataLoader workers, a queue to the rank's own child, share_memory_
+    and torch.save, as in a process that torchrun starts."""
+    import io
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    counts = {}
+    for context in contexts:
+        loader = DataLoader(
+            TensorDataset(x), batch_size=1000, num_workers=2, multiprocessing_context=context, persistent_workers=True
+        )
+        counts[str(context)] = sum(len(batch[0]) for _ in range(2) for batch in loader)
+    queue = torch.multiprocessing.get_context("fork").SimpleQueue()
+    queue.put(x)
+    received = queue.get()
+    buffer = io.BytesIO()
+    torch.save(x, buffer)
+    x.share_memory_()
+    return {
+        "counts": counts,
+        "default_start_method": multiprocessing.get_start_method(),
+        "queued": bool(torch.equal(received, x)),
+        "saved": len(buffer.getvalue()) > x.numel() * 4,
+        "shared": x.is_shared(),
+    }
+
+
+def outer_with_nested_call() -> dict[str, Any]:
+    """Issue 10: a parallel function called inside a rank runs in-process as that rank."""
+    import torch.distributed as dist
+
+    from mplaunch import parallel
+
+    inner = parallel(nprocs=2, backend="gloo", timeout=60)(inner_collective)
+    value, pid = inner()
+    return {"value": value, "same_pid": pid == os.getpid(), "group_kept": dist.is_initialized()}
+
+
+def inner_collective() -> tuple[float, int]:
+    import torch.distributed as dist
+
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return value.item(), os.getpid()

@@ -115,9 +115,12 @@ def test_huge_message_does_not_deadlock() -> None:
     assert len(str(caught.value)) == 8 * 2**20
 
 
-def test_unpicklable_result_names_rank_and_type() -> None:
-    with pytest.raises(TypeError, match=r"result of rank 0 \(type builtins.dict\) cannot be pickled"):
+def test_unpicklable_result_is_a_remote_error_with_a_failed_exit() -> None:
+    """Issue 11: documented as RemoteError, it arrived as TypeError, and the rank exited 0."""
+    with pytest.raises(RemoteError, match=r"result of rank 0 \(type builtins.dict\) could not be pickled") as caught:
         launch(workers.return_unpicklable)()
+    assert caught.value.rank == 0 and caught.value.type_name == "builtins.dict"
+    assert "_thread.lock" in str(caught.value) and isinstance(caught.value.__cause__, RemoteTraceback)
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])

@@ -1,0 +1,273 @@
+"""The records that cross the boundary between the parent and its workers, and the names they travel under.
+
+The parent writes one :class:`Payload` (the call) for workers that cannot inherit it and starts each worker
+with the :class:`WorkerSpec`; every worker writes exactly one outcome record for its rank before it exits:
+:class:`Returned`, :class:`Raised`, or :class:`Signalled` (a SIGTERM/SIGINT ended it). The parent reads
+the records, knows which ranks it stopped itself, and turns them into one :data:`RankState` per rank:
+``Returned``, ``Stopped`` (the launch stopped it: never a failure), or a failure (an exception to raise).
+Worker, supervisor and elastic code depend on this module, not on each other. The design follows CPython's
+``concurrent.futures.process`` (``_CallItem``, ``_ResultItem``) and torch elastic's ``ProcessFailure``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import signal
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from mplaunch._errors import RemoteError, RemoteTraceback, WorkerExitedError, WorkerFailedError
+from mplaunch._state import GlobalState
+
+#: Name of the call in the launch directory.
+PAYLOAD = "payload"
+#: Rank 0's outcome, fetched by a node of a multi-node launch that does not run rank 0.
+REMOTE_RANK0 = "remote-rank0"
+_RANK_PREFIX = "rank"
+
+
+def outcome_name(rank: int) -> str:
+    """The name under which rank ``rank`` writes its outcome in the launch directory."""
+    return f"{_RANK_PREFIX}{rank}"
+
+
+def outcome_rank(filename: str) -> int | None:
+    """The rank whose complete outcome ``filename`` (an entry of the launch directory) is, else ``None``."""
+    stem, dot, extension = filename.partition(".")
+    number = stem[len(_RANK_PREFIX) :]
+    if stem.startswith(_RANK_PREFIX) and number.isdigit() and dot and extension == "pkl":
+        return int(number)
+    return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What every worker of one launch needs to know; small, so starting a worker sends little.
+
+    Attributes:
+        directory: the launch directory, where the payload and outcomes are written.
+        nprocs: workers of this launch (on this node).
+        start_method: ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+        parent_pid: pid of the launching process, which the worker must not outlive.
+        master_addr, master_port: the rendezvous store.
+        agent_store: the parent hosts the store (torchrun's agent store).
+        num_threads: intra-op threads for the worker.
+        reporting_ranks: ranks whose return value is sent back (the others send ``None``).
+        environ: the parent's environment for forkserver workers (they inherit the server's), else ``None``.
+        grace_period: seconds a stopped worker has before SIGKILL; its own children get part of it.
+        mp_start_method: the parent's ``multiprocessing`` default start method if it set one, else ``None``
+            (the platform's default, as in a process that torchrun starts).
+    """
+
+    directory: str
+    nprocs: int
+    start_method: str
+    parent_pid: int
+    num_threads: int
+    reporting_ranks: frozenset[int]
+    master_addr: str = ""
+    master_port: int = 0
+    agent_store: bool = True
+    environ: dict[str, str] | None = None
+    backend: str | None = None
+    prefix_output: bool = False
+    console_ranks: frozenset[int] | None = None
+    log_dir: str | None = None
+    grace_period: float = 5.0
+    mp_start_method: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Payload:
+    """The function, its arguments and the parent's state; under fork it is inherited, else read from a file."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: GlobalState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Returned:
+    """The function returned ``value`` (``None`` for ranks that do not report)."""
+
+    pid: int
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Raised:
+    """The function raised. ``exception`` is the pickled exception, or ``None`` when it cannot be pickled.
+
+    Attributes:
+        exit_code: for ``SystemExit`` (and ``KeyboardInterrupt``), the process exit code CPython would use,
+            else ``None``.
+    """
+
+    pid: int
+    exception: bytes | None
+    type_name: str
+    message: str
+    text: str  # the formatted traceback
+    exit_code: int | None = None
+
+    @classmethod
+    def of(cls, error: BaseException) -> Raised:
+        """The record of ``error``, raised in this process; never raises itself."""
+        try:
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        except Exception:  # noqa: BLE001 - a broken __str__ must not hide the error
+            text = "".join(traceback.format_tb(error.__traceback__)) + _safely(repr, error)
+        try:
+            exception: bytes | None = _pickle_exception(error)
+        except Exception:  # noqa: BLE001 - an exception that cannot be pickled travels as text
+            exception = None
+        exit_code = exit_status(error.code) if isinstance(error, SystemExit) else None
+        if isinstance(error, KeyboardInterrupt):
+            exit_code = 128 + signal.SIGINT
+        return cls(
+            pid=os.getpid(),
+            exception=exception,
+            type_name=f"{type(error).__module__}.{type(error).__qualname__}",
+            message=_safely(str, error) if exit_code is None else _safely(repr, error),
+            text=text,
+            exit_code=exit_code,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Signalled:
+    """The worker was ended by signal ``signum`` that it caught (SIGTERM, SIGINT), before it had returned."""
+
+    pid: int
+    signum: int
+
+
+Outcome = Returned | Raised | Signalled
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stopped:
+    """Parent side: the launch stopped this rank itself (a peer failed, a timeout, Ctrl-C); not a failure."""
+
+    rank: int
+
+
+#: What the parent makes of one rank: it returned, the launch stopped it, or it failed (the exception).
+RankState = Returned | Stopped | BaseException
+
+
+def exit_status(code: object) -> int:
+    """The exit status CPython gives ``sys.exit(code)``: ``None`` -> 0, an int (or bool) -> itself, anything
+    else -> 1 (the object is printed)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return int(code)
+    return 1
+
+
+def rank_state(rank: int, outcome: Outcome | None, exitcode: int | None, pid: int | None, stopped: bool) -> RankState:
+    """Decide what happened to ``rank`` from its outcome record (``None``: it wrote none), its process exit
+    code, and whether the launch had stopped it. A rank the launch stopped is :class:`Stopped` unless it had
+    returned (then :class:`Returned`) or had raised on its own before the stop reached it (a failure)."""
+    if isinstance(outcome, Returned):
+        return outcome
+    if isinstance(outcome, Raised):
+        return rebuild_exception(outcome, rank)
+    if stopped:
+        return Stopped(rank)
+    if isinstance(outcome, Signalled):
+        return exit_error(rank, outcome.pid, exitcode, outcome.signum)
+    return exit_error(rank, pid, exitcode, None)
+
+
+def exit_error(rank: int, pid: int | None, exitcode: int | None, signum: int | None) -> WorkerExitedError:
+    """The error for a rank that ended without an exception of its own: killed by a signal (``signum``, or a
+    negative ``exitcode``), or an exit with no outcome."""
+    error = WorkerExitedError("", rank, pid, exitcode, signum)
+    if error.signal_name is not None:
+        number = signum if signum is not None else -(exitcode or 0)
+        what = f"was ended by {error.signal_name} (signal {number}"
+        what += f", exit code {exitcode})" if exitcode is not None and exitcode >= 0 else ")"
+        if signum is not None:
+            what += " that came from outside the launch"
+        if error.signal_name == "SIGKILL":
+            what += "; the out-of-memory killer is a likely cause (see `dmesg`), or a `kill -9`"
+    elif exitcode == 0:
+        what = "exited with code 0 before returning (os._exit() or sys.exit() from another thread?)"
+    else:
+        what = f"exited with code {exitcode} before returning"
+    error.args = (f"rank {rank} (pid {pid}) {what}",)
+    return error
+
+
+def rebuild_exception(raised: Raised, rank: int) -> BaseException:
+    """The worker's exception as itself (or a :class:`RemoteError`), the remote traceback as its cause.
+
+    ``SystemExit`` and ``KeyboardInterrupt`` are not for the parent: they become :class:`WorkerExitedError`
+    with the exit code CPython would have used.
+    """
+    pid = raised.pid
+    error: BaseException | None = None
+    if raised.exception is not None:
+        try:
+            error = pickle.loads(raised.exception)
+        except Exception:  # noqa: BLE001
+            error = None
+    if raised.exit_code is not None or (error is not None and not isinstance(error, Exception)):
+        code = raised.exit_code if raised.exit_code is not None else 1
+        error = WorkerExitedError(
+            f"rank {rank} (pid {pid}) raised {raised.message} before returning, so it has no result (exit code {code})",
+            rank,
+            pid,
+            code,
+        )
+    if error is None:
+        error = RemoteError(
+            f"rank {rank} (pid {pid}) raised {raised.type_name}: {raised.message} (the exception could not be "
+            "sent as itself because it cannot be pickled or unpickled)",
+            rank,
+            pid,
+            raised.type_name,
+        )
+    header = f"rank {rank} (pid {pid})"
+    error.__cause__ = RemoteTraceback(f'\n"""\n{header} raised:\n{raised.text}"""')
+    set_attribute(error, "rank", rank)
+    set_attribute(error, "pid", pid)
+    if hasattr(error, "add_note") and not isinstance(error, WorkerFailedError):
+        error.add_note(f"(raised in mplaunch worker {header})")
+    return error
+
+
+def set_attribute(error: BaseException, name: str, value: Any) -> None:
+    """Set an attribute on an exception that may refuse it (slots, read-only properties)."""
+    try:
+        setattr(error, name, value)
+    except (AttributeError, TypeError):
+        pass
+
+
+def _safely(describe: Callable[[BaseException], str], error: BaseException) -> str:
+    try:
+        return describe(error)
+    except Exception as failure:  # noqa: BLE001 - a broken __str__ must not hide the error itself
+        return f"<{type(error).__qualname__}: {describe.__name__}() failed with {type(failure).__name__}>"
+
+
+def _pickle_exception(error: BaseException) -> bytes:
+    import cloudpickle
+
+    traceback_, cause, context = error.__traceback__, error.__cause__, error.__context__
+    try:
+        error.__traceback__ = None
+        try:
+            return pickle.dumps(error)
+        except Exception:  # noqa: BLE001
+            data: bytes = cloudpickle.dumps(error)
+            return data
+    finally:
+        error.__traceback__, error.__cause__, error.__context__ = traceback_, cause, context

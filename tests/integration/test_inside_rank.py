@@ -1,0 +1,67 @@
+"""Inside a rank, things behave as in a process that torchrun starts (issue 10)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from mplaunch import parallel
+from tests import workers
+
+TIMEOUT = 120
+
+
+@pytest.mark.parametrize(
+    ("start_method", "contexts"),
+    [
+        ("spawn", (None,)),
+        ("forkserver", (None,)),
+        ("fork", (None,)),
+        pytest.param("spawn", (None, "forkserver", "spawn"), marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_arguments_are_ordinary_tensors_in_the_rank(start_method: str, contexts: tuple[str | None, ...]) -> None:
+    """Arguments mapped from the launch directory reported is_shared(), so DataLoader workers failed with
+    'Bad file descriptor' once an argument passed 64 KiB; the rank's default start method was its own
+    (spawn), where a torchrun rank's is the platform's."""
+    launch = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT, return_all=True)
+    results = launch(workers.load_through_dataloader)(torch.arange(100_000, dtype=torch.float32), contexts)
+    for result in results:
+        assert result["counts"] == {str(context): 200_000 for context in contexts}
+        assert result["default_start_method"] == multiprocessing.get_start_method()
+        assert result["queued"] and result["saved"] and result["shared"]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_nested_call_runs_in_process_as_that_rank(start_method: str) -> None:
+    """It started N x N processes under spawn and failed with 'process group initialised twice' under fork."""
+    outer = parallel(nprocs=2, start_method=start_method, backend="gloo", timeout=TIMEOUT, return_all=True)
+    results = outer(workers.outer_with_nested_call)()
+    assert results == [{"value": 3.0, "same_pid": True, "group_kept": True}] * 2
+
+
+def test_debug_runs_here_as_rank_0_of_1_with_the_workers_setup() -> None:
+    import torch.distributed as dist
+
+    @parallel(nprocs=2, backend="gloo")
+    def train(x: int) -> dict[str, object]:
+        value = torch.tensor([float(x)])
+        dist.all_reduce(value)
+        nested = parallel(nprocs=2)(os.getpid)()
+        return {
+            "value": value.item(),
+            "world": dist.get_world_size(),
+            "pid": os.getpid(),
+            "nested": nested,
+            "rank": os.environ["RANK"],
+            "port": os.environ["MASTER_PORT"],
+        }
+
+    before = dict(os.environ)
+    result = train.debug(5)
+    assert result["value"] == 5.0 and result["world"] == 1 and result["rank"] == "0"
+    assert result["pid"] == os.getpid() == result["nested"]
+    assert not dist.is_initialized() and dict(os.environ) == before
