@@ -25,15 +25,17 @@ class ParallelFunction(Generic[P, T]):
     """A function that, when called, runs on ``nprocs`` worker processes and returns rank 0's value.
 
     Made by :func:`parallel`; it has the wrapped function's signature, ``__name__``, ``__qualname__``,
-    ``__module__`` and ``__doc__``. ``__wrapped__`` is the plain function; :meth:`debug` runs it here as rank 0 of a
-    world of 1 with a worker's setup (environment, process group), for debuggers. It pickles by reference (module and qualified name), so workers started with ``spawn`` or
-    ``forkserver`` find it by importing its module, without launching again.
+    ``__module__`` and ``__doc__``. ``__wrapped__`` is the plain function; :meth:`debug` runs it here as
+    rank 0 of a world of 1 with a worker's setup (environment, process group), for debuggers. It pickles by
+    reference (module and qualified name), so workers started with ``spawn`` or ``forkserver`` find it by
+    importing its module, without launching again.
 
     Attributes:
         config: the validated launch options (:class:`~mplaunch.LaunchConfig`).
     """
 
     __wrapped__: Callable[P, Any]
+    __name__: str
     __qualname__: str
 
     def __init__(self, function: Callable[P, Any], config: LaunchConfig) -> None:
