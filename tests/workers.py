@@ -242,7 +242,10 @@ def newer_dtypes() -> dict[str, torch.Tensor]:
 
 
 def nested_launch() -> list[tuple[int, float]]:
+    """A launch from inside a worker that really launches (MPLAUNCH_IN_PROCESS=0): it hosts its own store."""
     from mplaunch import parallel
+
+    os.environ["MPLAUNCH_IN_PROCESS"] = "0"
 
     inner = parallel(nprocs=2, start_method="fork", backend="gloo", return_all=True, timeout=60)
     return inner(all_reduce_in_given_group)()  # type: ignore[no-any-return]
@@ -333,3 +336,106 @@ def inner_collective() -> tuple[float, int]:
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
     return value.item(), os.getpid()
+
+
+class SlowToPickle:
+    """A value whose pickling takes ``seconds``: rank 0 is still writing its outcome when the stop comes."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        time.sleep(self.seconds)
+        return (SlowToPickle, (0.0,))
+
+
+def slow_result_while_rank1_raises(seconds: float) -> Any:
+    if worker_info().rank == 1:
+        time.sleep(0.3)
+        raise RuntimeError("hello")
+    return SlowToPickle(seconds)
+
+
+def raise_from_every_rank() -> None:
+    """torch's test_exception_all: every rank raises after a random short sleep."""
+    import random
+
+    time.sleep(random.random() / 10)
+    raise ValueError(f"legitimate exception from process {worker_info().rank}")
+
+
+def raise_on_rank(rank: int) -> None:
+    """torch's test_exception_single."""
+    if worker_info().rank == rank:
+        raise ValueError(f"legitimate exception from process {rank}")
+    time.sleep(30)
+
+
+def exit_on_rank0(code: Any) -> int:
+    """torch's test_terminate_exit and CPython's exit codes: ``sys.exit(code)`` on rank 0."""
+    if worker_info().rank == 0:
+        sys.exit(code)
+    time.sleep(30)
+    return 1
+
+
+def return_then_raise() -> None:
+    """torch's test_success_first_then_exception."""
+    if worker_info().rank == 0:
+        return
+    time.sleep(0.1)
+    raise ValueError("legitimate exception")
+
+
+def _sleep_forever(index: int) -> None:
+    time.sleep(600)
+
+
+def start_children_then(action: str, pid_file: str) -> int:
+    """Start two non-daemon children with ``torch.multiprocessing.start_processes(join=False)`` (torch's
+    test_nested), record their pids, then ``action``: ``"return"``, ``"raise"``, ``"sigterm"`` (kill self)
+    or ``"wait"`` (to be stopped by the launch)."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_sleep_forever, nprocs=2, join=False, daemon=False, start_method="fork")
+    if worker_info().rank == 0:
+        _write(pid_file, " ".join(str(pid) for pid in context.pids()))
+    if action == "raise":
+        raise ValueError("done with an error")
+    if action == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    if action == "wait":
+        time.sleep(600)
+    return worker_info().rank
+
+
+def forked_child_then(action: str, pid_file: str) -> int:
+    """Start a plain multiprocessing child that sleeps 600 s, then return or raise."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+    child.start()
+    if worker_info().rank == 0:
+        _write(pid_file, str(child.pid))
+    if action == "raise":
+        raise ValueError("done with an error")
+    return worker_info().rank
+
+
+def fail_after(seconds: float) -> None:
+    if worker_info().rank == 1:
+        time.sleep(seconds)
+        raise RuntimeError("peer failed")
+    time.sleep(600)
+
+
+def dataloader_forever(seconds: float) -> None:
+    """Iterate a DataLoader with worker processes until stopped (issue 10: a stop prints nothing)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.arange(1000.0)), batch_size=10, num_workers=2, persistent_workers=True)
+    deadline = time.monotonic() + seconds
+    while True:
+        for _ in loader:
+            if worker_info().rank == 1 and time.monotonic() > deadline:
+                raise RuntimeError("peer failed")

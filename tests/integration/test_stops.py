@@ -1,0 +1,136 @@
+"""Failures, exactly (issue 16): stops are states, signals are named, children never hold the call, exit codes
+are CPython's. Races are repeated in one loop of launches, not run once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from mplaunch import InvalidOptionError, LaunchTimeoutError, WorkerExitedError, parallel
+from tests import workers
+
+TIMEOUT = 90
+METHODS = ["fork", "forkserver", "spawn"]
+
+
+def launch(function: object, start_method: str = "fork", **options: object) -> object:
+    options = {"nprocs": 2, "start_method": start_method, "timeout": TIMEOUT, **options}
+    return parallel(**options)(function)  # type: ignore[call-overload]
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_rank_stopped_while_writing_its_result_is_no_failure(
+    start_method: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 has returned and is pickling (slowly) when rank 1 raises: `failures` held a bogus 'exited with
+    code 143' for rank 0, and spawn printed 'Exception ignored in atexit callback ... Terminated'."""
+    rounds = 3 if start_method == "spawn" else 6
+    for _ in range(rounds):
+        with pytest.raises(RuntimeError, match="hello") as caught:
+            launch(workers.slow_result_while_rank1_raises, start_method, grace_period=1.0)(2.0)
+        assert caught.value.failures == ()  # type: ignore[attr-defined]
+    err = capfd.readouterr().err
+    assert "Terminated" not in err and "Exception ignored" not in err, err
+
+
+def test_every_rank_raising_keeps_only_real_failures() -> None:
+    """torch's test_exception_all: the first exception is raised; the others are real ValueErrors, never a
+    stop reported as a failure."""
+    for _ in range(15):
+        with pytest.raises(ValueError, match=r"legitimate exception from process (0|1)") as caught:
+            launch(workers.raise_from_every_rank)()
+        assert all(isinstance(f, ValueError) for f in caught.value.failures)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGABRT])
+def test_a_signal_from_outside_is_named(start_method: str, signum: int) -> None:
+    """A worker ended by someone else's SIGTERM was 'raised Terminated(143)' with signal_name None."""
+    if start_method == "spawn" and signum != signal.SIGTERM:
+        pytest.skip("the start method does not change how other signals are read; spawn is slow")
+    with pytest.raises(WorkerExitedError) as caught:
+        launch(workers.kill_self, start_method)(signum)
+    error = caught.value
+    name = signal.Signals(signum).name
+    assert error.rank == 1 and error.signal_name in (name, "SIGIOT") and error.signum == signum
+    assert f"signal {int(signum)}" in str(error) and error.failures == ()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("code", "exitcode"), [(None, 0), (True, 1), (False, 0), (3, 3), (123, 123), ("a message", 1)]
+)
+def test_exit_codes_are_cpythons(code: object, exitcode: int) -> None:
+    """sys.exit() and sys.exit(None) gave exitcode 1; sys.exit(True) gave True."""
+    with pytest.raises(WorkerExitedError) as caught:
+        launch(workers.exit_on_rank0)(code)
+    assert caught.value.rank == 0 and caught.value.exitcode == exitcode
+    assert type(caught.value.exitcode) is int
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+@pytest.mark.parametrize("action", ["return", "raise"])
+def test_children_of_a_finished_worker_never_hold_the_call(start_method: str, action: str, tmp_path: Path) -> None:
+    """A worker that started a 600 s child and returned held the call until the child ended (exit handlers
+    join non-daemon children); raising, the failure was reported only then."""
+    if start_method == "spawn" and action == "raise":
+        pytest.skip("spawn: one case is enough")
+    pid_file = tmp_path / "pids"
+    start = time.monotonic()
+    if action == "return":
+        assert launch(workers.forked_child_then, start_method, return_all=True)(action, str(pid_file)) == [0, 1]
+    else:
+        with pytest.raises(ValueError, match="done with an error"):
+            launch(workers.forked_child_then, start_method)(action, str(pid_file))
+    assert time.monotonic() - start < 60
+    assert _gone([int(pid_file.read_text())], within=5.0)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+@pytest.mark.parametrize("action", ["wait", "sigterm"])
+def test_a_stopped_worker_ends_with_its_children(start_method: str, action: str, tmp_path: Path) -> None:
+    """torch's test_nested: two non-daemon children from start_processes(join=False); stopped (peer failure)
+    or killed by SIGTERM, the worker waited for them in its exit handlers (still alive 10 s later)."""
+    pid_file = tmp_path / "pids"
+    function = workers.start_children_then if action == "sigterm" else workers.fail_after
+    start = time.monotonic()
+    if action == "sigterm":
+        with pytest.raises(WorkerExitedError, match="SIGTERM"):
+            launch(function, start_method, grace_period=5.0)(action, str(pid_file))
+    else:
+        stopper = parallel(nprocs=1, start_method=start_method, timeout=3.0, grace_period=5.0)
+        with pytest.raises(LaunchTimeoutError):
+            stopper(workers.start_children_then)("wait", str(pid_file))
+    assert time.monotonic() - start < 30
+    assert _gone([int(pid) for pid in pid_file.read_text().split()], within=1.0)
+
+
+def test_a_log_dir_that_is_a_file_is_refused_before_launching(tmp_path: Path) -> None:
+    """It was found only inside the workers (FileExistsError in every rank)."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    for log_dir in (not_a_dir, not_a_dir / "below"):
+        with pytest.raises(InvalidOptionError, match=r"log_dir=.*(is a file|cannot be created)"):
+            launch(workers.sleep, log_dir=log_dir)(0.0)
+    made = tmp_path / "new" / "logs"
+    launch(workers.sleep, log_dir=made)(0.0)
+    assert sorted(p.name for p in made.iterdir()) == ["rank0.log", "rank1.log"]
