@@ -20,6 +20,7 @@ import torch
 
 from mplaunch import _transport
 from mplaunch._env import apply_environment, rank_environment
+from mplaunch._exit import close_files, keep_inherited
 from mplaunch._output import rank_output
 from mplaunch._sharing import to_cpu, unshare
 from mplaunch._state import GlobalState
@@ -232,7 +233,9 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
 
 
 def _finish(failed: bool) -> None:
+    """What a normal exit does that matters for data: ``atexit``, ``logging.shutdown``, closing open files."""
     atexit._run_exitfuncs()
+    close_files()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -249,6 +252,8 @@ def _start(spec: WorkerSpec) -> None:
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
         atexit._clear()  # inherited from the parent or the fork server: not ours to run
+    if spec.start_method == "fork":
+        keep_inherited()  # the parent's open files are the parent's to flush
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a process group of its own: stopping the worker stops what it started too
 
