@@ -56,10 +56,10 @@ def _layer(item: Any) -> int:
 
 
 def _standard_streams() -> list[Any]:
-    streams = []
+    streams: list[Any] = []
     for name in ("stdin", "stdout", "stderr", "__stdin__", "__stdout__", "__stderr__"):
         stream = getattr(sys, name, None)
-        while stream is not None:
+        while stream is not None and not any(stream is seen for seen in streams):  # some .buffer is the stream
             streams.append(stream)
             stream = getattr(stream, "buffer", None) or getattr(stream, "raw", None)
     return streams

@@ -8,7 +8,9 @@ import multiprocessing.forkserver
 import os
 import random
 import resource
+import subprocess
 import sys
+import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,3 +110,40 @@ def test_workers_start_from_the_parent_as_it_is_at_call_time(parent: dict[str, A
     assert sorted(lines[1:]) == [f"INFO|{LOGGER}.child|logged by rank {rank}" for rank in range(2)]
     rows = Path(parent["rows"]).read_text().splitlines()
     assert sorted(rows) == ["row from rank 0", "row from rank 1"]  # written, never closed: flushed at exit
+
+
+_SCRIPT = """
+import logging
+from mplaunch import parallel
+from tests import inherit_workers
+
+
+def main():
+    logging.basicConfig(level=logging.INFO)  # inside main(), after the interpreter (and the fork server) started
+    for start_method in ("spawn", "forkserver"):
+        run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=90)
+        print(start_method, run(inherit_workers.hash_and_log)("tests.inherit_workers"), flush=True)
+
+
+if __name__ == "__main__":
+    import multiprocessing.forkserver
+    multiprocessing.forkserver.ensure_running()
+    main()
+"""
+
+
+def test_the_issues_examples_in_a_fresh_interpreter_without_pythonhashseed() -> None:
+    """hash("abc") agrees across spawn ranks with PYTHONHASHSEED unset; basicConfig(level=INFO) in main()
+    reaches spawn and forkserver workers."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    for start_method in ("spawn", "forkserver"):
+        line = next(line for line in done.stdout.splitlines() if line.startswith(start_method))
+        hashes = eval(line.split(" ", 1)[1])  # noqa: S307 - a list of two ints printed by the script
+        assert len(hashes) == 2 and hashes[0] == hashes[1], line
+    for rank in range(2):
+        assert done.stderr.count(f"INFO:tests.inherit_workers:info from rank {rank}") == 2, done.stderr
