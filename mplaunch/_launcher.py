@@ -380,6 +380,7 @@ def _preload(function_module: str | None) -> list[str]:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it
     if function_module and function_module != "__main__":
         modules.append(function_module)
+    modules.append("mplaunch._forkserver_freeze")  # last: what the server imported is then left to it
     return modules
 
 

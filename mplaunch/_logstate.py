@@ -100,13 +100,15 @@ class LoggingState:
                 logger.setLevel(spec.level)
             logger.propagate, logger.disabled = spec.propagate, spec.disabled
             logger.filters = _loaded(spec.filters, [])
-            if tuple(_describe(handler, {}, "", {}) for handler in logger.handlers) == spec.handlers:
+            current = [(_describe(handler, {}, "", {}), handler) for handler in logger.handlers]
+            if tuple(described for described, _ in current) == spec.handlers:
                 continue
-            for handler in list(logger.handlers):
+            for _, handler in current:
                 logger.removeHandler(handler)
-            for handler_spec in spec.handlers:
+            for handler_spec in spec.handlers:  # one this process already has (e.g. set up by an import) is kept
                 if handler_spec.key not in built:
-                    built[handler_spec.key] = _build(handler_spec)
+                    same = (handler for described, handler in current if described == handler_spec)
+                    built[handler_spec.key] = next(same, None) or _build(handler_spec)
                 new = built[handler_spec.key]
                 if new is not None:
                     logger.addHandler(new)

@@ -195,3 +195,16 @@ def test_exit_closes_the_files_left_open_wrappers_first(tmp_path: Path, monkeypa
     assert text.closed and packed.closed and raw.closed and not sys.stderr.closed
     assert (tmp_path / "rows.txt").read_text(encoding="utf-8") == "row\n"
     assert gzip.decompress((tmp_path / "data.gz").read_bytes()) == b"payload"  # closed before its file
+
+
+def test_rebuilding_keeps_handlers_this_process_already_has(test_logger: logging.Logger) -> None:
+    import logging.handlers
+
+    own = logging.handlers.SocketHandler("127.0.0.1", 9)  # as a worker's import may add: cannot be carried
+    test_logger.addHandler(own)
+    test_logger.addHandler(logging.StreamHandler(sys.stdout))
+    state = PythonState.capture()
+    test_logger.removeHandler(test_logger.handlers[1])  # the worker lacks the console handler
+    state.restore()
+    first, second = test_logger.handlers
+    assert first is own and type(second) is logging.StreamHandler and second.stream is sys.stdout
