@@ -208,3 +208,36 @@ def test_rebuilding_keeps_handlers_this_process_already_has(test_logger: logging
     state.restore()
     first, second = test_logger.handlers
     assert first is own and type(second) is logging.StreamHandler and second.stream is sys.stdout
+
+
+def test_a_real_call_warns_at_the_callers_line(test_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging.handlers
+    import threading
+
+    from mplaunch import LaunchRefusedError, _pystate, parallel
+
+    monkeypatch.setattr(_pystate, "_warned", set())
+    test_logger.addHandler(logging.handlers.SocketHandler("127.0.0.1", 9))
+    run = parallel(nprocs=2, start_method="spawn", timeout=30)(print)
+    with pytest.warns(RuntimeWarning, match="SocketHandler") as record, pytest.raises(LaunchRefusedError):
+        run(threading.Lock())  # refused before any worker starts: cannot be pickled
+    assert record[0].filename == __file__
+
+
+def test_spawn_workers_get_one_hash_seed_unless_the_user_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch._launcher import _spawn_hash_seed
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    seeds = []
+    for _ in range(2):
+        with _spawn_hash_seed("spawn"):
+            seeds.append(os.environ["PYTHONHASHSEED"])
+        assert "PYTHONHASHSEED" not in os.environ  # the parent's environment as found
+    assert seeds[0] == seeds[1] and 0 < int(seeds[0]) < 2**32  # the same for every launch of this process
+    with _spawn_hash_seed("fork"):
+        assert "PYTHONHASHSEED" not in os.environ  # fork: the parent's own hashing
+    for users in ("7", "random"):
+        monkeypatch.setenv("PYTHONHASHSEED", users)
+        with _spawn_hash_seed("spawn"):
+            assert os.environ["PYTHONHASHSEED"] == (users if users != "random" else seeds[0])
+        assert os.environ["PYTHONHASHSEED"] == users
