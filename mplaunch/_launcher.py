@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import multiprocessing
 import multiprocessing.forkserver
@@ -25,6 +26,7 @@ from mplaunch._env import NodeSetup, apply_environment, node_setup, outer_launch
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._group import process_group
 from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec
+from mplaunch._pystate import warn_not_carried
 from mplaunch._signals import parent_signals, signals_blocked
 from mplaunch._state import GlobalState
 from mplaunch._store import rendezvous
@@ -107,6 +109,8 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
             f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
         )
     payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
+    if start_method != "fork":
+        warn_not_carried(payload.state.python)
     if start_method == "fork":
         import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker
 
@@ -207,7 +211,38 @@ def _preload(function_module: str | None) -> list[str]:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it
     if function_module and function_module != "__main__":
         modules.append(function_module)
+    modules.append("mplaunch._forkserver_freeze")  # last: what the server imported is then left to it
     return modules
+
+
+@functools.lru_cache(maxsize=1)
+def _hash_seed() -> str:
+    """This process's seed for the string hashing of its spawn workers, drawn once."""
+    return str(int.from_bytes(os.urandom(4), "little") or 1)
+
+
+@contextlib.contextmanager
+def _spawn_hash_seed(start_method: str) -> Iterator[None]:
+    """Give spawn workers one ``PYTHONHASHSEED`` (unless the user set one), so that every rank hashes strings
+    alike, as forked ranks (the parent's hashing) and forkserver ranks (the server's) do.
+
+    The seed must be in the environment a spawned interpreter starts with, and multiprocessing execs it with
+    this process's environment: it is set only while the workers start, with SIGINT and SIGTERM blocked (so
+    no handler of ours runs in between), and removed at once. The same seed serves every launch of this
+    process, so ranks of successive launches agree too.
+    """
+    previous = os.environ.get("PYTHONHASHSEED")
+    if start_method != "spawn" or previous not in (None, "", "random"):
+        yield
+        return
+    os.environ["PYTHONHASHSEED"] = _hash_seed()
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = previous
 
 
 def _run_workers(
@@ -221,7 +256,7 @@ def _run_workers(
             if spec.start_method == "forkserver":
                 context.set_forkserver_preload(_preload(payload_module))
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-            with signals_blocked():
+            with signals_blocked(), _spawn_hash_seed(spec.start_method):
                 for rank in range(spec.nprocs):
                     process = context.Process(  # type: ignore[attr-defined]
                         target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mplaunch._pystate import PythonState
+
 _HOOKS: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
 
 
@@ -51,10 +53,13 @@ class GlobalState:
     ``.deterministic``, the float32 matmul precision, the default dtype, anomaly detection (and its NaN
     check), the RNG states of Python's ``random``, NumPy's global generator (when ``numpy.random`` is imported), torch's
     CPU generator, every CUDA device's generator when CUDA is already initialised (capturing never creates a
-    CUDA context), and whatever was added with :func:`register_state`. It does not cover thread counts
-    (set per worker by the launcher), other libraries' state, or generators you created yourself.
+    CUDA context), the warning filters, the ``logging`` configuration (loggers and their console, file and
+    null handlers), the umask and the resource limits, and whatever was added with :func:`register_state`.
+    It does not cover thread counts (set per worker by the launcher), other libraries' state, or generators
+    you created yourself.
 
-    Capturing costs a few tens of microseconds (the torch CPU RNG state is 5 KiB). Restoring calls a setter
+    Capturing costs about a hundred microseconds (the torch CPU RNG state is 5 KiB; each configured logger
+    adds a few). Restoring calls a setter
     only where the value differs, so it costs almost nothing when the worker already matches (as after
     ``fork``).
 
@@ -76,6 +81,7 @@ class GlobalState:
     torch_rng: torch.Tensor
     cuda_rng: tuple[torch.Tensor, ...] | None
     extra: tuple[tuple[Callable[[Any], None], Any], ...]
+    python: PythonState
 
     @classmethod
     def capture(cls) -> GlobalState:
@@ -95,6 +101,7 @@ class GlobalState:
             torch_rng=torch.get_rng_state(),
             cuda_rng=tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None,
             extra=tuple((restore, capture()) for capture, restore in _HOOKS),
+            python=PythonState.capture(),
         )
 
     def restore(self) -> None:
@@ -103,6 +110,7 @@ class GlobalState:
         CUDA generators are set lazily (applied when CUDA is first initialised here), for the devices this
         process can see.
         """
+        self.python.restore()  # first: the parent's warning filters apply to what follows
         if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
             self.deterministic,
             self.deterministic_warn_only,

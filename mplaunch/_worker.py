@@ -29,6 +29,7 @@ import torch
 from mplaunch import _transport
 from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import RemoteError
+from mplaunch._exit import close_files, keep_inherited
 from mplaunch._group import process_group
 from mplaunch._output import rank_output
 from mplaunch._protocol import (
@@ -222,6 +223,7 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
         _stop_children(spec.grace_period)
         multiprocessing.util._exit_function()  # type: ignore[attr-defined] # finalizers, e.g. semaphores
         atexit._run_exitfuncs()
+        close_files()  # what a normal exit does for data: logging.shutdown, open files flushed and closed
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
@@ -237,6 +239,8 @@ def _start(spec: WorkerSpec) -> None:
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
         atexit._clear()  # inherited from the parent or the fork server: not ours to run
+    if spec.start_method == "fork":
+        keep_inherited()  # the parent's open files are the parent's to flush
     # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
     multiprocessing.set_start_method(spec.mp_start_method, force=True)
     with contextlib.suppress(OSError):

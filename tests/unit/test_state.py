@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import random
+import sys
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy
 import pytest
 import torch
 
 from mplaunch import GlobalState, register_state, unregister_state
+from mplaunch._pystate import PythonState
 
 
 @pytest.fixture
@@ -91,3 +97,147 @@ def test_registered_state_travels_with_the_snapshot() -> None:
     finally:
         unregister_state(_capture_custom, _restore_custom)
     assert GlobalState.capture().extra == ()
+
+
+@pytest.fixture
+def test_logger(tmp_path: Path) -> Iterator[logging.Logger]:
+    """A logger of the test's own, reset afterwards (handlers closed)."""
+    logger = logging.getLogger("mplaunch_unit_state")
+    yield logger
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    logger.setLevel(logging.NOTSET)
+    logger.propagate, logger.disabled = True, False
+
+
+def _configure(logger: logging.Logger, path: Path) -> list[logging.Handler]:
+    handlers = [logging.FileHandler(path, mode="w", encoding="utf-8"), logging.StreamHandler(sys.stderr)]
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("{levelname}|{message}", datefmt="%H:%M", style="{"))
+        handler.setLevel(logging.DEBUG)
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return handlers
+
+
+def test_logging_and_warning_filters_are_rebuilt_as_configured(test_logger: logging.Logger, tmp_path: Path) -> None:
+    path = tmp_path / "parent.log"
+    _configure(test_logger, path)
+    test_logger.info("parent line")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="unit-state-filter", category=UserWarning)
+        state = PythonState.capture()
+        warnings.resetwarnings()
+        for handler in list(test_logger.handlers):
+            test_logger.removeHandler(handler)
+            handler.close()
+        test_logger.setLevel(logging.NOTSET)
+        test_logger.propagate = True
+        state.restore()  # as in a spawn worker: nothing configured yet
+        assert warnings.filters[0][1].pattern == "unit-state-filter"
+    assert (test_logger.level, test_logger.propagate) == (logging.INFO, False)
+    file, stream = test_logger.handlers
+    assert isinstance(file, logging.FileHandler) and file.baseFilename == str(path) and file.mode == "a"
+    assert type(stream) is logging.StreamHandler and stream.stream is sys.stderr
+    for handler in (file, stream):
+        assert handler.level == logging.DEBUG and handler.formatter is not None
+        assert (handler.formatter._fmt, handler.formatter.datefmt) == ("{levelname}|{message}", "%H:%M")
+        assert isinstance(handler.formatter._style, logging.StrFormatStyle)
+    test_logger.info("worker line")
+    file.flush()
+    assert path.read_text(encoding="utf-8").splitlines() == ["INFO|parent line", "INFO|worker line"]  # appended
+
+
+def test_restore_keeps_handlers_that_already_match(test_logger: logging.Logger, tmp_path: Path) -> None:
+    handlers = _configure(test_logger, tmp_path / "log.txt")
+    state = PythonState.capture()
+    state.restore()  # as after fork: the same objects, no duplicate handler
+    assert test_logger.handlers == handlers
+
+
+def test_handlers_that_cannot_be_carried_are_named_once_at_the_callers_line(test_logger: logging.Logger) -> None:
+    import logging.handlers
+
+    from mplaunch._pystate import warn_not_carried
+
+    test_logger.addHandler(logging.handlers.SocketHandler("127.0.0.1", 9))  # never connects until it emits
+    test_logger.addHandler(logging.StreamHandler(io.StringIO()))
+    state = PythonState.capture()
+    assert any("SocketHandler on logger 'mplaunch_unit_state'" in item for item in state.not_carried)
+    assert any("StreamHandler to <_io.StringIO" in item for item in state.not_carried)
+    with pytest.warns(RuntimeWarning, match="SocketHandler") as record:
+        warn_not_carried(state)
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_not_carried(PythonState.capture())  # once per process
+    state.restore()  # never a crash; the uncarried handlers are left alone where they already are
+    assert len(test_logger.handlers) == 2
+
+
+def test_exit_closes_the_files_left_open_wrappers_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import gzip
+
+    from mplaunch import _exit
+
+    text = open(tmp_path / "rows.txt", "a", encoding="utf-8")  # noqa: SIM115
+    text.write("row\n")
+    raw = open(tmp_path / "data.gz", "wb")  # noqa: SIM115
+    packed = gzip.GzipFile(fileobj=raw, mode="wb")
+    packed.write(b"payload")
+    found = [raw, raw.raw, text.buffer.raw, text.buffer, sys.stderr, text, io.BytesIO(), packed]  # as gc lists them
+    monkeypatch.setattr(logging, "shutdown", lambda: None)  # the test process's handlers are pytest's
+    monkeypatch.setattr(gc, "get_objects", lambda: found)  # the test process's other files are pytest's
+    _exit.close_files()
+    assert text.closed and packed.closed and raw.closed and not sys.stderr.closed
+    assert (tmp_path / "rows.txt").read_text(encoding="utf-8") == "row\n"
+    assert gzip.decompress((tmp_path / "data.gz").read_bytes()) == b"payload"  # closed before its file
+
+
+def test_rebuilding_keeps_handlers_this_process_already_has(test_logger: logging.Logger) -> None:
+    import logging.handlers
+
+    own = logging.handlers.SocketHandler("127.0.0.1", 9)  # as a worker's import may add: cannot be carried
+    test_logger.addHandler(own)
+    test_logger.addHandler(logging.StreamHandler(sys.stdout))
+    state = PythonState.capture()
+    test_logger.removeHandler(test_logger.handlers[1])  # the worker lacks the console handler
+    state.restore()
+    first, second = test_logger.handlers
+    assert first is own and type(second) is logging.StreamHandler and second.stream is sys.stdout
+
+
+def test_a_real_call_warns_at_the_callers_line(test_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging.handlers
+    import threading
+
+    from mplaunch import LaunchRefusedError, _pystate, parallel
+
+    monkeypatch.setattr(_pystate, "_warned", set())
+    test_logger.addHandler(logging.handlers.SocketHandler("127.0.0.1", 9))
+    run = parallel(nprocs=2, start_method="spawn", timeout=30)(print)
+    with pytest.warns(RuntimeWarning, match="SocketHandler") as record, pytest.raises(LaunchRefusedError):
+        run(threading.Lock())  # refused before any worker starts: cannot be pickled
+    assert record[0].filename == __file__
+
+
+def test_spawn_workers_get_one_hash_seed_unless_the_user_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch._launcher import _spawn_hash_seed
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    seeds = []
+    for _ in range(2):
+        with _spawn_hash_seed("spawn"):
+            seeds.append(os.environ["PYTHONHASHSEED"])
+        assert "PYTHONHASHSEED" not in os.environ  # the parent's environment as found
+    assert seeds[0] == seeds[1] and 0 < int(seeds[0]) < 2**32  # the same for every launch of this process
+    with _spawn_hash_seed("fork"):
+        assert "PYTHONHASHSEED" not in os.environ  # fork: the parent's own hashing
+    for users in ("7", "random"):
+        monkeypatch.setenv("PYTHONHASHSEED", users)
+        with _spawn_hash_seed("spawn"):
+            assert os.environ["PYTHONHASHSEED"] == (users if users != "random" else seeds[0])
+        assert os.environ["PYTHONHASHSEED"] == users

@@ -1,0 +1,142 @@
+"""Capture the parent's Python-level configuration and restore it in a worker: warning filters, ``logging``,
+the file-creation mask and the resource limits.
+
+``spawn`` workers start from a fresh interpreter and ``forkserver`` workers from the fork server's state, so
+neither has the warning filters or the logging set up in the parent after it started (``-W`` and
+``PYTHONWARNINGS`` reach ``spawn`` workers, later ``warnings.simplefilter`` calls do not), and ``forkserver``
+workers have the umask and resource limits the server started with. ``cwd``, ``sys.path`` and ``sys.argv``
+need nothing here: multiprocessing sends the parent's current values to every ``spawn``/``forkserver`` worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import warnings
+from typing import Any
+
+from mplaunch._logstate import LoggingState
+
+_warned: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonState:
+    """The parent's warning filters, logging configuration, umask and resource limits.
+
+    Capturing costs tens of microseconds plus a few per configured logger; restoring changes only what
+    differs, so it leaves a forked worker (which already matches) as it is.
+    """
+
+    warning_filters: tuple[Any, ...]
+    logging: LoggingState
+    umask: int | None
+    rlimits: tuple[tuple[int, tuple[int, int]], ...]
+    dropped_filters: tuple[str, ...] = dataclasses.field(compare=False, default=())
+
+    @classmethod
+    def capture(cls) -> PythonState:
+        """Capture the calling process's configuration. Reads only."""
+        filters, dropped = _carried_filters()
+        return cls(
+            warning_filters=filters,
+            logging=LoggingState.capture(),
+            umask=_umask(),
+            rlimits=_rlimits(),
+            dropped_filters=dropped,
+        )
+
+    def restore(self) -> None:
+        """Make the calling process's configuration equal to this snapshot (where the OS allows)."""
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]
+        if filters != list(self.warning_filters):
+            filters[:] = self.warning_filters
+            getattr(warnings, "_filters_mutated")()  # noqa: B009 - private: invalidates the per-module caches
+        self.logging.restore()
+        if self.umask is not None:
+            os.umask(self.umask)
+        if self.rlimits:
+            import resource
+
+            for limit, value in self.rlimits:
+                if resource.getrlimit(limit) != value:
+                    try:
+                        resource.setrlimit(limit, value)
+                    except (ValueError, OSError):  # e.g. a hard limit above this process's: keep its own
+                        pass
+
+    @property
+    def not_carried(self) -> tuple[str, ...]:
+        """What a ``spawn``/``forkserver`` worker will not get: handlers and filters that cannot be carried."""
+        return self.logging.not_carried + self.dropped_filters
+
+
+def warn_not_carried(state: PythonState) -> None:
+    """Warn once per process about each piece of configuration a spawn/forkserver worker will not get,
+    pointing at the caller's line (the first frame outside mplaunch)."""
+    new = [item for item in state.not_carried if item not in _warned]
+    if not new:
+        return
+    _warned.update(new)
+    warnings.warn(
+        "mplaunch: spawn and forkserver workers do not get these parts of the logging and warnings "
+        f"configuration (fork workers inherit them): {'; '.join(new)}. Set them up inside the function, or with "
+        "mplaunch.register_state(capture, restore).",
+        RuntimeWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside the mplaunch package, as seen from ``warnings.warn``
+    called in this module's functions."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+def _carried_filters() -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    """The warning filters whose category a worker can import by name; the others, described."""
+    kept, dropped = [], []
+    for item in warnings.filters:
+        category: Any = item[2]
+        holder: Any = sys.modules.get(category.__module__)
+        for part in category.__qualname__.split("."):
+            holder = getattr(holder, part, None)
+        if holder is category:
+            kept.append(item)
+        else:
+            dropped.append(f"the warning filter {item[0]!r} for {category.__qualname__} (not importable by name)")
+    return tuple(kept), tuple(dropped)
+
+
+def _umask() -> int | None:
+    """This process's umask, read without changing it (Linux); ``None`` where it cannot be read so."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _limits() -> tuple[int, ...]:
+    """The resource limits this platform has (none where there is no ``resource`` module)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return ()
+    return tuple(sorted({getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")}))
+
+
+def _rlimits() -> tuple[tuple[int, tuple[int, int]], ...]:
+    import resource
+
+    return tuple((limit, resource.getrlimit(limit)) for limit in _limits())

@@ -1,0 +1,149 @@
+"""What a worker inherits from the parent at call time, under each start method (README: "What a worker
+inherits"): one launch per start method observes every row of the table."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.forkserver
+import os
+import random
+import resource
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mplaunch import GlobalState, parallel
+from tests import inherit_workers
+
+TIMEOUT = 90
+LOGGER = "mplaunch_inheritance"
+FORMAT = "%(levelname)s|%(name)s|%(message)s"
+
+
+@pytest.fixture
+def parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """A parent that changed everything the table lists after it started (and after the fork server did)."""
+    if multiprocessing.forkserver._forkserver._forkserver_pid is None:  # type: ignore[attr-defined]
+        parallel(nprocs=1, start_method="forkserver", timeout=TIMEOUT)(os.getpid)()  # the server predates the changes
+    state = GlobalState.capture()
+    umask = os.umask(0o027)
+    core = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (core[0] - 1 if core[0] > 0 else min(core[1] % 2**31, 4096) or 0, core[1]))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "on-sys-path"))
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--inheritance-mark"])
+    monkeypatch.setenv("MPLAUNCH_INHERITANCE_MARK", "set in the parent")
+    torch.set_float32_matmul_precision("medium")
+    random.seed(7)
+    torch.manual_seed(7)
+    logger = logging.getLogger(LOGGER)
+    handlers = [
+        logging.FileHandler(tmp_path / "log.txt", mode="w", encoding="utf-8"),
+        logging.StreamHandler(sys.stderr),
+    ]
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.info("logged by the parent")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="mplaunch-inheritance-ignored")
+            yield {"rows": str(tmp_path / "rows.txt"), "log": tmp_path / "log.txt", "handlers": handlers}
+    finally:
+        for handler in handlers:
+            logger.removeHandler(handler)
+            handler.close()
+        logger.setLevel(logging.NOTSET)
+        logger.propagate = True
+        os.umask(umask)
+        resource.setrlimit(resource.RLIMIT_CORE, core)
+        state.restore()
+
+
+def _expected(handlers: list[logging.Handler]) -> dict[str, Any]:
+    """What the parent itself sees now (its draws computed without disturbing its state)."""
+    state = GlobalState.capture()
+    try:
+        draws = (random.random(), torch.rand(2).tolist())
+    finally:
+        state.restore()
+    umask = os.umask(0)
+    os.umask(umask)
+    return {
+        "cwd": os.getcwd(),
+        "argv": list(sys.argv),
+        "env": os.environ["MPLAUNCH_INHERITANCE_MARK"],
+        "warning_filters": list(warnings.filters),
+        "ignored_warning_shown": 0,
+        "logger": (logging.INFO, False, False),
+        "handlers": [inherit_workers.handler_summary(h) for h in handlers],
+        "matmul": "medium",
+        "draws": draws,
+        "umask": umask,
+        "rlimit_core": resource.getrlimit(resource.RLIMIT_CORE),
+    }
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_workers_start_from_the_parent_as_it_is_at_call_time(parent: dict[str, Any], start_method: str) -> None:
+    expected = _expected(parent["handlers"])
+    run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(inherit_workers.observe)
+    results = run(parent["rows"], LOGGER)
+    hashes = [seen.pop("hash") for seen in results]
+    assert len(set(hashes)) == 1, "ranks hash strings differently"
+    if start_method == "fork":
+        assert hashes[0] == hash("abc")
+    for seen in results:
+        assert str(parent["rows"]).rsplit("/", 1)[0] + "/on-sys-path" in seen.pop("sys_path")
+        assert seen == expected
+    lines = parent["log"].read_text(encoding="utf-8").splitlines()
+    assert lines[0] == f"INFO|{LOGGER}|logged by the parent"  # appended to, not truncated by the workers
+    assert sorted(lines[1:]) == [f"INFO|{LOGGER}.child|logged by rank {rank}" for rank in range(2)]
+    rows = Path(parent["rows"]).read_text().splitlines()
+    assert sorted(rows) == ["row from rank 0", "row from rank 1"]  # written, never closed: flushed at exit
+
+
+_SCRIPT = """
+import logging
+from mplaunch import parallel
+from tests import inherit_workers
+
+
+def main():
+    logging.basicConfig(level=logging.INFO)  # inside main(), after the interpreter (and the fork server) started
+    for start_method in ("spawn", "forkserver"):
+        run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=90)
+        print(start_method, run(inherit_workers.hash_and_log)("tests.inherit_workers"), flush=True)
+
+
+if __name__ == "__main__":
+    import multiprocessing.forkserver
+    multiprocessing.forkserver.ensure_running()
+    main()
+"""
+
+
+def test_the_issues_examples_in_a_fresh_interpreter_without_pythonhashseed() -> None:
+    """hash("abc") agrees across spawn ranks with PYTHONHASHSEED unset; basicConfig(level=INFO) in main()
+    reaches spawn and forkserver workers."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    for start_method in ("spawn", "forkserver"):
+        line = next(line for line in done.stdout.splitlines() if line.startswith(start_method))
+        hashes = eval(line.split(" ", 1)[1])  # noqa: S307 - a list of two ints printed by the script
+        assert len(hashes) == 2 and hashes[0] == hashes[1], line
+    for rank in range(2):
+        assert done.stderr.count(f"INFO:tests.inherit_workers:info from rank {rank}") == 2, done.stderr
