@@ -86,11 +86,11 @@ class WorkerImports:
         if module_name == "__main__":
             return not self.can_import(obj)
         module = sys.modules.get(module_name) if isinstance(module_name, str) else None
-        if module is None:
+        if module is None or not isinstance(module_name, str):
             return False
         if getattr(module, "__spec__", None) is None and getattr(module, "__file__", None) is None:
             return True  # made at run time (types.ModuleType): cloudpickle's "dynamic module"
-        return not self.module_importable(module.__name__)
+        return not self.module_importable(module_name)
 
     def module_importable(self, name: str) -> bool:
         """Whether a worker's ``import name`` finds the file the parent's module ``name`` came from."""
@@ -110,11 +110,11 @@ class WorkerImports:
             return False  # made at run time (types.ModuleType): no file to import
         parent, _, _ = name.rpartition(".")
         search: list[str] | None = None
-        if parent:
+        if parent:  # found where the worker's import of the (same) parent package will look
             if not self.module_importable(parent):
                 return False
-            search = list(getattr(sys.modules[parent], "__path__", None) or []) or None
-            if search is None:
+            search = list(getattr(sys.modules[parent], "__path__", None) or [])
+            if not search:
                 return False
         found = self._find_spec(name, search)
         return found is not None and _same_origin(found, spec)
