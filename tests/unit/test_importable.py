@@ -78,11 +78,13 @@ def test_a_plugin_whose_sys_path_entry_is_gone_travels_by_value(
 ) -> None:
     (tmp_path / "plugin_for_mplaunch_test.py").write_text(MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    plugin = importlib.import_module("plugin_for_mplaunch_test")
-    monkeypatch.setitem(sys.modules, "plugin_for_mplaunch_test", plugin)  # removed again after the test
-    assert _imports().can_import(plugin.twice)
-    sys.path.remove(str(tmp_path))
-    assert _imports().needs_value(plugin.twice)
+    try:
+        plugin = importlib.import_module("plugin_for_mplaunch_test")
+        assert _imports().can_import(plugin.twice)
+        sys.path.remove(str(tmp_path))
+        assert _imports().needs_value(plugin.twice)
+    finally:
+        sys.modules.pop("plugin_for_mplaunch_test", None)
 
 
 def test_main_objects_follow_how_multiprocessing_prepares_main(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
