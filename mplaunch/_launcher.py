@@ -251,7 +251,8 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
 
 
 def _name(function: Any) -> str:
-    return str(getattr(function, "__name__", None) or getattr(function._mplaunch_target, "__name__", "the function"))
+    """The decorated function's name, for messages."""
+    return str(getattr(function, "__name__", "the function"))
 
 
 def _check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
