@@ -17,7 +17,9 @@ import textwrap
 import time
 import zipapp
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -263,11 +265,29 @@ def _assert_session_ends(session: int, within: float = 10.0) -> None:
     assert not left, f"stray processes after the program ended: {[(p.pid, p.cmdline()) for p in left]}"
 
 
+def _run_entry(entry: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    args, stdin_text, paths = ENTRIES[entry](tmp)
+    return run_in_session(args, stdin_text, tmp, paths)
+
+
+@pytest.fixture(scope="module")
+def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Any]]:
+    """Run the selected entry points two at a time (each is one mostly single-threaded program, and CI has
+    2 cores); every one has ended, with its session checked, before the first test of the matrix starts."""
+    selected = [
+        item.callspec.params["entry"]
+        for item in request.session.items
+        if isinstance(item, pytest.Function) and item.originalname == "test_every_entry_point_on_every_start_method"
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return {entry: pool.submit(_run_entry, entry, tmp_path_factory.mktemp("entry")) for entry in selected}
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the first one waits for the whole matrix (about a minute on 2 idle cores)
 @pytest.mark.parametrize("entry", list(ENTRIES))
-def test_every_entry_point_on_every_start_method(tmp_path: Path, entry: str) -> None:
-    args, stdin_text, paths = ENTRIES[entry](tmp_path)
-    done = run_in_session(args, stdin_text, tmp_path, paths)
+def test_every_entry_point_on_every_start_method(matrix: dict[str, Future[Any]], entry: str) -> None:
+    done = matrix[entry].result()
     results = re.findall(r"result (\w+) (\w+) (\w+) (\d+)", done.stdout)  # pdb's prompt may precede one
     assert results == [(method, "Box", "True", "42") for method in METHODS], done.stdout + done.stderr
     assert "LaunchRefusedError:" not in done.stdout + done.stderr
