@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import ast
+import linecache
 import multiprocessing
 import os
 import sys
@@ -15,6 +15,7 @@ import torch
 
 from mplaunch import _transport
 from mplaunch._errors import LaunchRefusedError
+from mplaunch._importable import WorkerImports, rerun_main_file, script_source
 
 
 def is_interactive() -> bool:
@@ -34,15 +35,10 @@ def default_start_method() -> str:
 
 
 def main_is_importable() -> bool:
-    """Whether a ``spawn``/``forkserver`` worker can import the parent's ``__main__`` (a script file or a
-    ``python -m`` module); not so for ``python -c``, stdin, the REPL or a notebook."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        return False
-    if getattr(getattr(main, "__spec__", None), "name", None):
-        return True
-    path = getattr(main, "__file__", None)
-    return isinstance(path, str) and os.path.isfile(path)
+    """Whether a ``spawn``/``forkserver`` worker runs the parent's ``__main__`` again (a script file or a
+    ``python -m mod`` module); not so for ``python -m pkg`` (``pkg/__main__.py``), a zipapp, ``python -c``,
+    stdin, the REPL or a notebook. See :mod:`mplaunch._importable`."""
+    return rerun_main_file(sys.modules.get("__main__")) is not None
 
 
 _first_cuda_init: list[traceback.FrameSummary] | None = None
@@ -113,105 +109,85 @@ def check_cuda_fork(start_method: str) -> None:
     raise LaunchRefusedError(message + _where_cuda_was_initialised())
 
 
-def check_not_bootstrapping() -> None:
-    """Refuse to launch from a worker that is still importing the parent's ``__main__`` (a missing guard)."""
+def check_not_bootstrapping(name: str = "the function") -> None:
+    """Refuse to launch from a worker that is still importing the parent's ``__main__`` (a missing guard).
+
+    Args:
+        name: the decorated function's name, for the advice.
+    """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise LaunchRefusedError(_MAIN_GUARD_MESSAGE.format(where="a worker re-imported your script and"))
+        raise LaunchRefusedError(_guard_message("A worker re-imported your script and it", name, None))
 
 
-_MAIN_GUARD_MESSAGE = (
-    "{where} called a parallel function at import time. With start_method 'spawn' or 'forkserver' each worker "
-    'imports your script again, so the call must be under `if __name__ == "__main__":`, e.g.\n\n'
-    '    if __name__ == "__main__":\n'
-    "        result = train()\n\n"
-    "or use start_method='fork'."
-)
+def _guard_message(where: str, name: str, line: str | None) -> str:
+    """The advice for a call at import time: the user's own call, moved under the guard."""
+    return (
+        f"{where} called the parallel function {name}() at import time. With start_method 'spawn' or "
+        "'forkserver' each worker runs your script again, so the call must be under "
+        '`if __name__ == "__main__":`, e.g.\n\n'
+        '    if __name__ == "__main__":\n'
+        f"        {line or name + '(...)'}\n\n"
+        "or use start_method='fork'."
+    )
 
 
-def _main_frame(frame: FrameType | None) -> FrameType | None:
-    """The outermost frame running ``__main__``'s top-level code, if any."""
+def _same_file(a: str, b: str) -> bool:
+    return a == b or os.path.realpath(a) == os.path.realpath(b)
+
+
+def _main_frame(frame: FrameType | None, path: str) -> FrameType | None:
+    """The outermost frame running the top-level code of ``__main__``'s file ``path``. A runner's own frames
+    (pdb's, runpy's: other files, or the same globals running other code) never count."""
     main = sys.modules.get("__main__")
     found = None
     while frame is not None:
-        if frame.f_code.co_name == "<module>" and main is not None and frame.f_globals is vars(main):
-            found = frame
+        code = frame.f_code
+        if code.co_name == "<module>" and main is not None and frame.f_globals is vars(main):
+            if _same_file(code.co_filename, path):
+                found = frame
         frame = frame.f_back
     return found
 
 
-def _guard_spans(tree: ast.Module) -> list[tuple[int, int]]:
-    """Line spans of the ``if`` blocks whose test involves ``__name__`` and ``"__main__"`` (any spelling:
-    ``==``, ``in``, combined with ``and``, negated)."""
-    spans = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If):
-            parts = list(ast.walk(node.test))
-            has_name = any(isinstance(n, ast.Name) and n.id == "__name__" for n in parts)
-            has_main = any(isinstance(n, ast.Constant) and n.value == "__main__" for n in parts)
-            if has_name and has_main:
-                spans.append((node.lineno, node.end_lineno or node.lineno))
-    return spans
+def check_main_guard(start_method: str, frame: FrameType | None, name: str = "the function") -> None:
+    """Refuse ``spawn``/``forkserver`` when the call comes from top-level code of the script that every
+    worker runs again on start (outside an ``if __name__ == "__main__":`` block), which would launch again.
 
-
-def defined_in_main_guard(function: Any) -> bool:
-    """Whether ``function`` belongs to ``__main__`` and is defined inside its ``if __name__ == "__main__":``
-    block, where a ``spawn``/``forkserver`` worker that re-imports the script will not find it."""
-    main = sys.modules.get("__main__")
-    code = getattr(function, "__code__", None)
-    path = getattr(main, "__file__", None)
-    if getattr(function, "__module__", None) != "__main__" or code is None or not isinstance(path, str):
-        return False
-    spans = _guard_spans_of_file(path) or []
-    return any(start <= code.co_firstlineno <= end for start, end in spans)
-
-
-_spans_cache: dict[tuple[str, float], list[tuple[int, int]] | None] = {}
-
-
-def _guard_spans_of_file(path: str) -> list[tuple[int, int]] | None:
-    """The guard blocks of a script, parsed once per version of the file; ``None`` if it cannot be read."""
-    try:
-        key = (path, os.stat(path).st_mtime)
-    except OSError:
-        return None
-    if key not in _spans_cache:
-        try:
-            with open(path, encoding="utf-8") as file:
-                _spans_cache[key] = _guard_spans(ast.parse(file.read()))
-        except (OSError, SyntaxError, ValueError):
-            _spans_cache[key] = None
-    return _spans_cache[key]
-
-
-def check_main_guard(start_method: str, frame: FrameType | None) -> None:
-    """Refuse ``spawn``/``forkserver`` when the call comes from top-level script code outside an
-    ``if __name__ == "__main__":`` block, which every worker would run again on import.
+    Only a script that a worker runs again is judged (see :func:`main_is_importable`): under ``python -m
+    pdb`` and ``runpy.run_path`` that is the user's script; under ``cProfile``, ``trace`` or ``python -m
+    pkg`` workers do not run it again, so a call at its top level is harmless.
 
     Args:
         start_method: the start method of the launch.
-        frame: the caller's frame; the outermost ``__main__`` top-level frame above it is examined.
+        frame: the caller's frame; the outermost frame running the script's top-level code above it is examined.
+        name: the decorated function's name, for the advice.
+
+    Raises:
+        LaunchRefusedError: the call is at import time of the script that workers run again; the message
+            names the script, the line and the call to move under the guard.
     """
-    if start_method == "fork" or not main_is_importable():
+    path = rerun_main_file(sys.modules.get("__main__"))
+    if start_method == "fork" or path is None:
         return
-    main_frame = _main_frame(frame)
-    path = getattr(sys.modules["__main__"], "__file__", None)
-    if main_frame is None or path is None:
+    main_frame = _main_frame(frame, path)
+    source = script_source(path)
+    if main_frame is None or source is None:
         return
-    spans = _guard_spans_of_file(path)
     line = main_frame.f_lineno
-    if spans is not None and not any(start <= line <= end for start, end in spans):
+    if not any(start <= line <= end for start, end in source.spans):
         where = f"Your script {os.path.basename(path)} (line {line})"
-        raise LaunchRefusedError(_MAIN_GUARD_MESSAGE.format(where=where))
+        raise LaunchRefusedError(_guard_message(where, name, linecache.getline(path, line).strip()))
 
 
-def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], by_value: bool) -> str:
-    """Name the first argument that cannot be pickled, and why; ``"the function"`` if every argument can."""
+def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], imports: WorkerImports | None) -> str:
+    """Name the first argument that cannot be pickled for workers that can import ``imports``, and why;
+    ``"the function"`` if every argument can."""
     for index, value in enumerate(args):
-        error = _transport.pickle_error(value, by_value=by_value)
+        error = _transport.pickle_error(value, imports=imports)
         if error is not None:
             return f"positional argument {index} ({type(value).__qualname__}): {error}"
     for name, value in kwargs.items():
-        error = _transport.pickle_error(value, by_value=by_value)
+        error = _transport.pickle_error(value, imports=imports)
         if error is not None:
             return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
     return "the function or the captured global state"

@@ -25,6 +25,7 @@ from mplaunch._directory import launch_directory, space_hint
 from mplaunch._env import NodeSetup, apply_environment, node_setup, outer_launcher, rank_environment
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._group import process_group
+from mplaunch._importable import WorkerImports, worker_imports
 from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec
 from mplaunch._pystate import warn_not_carried
 from mplaunch._signals import parent_signals, signals_blocked
@@ -37,36 +38,41 @@ from mplaunch._worker import prctl, run
 @contextlib.contextmanager
 def _main_without_file() -> Iterator[None]:
     """Hide a ``__main__.__file__`` that is no real file (``python -`` sets ``<stdin>``): multiprocessing's
-    spawn would try to run it in the child and fail before our code runs."""
+    spawn would try to run it in the child and fail before our code runs. A ``__main__`` without
+    ``__spec__`` (``python -m pdb`` clears its namespace for the script) gets ``None``, as a script has:
+    multiprocessing reads it."""
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if main is None or path is None or os.path.isfile(path):
+    if main is None:
         yield
         return
-    del main.__file__
+    path = getattr(main, "__file__", None)
+    hide = path is not None and not os.path.isfile(path)
+    add_spec = "__spec__" not in vars(main)
+    if hide:
+        del main.__file__
+    if add_spec:
+        main.__spec__ = None
     try:
         yield
     finally:
-        main.__file__ = path
+        if hide:
+            main.__file__ = path
+        if add_spec:
+            vars(main).pop("__spec__", None)
 
 
-def _function_reference(function: Any, by_value: bool) -> Any:
-    """What to send as the function: the decorated object when a worker can import it by name, else the
-    plain function (pickled by reference where possible, by value otherwise)."""
-    wrapped = function._mplaunch_target
-    qualname = getattr(function, "__qualname__", None)
-    if by_value or qualname is None:  # e.g. a functools.partial or a callable object
-        return wrapped
-    module = sys.modules.get(getattr(function, "__module__", ""))
-    holder: Any = module
-    for part in qualname.split("."):
-        holder = getattr(holder, part, None)
-    return function if holder is function else wrapped
+def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
+    """What to send as the function: the decorated object when a worker can import it by name, else the plain
+    function, which travels by value (see :mod:`mplaunch._importable`); under fork (no ``imports``), where
+    nothing is pickled, the plain function."""
+    if imports is not None and imports.can_import(function):
+        return function
+    return function._mplaunch_target
 
 
 def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
     """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s)."""
-    _checks.check_not_bootstrapping()
+    _checks.check_not_bootstrapping(_name(function))
     try:
         outer = outer_launcher()
     except ValueError as error:
@@ -75,6 +81,11 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
         return _run_in_process(function, args, kwargs, config)
     with parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
         return _launch(function, args, kwargs, config, frame)
+
+
+def _name(function: Any) -> str:
+    """The decorated function's name, for messages."""
+    return str(getattr(function, "__name__", "the function"))
 
 
 def _check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -98,17 +109,15 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
     nodes = _nodes(config)
     start_method = config.start_method or _checks.default_start_method()
     _checks.check_cuda_fork(start_method)
-    _checks.check_main_guard(start_method, frame)
-    by_value = start_method != "fork" and (
-        not _checks.main_is_importable() or _checks.defined_in_main_guard(function._mplaunch_target)
-    )
+    _checks.check_main_guard(start_method, frame, _name(function))
+    imports = worker_imports() if start_method != "fork" or nodes is not None else None
     world_size = nprocs * (nodes.nnodes if nodes else 1)
     if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
         raise InvalidOptionError(
             f"console_ranks={sorted(config.console_ranks)} names no rank of this launch (ranks 0 to "
             f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
         )
-    payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
+    payload = Payload(_function_reference(function, imports), args, kwargs, GlobalState.capture())
     if start_method != "fork":
         warn_not_carried(payload.state.python)
     if start_method == "fork":
@@ -135,7 +144,7 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
         if start_method != "fork" or nodes is not None:
-            _write_payload(payload, spec, by_value)
+            _write_payload(payload, spec, imports)
         if nodes is not None:
             from mplaunch._elastic import launch_nodes
 
@@ -144,21 +153,21 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
             with rendezvous() as (addr, port, agent_store):
                 spec = dataclasses.replace(spec, master_addr=addr, master_port=port, agent_store=agent_store)
                 in_memory = payload if start_method == "fork" else None
-                results = _run_workers(spec, in_memory, config, getattr(function, "__module__", None))
+                results = _run_workers(spec, in_memory, config, _preload(imports, function))
     return results if config.return_all else results[0]
 
 
-def _write_payload(payload: Payload, spec: WorkerSpec, by_value: bool) -> None:
+def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> None:
     """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled."""
     try:
-        _transport.dump(payload, spec.directory, PAYLOAD, by_value=by_value)
+        _transport.dump(payload, spec.directory, PAYLOAD, imports=imports)
     except OSError as error:
         raise LaunchRefusedError(
             f"cannot write the call's arguments to {os.path.dirname(spec.directory)}: {error}. "
             f"{space_hint(spec.directory)}"
         ) from error
     except Exception as error:
-        culprit = _checks.describe_unpicklable(payload.args, payload.kwargs, by_value)
+        culprit = _checks.describe_unpicklable(payload.args, payload.kwargs, imports)
         raise LaunchRefusedError(
             f"cannot send the call to {spec.start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
             "every argument is pickled; pass picklable values, create the object inside the function, or use "
@@ -200,17 +209,19 @@ def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], confi
                 os.environ.update(saved)
 
 
-def _preload(function_module: str | None) -> list[str]:
+def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
     """Modules the fork server imports once, when it starts, so that its workers do not: torch, NumPy's
     random module when this process uses NumPy (restoring its state imports it), mplaunch's worker side, and
-    the function's
-    module. Only the first forkserver launch of a process starts the server, so later functions from other
+    the function's module if the server can import it by name from the same file (the rule of
+    :mod:`mplaunch._importable`: a module loaded from a file path, or ``pkg.__main__``, is never imported
+    there). Only the first forkserver launch of a process starts the server, so later functions from other
     modules are imported by each worker."""
     modules = ["__main__", "torch", "lightning_utilities", "mplaunch._worker"]
     if "numpy" in sys.modules:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it
-    if function_module and function_module != "__main__":
-        modules.append(function_module)
+    module = getattr(function, "__module__", None)
+    if imports is not None and module and module != "__main__" and imports.module_importable(module):
+        modules.append(module)
     modules.append("mplaunch._forkserver_freeze")  # last: what the server imported is then left to it
     return modules
 
@@ -245,16 +256,14 @@ def _spawn_hash_seed(start_method: str) -> Iterator[None]:
             os.environ["PYTHONHASHSEED"] = previous
 
 
-def _run_workers(
-    spec: WorkerSpec, payload: Payload | None, config: LaunchConfig, payload_module: str | None = None
-) -> list[Any]:
+def _run_workers(spec: WorkerSpec, payload: Payload | None, config: LaunchConfig, preload: list[str]) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
     supervisor = Supervisor(spec, processes, config.timeout, config.grace_period)
     try:
         with _main_without_file():
             if spec.start_method == "forkserver":
-                context.set_forkserver_preload(_preload(payload_module))
+                context.set_forkserver_preload(preload)
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
             with signals_blocked(), _spawn_hash_seed(spec.start_method):
                 for rank in range(spec.nprocs):

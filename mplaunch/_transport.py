@@ -28,11 +28,15 @@ import os
 import pickle
 import struct
 import threading
+import types
 import weakref
 from typing import Any
 
 import cloudpickle
+import cloudpickle.cloudpickle_fast
 import torch
+
+from mplaunch._importable import WorkerImports
 
 #: Storages and buffers smaller than this many bytes travel inside the pickle instead of in the data file.
 INLINE_BYTES = 64 * 1024
@@ -96,48 +100,71 @@ class _StorageWriter:
         return (_rebuild_storage, ("file", index, dtype, nbytes))
 
 
-class _Pickler(_StorageWriter, pickle.Pickler):
-    """Pickles by reference, like ``pickle``; storages are recorded, not copied."""
+class _NeedsValue(pickle.PicklingError):
+    """A function or class that the reader cannot import by name: the object must be pickled by value."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+
+class _Pickler(_StorageWriter, pickle.Pickler):
+    """Pickles by reference, like ``pickle``; storages are recorded, not copied. Given ``imports`` (what the
+    reader can import), a function or class the reader cannot import raises :class:`_NeedsValue`."""
+
+    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None) -> None:
         self._init_storages()
+        self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
     def reducer_override(self, obj: Any) -> Any:
+        if self._imports is not None and isinstance(obj, (types.FunctionType, type)):
+            if self._imports.needs_value(obj):
+                raise _NeedsValue(f"{obj!r} cannot be imported by name in the reader")
         return self._reduce_storage(obj)
 
 
 class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     """Pickles what cannot be imported by the reader (``__main__`` without a file, closures) by value.
 
+    Given ``imports`` (what the reader can import), each function and class is judged by it: by reference
+    when the reader imports it by name from the same file, else by value, whatever its module is called.
+    Without, cloudpickle's own rule applies (by value for ``__main__`` and unimportable objects).
     Open files are refused: cloudpickle would send a copy of their contents, which is never what a
     worker writing to a file wants.
     """
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None) -> None:
         self._init_storages()
+        self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
             raise TypeError(f"cannot pickle an open file ({type(obj).__qualname__}); open it inside the function")
         reduced = self._reduce_storage(obj)
-        return reduced if reduced is not NotImplemented else super().reducer_override(obj)
+        if reduced is not NotImplemented:
+            return reduced
+        if self._imports is not None and isinstance(obj, (types.FunctionType, type)):
+            if self._imports.needs_value(obj):
+                if isinstance(obj, type):
+                    return cloudpickle.cloudpickle_fast._dynamic_class_reduce(obj)
+                return self._dynamic_function_reduce(obj)
+            if obj.__module__ == "__main__":
+                return NotImplemented  # the worker runs the same script again: by name, as pickle does
+        return super().reducer_override(obj)
 
 
-def _pickle(obj: object, by_value: bool) -> tuple[memoryview, _StorageWriter]:
-    """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails.
-    Returns the pickle and the pickler, which holds the storages and out-of-band buffers it recorded."""
+def _pickle(obj: object, by_value: bool, imports: WorkerImports | None = None) -> tuple[memoryview, _StorageWriter]:
+    """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails or if
+    it holds a function or class that ``imports`` says the reader cannot import. Returns the pickle and the
+    pickler, which holds the storages and out-of-band buffers it recorded."""
     if not by_value:
         buffer = io.BytesIO()
-        pickler: _StorageWriter = _Pickler(buffer)
+        pickler: _StorageWriter = _Pickler(buffer, imports)
         try:
             pickler.dump(obj)  # type: ignore[attr-defined]
             return buffer.getbuffer(), pickler
         except _PICKLE_ERRORS:
             pass
     buffer = io.BytesIO()
-    cloud_pickler = _CloudPickler(buffer)
+    cloud_pickler = _CloudPickler(buffer, imports)
     cloud_pickler.dump(obj)
     return buffer.getbuffer(), cloud_pickler
 
@@ -159,10 +186,10 @@ def from_bytes(data: bytes) -> Any:
     return _Reader(-1, private=True).load(data, [])
 
 
-def pickle_error(obj: object, *, by_value: bool = False) -> Exception | None:
+def pickle_error(obj: object, *, by_value: bool = False, imports: WorkerImports | None = None) -> Exception | None:
     """Return why ``obj`` cannot be sent (the pickling exception), or ``None`` if it can."""
     try:
-        _pickle(obj, by_value)
+        _pickle(obj, by_value, imports)
     except Exception as error:  # noqa: BLE001 - the error is the answer
         return error
     return None
@@ -179,18 +206,21 @@ def _aligned(offset: int) -> int:
     return -(-offset // _PAGE) * _PAGE
 
 
-def dump(obj: object, directory: str, name: str, *, by_value: bool = False) -> None:
+def dump(
+    obj: object, directory: str, name: str, *, by_value: bool = False, imports: WorkerImports | None = None
+) -> None:
     """Write ``obj`` as ``directory/name.pkl``, plus ``name.bin`` holding its storages and buffers of
     64 KiB or more.
 
     The ``.pkl`` file appears last and atomically (written aside, then renamed), so a reader that sees it
-    sees a complete object. Tensors on other devices are copied to the CPU first.
+    sees a complete object. Tensors on other devices are copied to the CPU first. With ``imports`` (what
+    the reading workers can import by name), functions and classes they cannot import travel by value.
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
         OSError: the directory is missing or full.
     """
-    data, pickler = _pickle(obj, by_value)
+    data, pickler = _pickle(obj, by_value, imports)
     pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
     offsets: dict[int, int] = {}  # storage index -> offset
     end = 0

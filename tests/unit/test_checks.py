@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
-from mplaunch import LaunchRefusedError, _checks, to_cpu
+from mplaunch import LaunchRefusedError, _checks, _importable, to_cpu
 
 
 def test_cuda_initialised_refuses_fork_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,13 +45,20 @@ def test_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_main_importability(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a spawn worker runs the parent's __main__ again, by multiprocessing's own rules."""
     fake = types.ModuleType("__main__")
     monkeypatch.setitem(sys.modules, "__main__", fake)
     assert not _checks.main_is_importable()  # python -c, the REPL
     fake.__file__ = "<stdin>"
     assert not _checks.main_is_importable()  # python - < script
     fake.__file__ = __file__
-    assert _checks.main_is_importable()
+    assert _checks.main_is_importable()  # python script.py
+    fake.__spec__ = importlib.machinery.ModuleSpec("pkg.mod", None, origin=__file__)
+    assert _checks.main_is_importable()  # python -m pkg.mod
+    fake.__spec__ = importlib.machinery.ModuleSpec("pkg.__main__", None, origin=__file__)
+    assert not _checks.main_is_importable()  # python -m pkg: multiprocessing never runs *.__main__ again
+    fake.__spec__ = importlib.machinery.ModuleSpec("__main__", None, origin=__file__)
+    assert not _checks.main_is_importable()  # python app.pyz
 
 
 def test_guard_spans_find_every_spelling() -> None:
@@ -58,16 +67,70 @@ def test_guard_spans_find_every_spelling() -> None:
         'if __name__ == "__main__" and x:\n    run()\nif __name__ in ("__main__",):\n    run()\n'
         'if not __name__ != "__main__":\n    run()\nif x:\n    run()\n'
     )
-    assert _checks._guard_spans(ast.parse(source)) == [(2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
+    assert _importable.guard_spans(ast.parse(source)) == [(2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
+
+
+UNGUARDED = "import sys\nvalue = fit(3)\n"
+GUARDED = 'import sys\nif __name__ == "__main__":\n    value = fit(3)\n'
+#: What ``python -m pdb`` and ``runpy.run_path`` do: their own code runs in ``__main__``'s namespace, then
+#: executes the script there.
+RUNNER = "import pathlib\n\n\n\nexec(compile(pathlib.Path(SCRIPT).read_text(), SCRIPT, 'exec'), globals())\n"
+
+
+def _run_main(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, script: str, runner: bool = False, own_namespace: bool = False
+) -> None:
+    """Run ``script`` as the program's ``__main__`` (through a runner like pdb's, or in a namespace of its own as
+    cProfile and trace do); its call ``fit(3)`` runs the main-guard check on the caller's frame."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(tmp_path / "runner.py" if own_namespace else path)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    namespace = {"__name__": "__main__"} if own_namespace else vars(main)
+
+    def fit(x: int) -> None:
+        _checks.check_main_guard("spawn", sys._getframe(1), "fit")
+
+    namespace.update(fit=fit, SCRIPT=str(path), __file__=str(path))
+    if runner or own_namespace:
+        (tmp_path / "runner.py").write_text(RUNNER)
+        exec(compile(RUNNER, str(tmp_path / "runner.py"), "exec"), namespace)
+    else:
+        exec(compile(script, str(path), "exec"), namespace)
+
+
+@pytest.mark.parametrize("runner", [False, True], ids=["python script.py", "pdb/runpy"])
+def test_missing_guard_is_found_in_the_users_script(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, runner: bool
+) -> None:
+    with pytest.raises(LaunchRefusedError) as caught:
+        _run_main(monkeypatch, tmp_path, UNGUARDED, runner=runner)
+    message = str(caught.value)
+    assert "Your script script.py (line 2) called the parallel function fit() at import time" in message
+    assert 'if __name__ == "__main__":\n        value = fit(3)\n' in message  # the user's own call, moved
+
+
+@pytest.mark.parametrize("runner", [False, True], ids=["python script.py", "pdb/runpy"])
+def test_a_guarded_call_is_never_refused_because_of_a_runners_frame(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, runner: bool
+) -> None:
+    _run_main(monkeypatch, tmp_path, GUARDED, runner=runner)
+
+
+def test_a_script_that_workers_do_not_run_again_is_not_judged(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """cProfile and trace run the script in a namespace of their own; a worker runs their module, not the
+    script, so an unguarded call launches once and is fine."""
+    _run_main(monkeypatch, tmp_path, UNGUARDED, own_namespace=True)
 
 
 def test_describe_unpicklable_names_the_argument() -> None:
     import threading
 
-    text = _checks.describe_unpicklable((1, threading.Lock()), {}, by_value=False)
+    text = _checks.describe_unpicklable((1, threading.Lock()), {}, None)
     assert text.startswith("positional argument 1 (lock)")
     with open(__file__) as file:
-        text = _checks.describe_unpicklable((), {"f": file}, by_value=False)
+        text = _checks.describe_unpicklable((), {"f": file}, None)
     assert text.startswith("keyword argument 'f' (TextIOWrapper)") and "open it inside" in text
 
 
