@@ -117,8 +117,8 @@ def test_a_list_of_ints_stays_a_plain_pickle(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(_transport, "_CloudPickler", refuse)
     value = list(range(10**6))
-    data, storages = _transport._pickle(value, False, _imports())
-    assert not storages and pickle.loads(data) == value
+    data, pickler = _transport._pickle(value, False, _imports())
+    assert not pickler.storages and not pickler.buffers and pickle.loads(data) == value
 
 
 def test_the_view_is_reused_until_sys_path_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
