@@ -29,6 +29,7 @@ from mplaunch._errors import (
     InvalidOptionError,
     LaunchRefusedError,
 )
+from mplaunch._pump import Pump, routed, worker_fds
 from mplaunch._state import GlobalState
 from mplaunch._supervisor import Supervisor
 from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, _prctl, run
@@ -309,7 +310,9 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
             with _rendezvous() as (addr, port, agent_store):
                 spec = dataclasses.replace(spec, master_addr=addr, master_port=port, agent_store=agent_store)
                 in_memory = payload if start_method == "fork" else None
-                results = _run_workers(spec, in_memory, config, getattr(function, "__module__", None))
+                with routed(list(range(nprocs)), spec) as pump:
+                    spec = dataclasses.replace(spec, output_fds=worker_fds(pump, start_method, nprocs))
+                    results = _run_workers(spec, in_memory, config, getattr(function, "__module__", None), pump)
     return results if config.return_all else results[0]
 
 
@@ -380,7 +383,11 @@ def _preload(function_module: str | None) -> list[str]:
 
 
 def _run_workers(
-    spec: WorkerSpec, payload: Payload | None, config: LaunchConfig, payload_module: str | None = None
+    spec: WorkerSpec,
+    payload: Payload | None,
+    config: LaunchConfig,
+    payload_module: str | None = None,
+    pump: Pump | None = None,
 ) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
@@ -397,6 +404,8 @@ def _run_workers(
                     )
                     process.start()
                     processes.append(process)
+        if pump is not None:
+            pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
         results: list[Any] = supervisor.wait()
         return results
     finally:

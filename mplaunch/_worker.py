@@ -20,7 +20,7 @@ import torch
 
 from mplaunch import _transport
 from mplaunch._env import apply_environment, rank_environment
-from mplaunch._output import rank_output
+from mplaunch._output import RankFds, take_fds
 from mplaunch._sharing import to_cpu, unshare
 from mplaunch._state import GlobalState
 
@@ -47,6 +47,7 @@ class WorkerSpec:
     prefix_output: bool = False
     console_ranks: frozenset[int] | None = None
     log_dir: str | None = None
+    output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -219,9 +220,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         args, kwargs = payload.args, payload.kwargs
         if spec.start_method == "fork":  # inherited: shared memory stays shared; else mapped private already
             args, kwargs = unshare((args, kwargs))
-        with rank_output(rank, spec.prefix_output, spec.console_ranks, spec.log_dir):
-            with process_group(spec.backend, local_rank):
-                value = function(*args, **kwargs)
+        with process_group(spec.backend, local_rank):
+            value = function(*args, **kwargs)
         if rank not in spec.reporting_ranks:
             value = None
         elif torch.cuda.is_initialized():
@@ -260,6 +260,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     to the launch directory before the process exits; the parent reads it when it sees the process end.
     """
     _start(spec)
+    take_fds(spec.output_fds, rank, rank)
     if spec.environ is not None:
         os.environ.clear()
         os.environ.update(spec.environ)
@@ -285,6 +286,7 @@ def elastic_entry(spec: WorkerSpec) -> int:
     """
     _start(spec)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    take_fds(spec.output_fds, local_rank, rank)
     outcome = {"ok": False}
     try:
         outcome = _write_outcome(spec, rank, _execute(rank, local_rank, spec, None))
