@@ -35,6 +35,7 @@ HOLD = 0.1
 DRAIN = 0.5
 _PIPE_SIZE = 1 << 20  # bytes of pipe buffer asked for, so a rank rarely waits on the reader
 _READ = 1 << 16
+_BATCH = 0.002  # seconds the reader lets text gather in the pipes before reading
 _BREAK = re.compile(r"\r\n|\r|\n")
 
 
@@ -107,8 +108,11 @@ def _consoles() -> tuple[_Sink, _Sink]:
 def prefixed(text: str, prefix: str, at_start: bool) -> tuple[str, bool]:
     """``text`` with ``prefix`` at the start of each line (a ``\\r`` starts one too); returns it and whether
     the text that follows starts a line."""
-    if not prefix:
+    if not prefix or not text:
         return text, at_start
+    if "\r" not in text:  # the common case, fast
+        out = (prefix if at_start else "") + text.replace("\n", "\n" + prefix)
+        return (out[: -len(prefix)], True) if text.endswith("\n") else (out, False)
     out, pos = [], 0
     for match in _BREAK.finditer(text):
         piece = text[pos : match.start()]
@@ -230,10 +234,13 @@ class Pump:
             timeouts = [s.since + HOLD - now for s in self.sources if s.pending]
             if deadline is not None:
                 timeouts.append(deadline - now)
-            for key, _ in selector.select(max(0.0, min(timeouts)) if timeouts else None):
+            ready = selector.select(max(0.0, min(timeouts)) if timeouts else None)
+            if ready and not self._finishing:
+                time.sleep(_BATCH)  # let writers add more: fewer, larger reads (a rank printing fast waits less)
+            for key, _ in ready:
                 if key.data is None:
                     os.read(self._wake_r, 64)
-                elif not self._read(key.data, _READ):
+                elif not self._read(key.data, _PIPE_SIZE):
                     selector.unregister(key.fd)
                     del open_sources[key.fd]
             self._to_consoles(final=False)
