@@ -111,8 +111,8 @@ def prefixed(text: str, prefix: str, at_start: bool) -> tuple[str, bool]:
     if not prefix or not text:
         return text, at_start
     if "\r" not in text:  # the common case, fast
-        out = (prefix if at_start else "") + text.replace("\n", "\n" + prefix)
-        return (out[: -len(prefix)], True) if text.endswith("\n") else (out, False)
+        whole = (prefix if at_start else "") + text.replace("\n", "\n" + prefix)
+        return (whole[: -len(prefix)], True) if text.endswith("\n") else (whole, False)
     out, pos = [], 0
     for match in _BREAK.finditer(text):
         piece = text[pos : match.start()]
