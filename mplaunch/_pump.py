@@ -5,11 +5,9 @@ parent reads them all and writes whole lines, with the ``[rank N] `` prefix, to 
 and ``sys.stderr`` (the objects current when the launch began, so a Jupyter cell shows them) for the ranks of
 ``console_ranks``, and every rank's two streams to ``log_dir/rank{N}.log``.
 
-Lines are never mixed: a console stream has at most one open (unfinished) line, of one rank. Another rank's
-text waits until that line ends, or at most :data:`HOLD` seconds; then the open line is ended with a newline
-and the other rank's text follows (the first rank's continuation comes later on a line of its own, prefixed
-again). A rank's partial line (a ``\\r`` progress bar) is written as soon as it arrives when no other rank's
-line is open. A ``\\r`` starts a line again, so a redrawn progress bar keeps its prefix.
+Lines are never mixed (see :mod:`mplaunch._lines`): another rank's text waits until an open line ends, at
+most :data:`HOLD` seconds, before that line is cut. A partial line (a ``\\r`` progress bar) is written as soon
+as it arrives when no other rank's line is open.
 """
 
 from __future__ import annotations
@@ -19,14 +17,16 @@ import contextlib
 import contextvars
 import fcntl
 import os
-import re
 import selectors
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from mplaunch._errors import LaunchRefusedError
+from mplaunch._lines import Sink, consoles, flush
 from mplaunch._output import RANK_MARK, InheritedFd, RankFds
 
 #: Seconds a rank's text waits for another rank's open line to end before that line is cut.
@@ -36,7 +36,6 @@ DRAIN = 0.5
 _PIPE_SIZE = 1 << 20  # bytes of pipe buffer asked for, so a rank rarely waits on the reader
 _READ = 1 << 16
 _BATCH = 0.002  # seconds the reader lets text gather in the pipes before reading
-_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 def should_route(prefix: bool, console_ranks: frozenset[int] | None, log_dir: str | None) -> bool:
@@ -52,88 +51,6 @@ def _is_fd(stream: Any, fd: int) -> bool:
         return bool(stream.fileno() == fd)
     except (AttributeError, OSError, ValueError):
         return False
-
-
-class _Line:
-    """The state of the line a text stream (or two streams on one terminal) is on."""
-
-    def __init__(self) -> None:
-        self.open_key: Any = None  # whose line is unfinished
-        self.open_stream: TextIO | None = None  # where that line is
-        self.at_start = True  # the next character of open_key starts a line (after \r)
-
-
-class _Sink:
-    """A text stream on which at most one line, of one writer (``key``), is open at a time."""
-
-    def __init__(self, stream: TextIO | None, line: _Line | None = None) -> None:
-        self.stream = stream
-        self.line = line or _Line()
-
-    @property
-    def open_key(self) -> Any:
-        return self.line.open_key
-
-    def write(self, key: Any, prefix: str, text: str) -> None:
-        if not text or self.stream is None:
-            return
-        line = self.line
-        if line.open_key is not None and line.open_key != key:
-            self.end()
-        if line.open_key is None:
-            line.at_start = True
-        out, line.at_start = prefixed(text, prefix, line.at_start)
-        line.open_key, line.open_stream = (None, None) if text.endswith("\n") else (key, self.stream)
-        _write(self.stream, out)
-
-    def end(self) -> None:
-        """End the open line with a newline, on the stream where it is."""
-        if self.line.open_stream is not None:
-            _write(self.line.open_stream, "\n")
-            _flush(self.line.open_stream)
-        self.line.open_key = self.line.open_stream = None
-
-
-def _consoles() -> tuple[_Sink, _Sink]:
-    """Sinks for ``sys.stdout`` and ``sys.stderr``; one line state when both are the same file (a terminal)."""
-    out, err = sys.stdout, sys.stderr
-    try:
-        same = os.path.sameopenfile(out.fileno(), err.fileno())
-    except (AttributeError, OSError, ValueError):
-        same = False
-    line = _Line()
-    return _Sink(out, line), _Sink(err, line if same else None)
-
-
-def prefixed(text: str, prefix: str, at_start: bool) -> tuple[str, bool]:
-    """``text`` with ``prefix`` at the start of each line (a ``\\r`` starts one too); returns it and whether
-    the text that follows starts a line."""
-    if not prefix or not text:
-        return text, at_start
-    if "\r" not in text:  # the common case, fast
-        whole = (prefix if at_start else "") + text.replace("\n", "\n" + prefix)
-        return (whole[: -len(prefix)], True) if text.endswith("\n") else (whole, False)
-    out, pos = [], 0
-    for match in _BREAK.finditer(text):
-        piece = text[pos : match.start()]
-        if at_start and (piece or match.group() != "\r"):
-            out.append(prefix)
-        out += [piece, match.group()]
-        at_start, pos = True, match.end()
-    if pos < len(text):
-        out += [prefix, text[pos:]] if at_start else [text[pos:]]
-        at_start = False
-    return "".join(out), at_start
-
-
-def _write(stream: TextIO, text: str) -> None:
-    try:
-        stream.write(text)
-    except UnicodeEncodeError:
-        encoding = getattr(stream, "encoding", None) or "ascii"
-        stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
-    except (OSError, ValueError):  # a closed console: the log files still get everything
-        pass
 
 
 class _Source:
@@ -162,16 +79,15 @@ class Pump:
         self, ranks: list[int | None], prefix: bool, console_ranks: frozenset[int] | None, log_dir: str | None
     ) -> None:
         self.prefix, self.console_ranks, self.log_dir = prefix, console_ranks, log_dir
-        self.consoles = _consoles()
-        self.logs: dict[int, tuple[TextIO, _Sink]] = {}
+        self.consoles = consoles()
+        self.logs: dict[int, tuple[TextIO, Sink]] = {}
         self.sources: list[_Source] = []
         self.writers: list[int] = []
         self.fds: list[RankFds] = []
-        self._wake_r, self._wake_w = os.pipe()
         self._finishing = False
         self._thread: threading.Thread | None = None
-        if log_dir is not None:
-            os.makedirs(log_dir, exist_ok=True)
+        self._open_logs([rank for rank in ranks if rank is not None])
+        self._wake_r, self._wake_w = os.pipe()
         for local_rank, rank in enumerate(ranks):
             ends = []
             for err in (False, True):
@@ -183,8 +99,22 @@ class Pump:
                 self.writers.append(write)
                 ends.append(InheritedFd(write))
             self.fds.append(RankFds(ends[0], ends[1], routed=True, announce=rank is None))
-            if rank is not None:
-                self._log(rank)
+
+    def _open_logs(self, ranks: list[int]) -> None:
+        """Create ``log_dir`` and the known ranks' files, before any worker starts."""
+        if self.log_dir is None:
+            return
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            for rank in ranks:
+                self._log(rank, check=True)
+        except OSError as error:
+            for file, _ in self.logs.values():
+                file.close()
+            raise LaunchRefusedError(
+                f"cannot write the per-rank log files in log_dir={self.log_dir!r}: {error}. "
+                "Pass a directory this process can create and write to."
+            ) from error
 
     def start(self, keep_writers: bool = False) -> None:
         """Start draining, once the workers have started; close the parent's write ends unless
@@ -257,10 +187,10 @@ class Pump:
         self._to_consoles(final=True)
         for sink in self.consoles:
             sink.end()
-            _flush(sink.stream)
+            flush(sink.stream)
         for file, sink in self.logs.values():
             sink.end()
-            _flush(file)
+            flush(file)
 
     def _read(self, source: _Source, limit: int) -> bool:
         """Read what the pipe holds now, up to about ``limit`` bytes; False at its end."""
@@ -319,30 +249,36 @@ class Pump:
             if final or self.consoles[source.err].open_key in (None, source.fd) or now - source.since >= HOLD:
                 self._write(source)
         for sink in self.consoles:
-            _flush(sink.stream)
+            flush(sink.stream)
         for file, _ in self.logs.values():
-            _flush(file)
+            flush(file)
 
     def _write(self, source: _Source) -> None:
         self.consoles[source.err].write(source.fd, self._label(source)[1], source.pending)
         source.pending = ""
 
-    def _log(self, rank: int) -> None:
+    def _log(self, rank: int, check: bool = False) -> None:
+        """Open ``rank{rank}.log`` once per launch; a failure is raised with ``check``, else warned about."""
         if self.log_dir is None or rank in self.logs:
             return
         path = os.path.join(self.log_dir, f"rank{rank}.log")
-        file = open(path, "w", encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
-        self.logs[rank] = (file, _Sink(file))
+        try:
+            file = open(path, "w", encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
+        except OSError as error:
+            if check:
+                raise
+            warnings.warn(f"mplaunch: cannot write {path}: {error}", RuntimeWarning, stacklevel=1)
+            return
+        self.logs[rank] = (file, Sink(file))
 
 
-def _flush(stream: TextIO | None) -> None:
-    with contextlib.suppress(Exception):
-        if stream is not None:
-            stream.flush()
-
-
-def own_fds(nprocs: int) -> tuple[RankFds, ...]:
-    """The caller's current fd 1 and 2 for every rank (forkserver workers would keep the server's)."""
+def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:
+    """The caller's current fd 1 and 2 for every rank (forkserver workers would keep the server's); ``None``
+    when the caller has closed one of them."""
+    try:
+        os.fstat(1), os.fstat(2)
+    except OSError:
+        return None
     return (RankFds(InheritedFd(1), InheritedFd(2), routed=False),) * nprocs
 
 

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from mplaunch import _pump
+from mplaunch._errors import LaunchRefusedError
+from mplaunch._lines import prefixed
 from mplaunch._output import RANK_MARK
-from mplaunch._pump import Pump, prefixed, should_route
+from mplaunch._pump import Pump, should_route
 
 
 def _consoles(monkeypatch: pytest.MonkeyPatch) -> tuple[io.StringIO, io.StringIO]:
@@ -110,3 +112,12 @@ def test_routes_when_an_option_is_set_or_the_console_is_not_fd_1(monkeypatch: py
     assert should_route(True, None, None) and should_route(False, frozenset({0}), None)
     monkeypatch.setattr("sys.stdout", io.StringIO())  # e.g. a Jupyter kernel's stream, redirect_stdout
     assert should_route(False, None, None)
+
+
+def test_an_unwritable_log_dir_is_refused_before_any_pipe_is_made(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    open_fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(LaunchRefusedError, match="log_dir=.*file/logs"):
+        Pump([0], prefix=False, console_ranks=None, log_dir=str(blocker / "logs"))
+    assert len(os.listdir("/proc/self/fd")) == open_fds
