@@ -131,10 +131,15 @@ class Pump:
         self._close_writers()
         self._finishing = True
         os.write(self._wake_w, b"x")
-        if self._thread is not None:
-            self._thread.join()
-        else:
-            self._finish(self.sources)
+        try:
+            if self._thread is not None:
+                self._thread.join()
+            else:
+                self._finish(self.sources)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         for fd in (self._wake_r, self._wake_w, *(s.fd for s in self.sources)):
             with contextlib.suppress(OSError):
                 os.close(fd)
