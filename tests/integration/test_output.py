@@ -151,7 +151,7 @@ def test_everything_a_rank_writes_is_routed(tmp_path: Path, launches: list[str])
 
 
 LOST = """
-    import os, signal, sys, time
+    import ctypes, faulthandler, os, signal, sys, time
     from mplaunch import parallel, worker_info
 
     def work(how):
@@ -167,6 +167,9 @@ LOST = """
                 raise ValueError("on purpose")
             if how == "exit":
                 os._exit(3)
+            if how == "segfault":  # faulthandler writes the crash's traceback to fd 2
+                faulthandler.enable()
+                ctypes.string_at(0)
         time.sleep(60)  # stopped by the other rank's failure, or by the timeout
 
     if __name__ == "__main__":
@@ -181,12 +184,12 @@ LOST = """
 
 
 def test_nothing_a_rank_wrote_is_lost_when_it_fails_or_is_stopped(tmp_path: Path) -> None:
-    hows = ["kill", "raise", "exit", "timeout"]
+    hows = ["kill", "raise", "exit", "timeout", "segfault"]
     done = run_script(write_script(tmp_path, LOST), *hows)
     assert done.returncode == 0, done.stderr
     # the rank's text is on the console before the call raised: it comes before the line printed after
     out, err = done.stdout.split("=== "), done.stderr.split("=== ")
-    raised = ["WorkerExitedError", "ValueError", "WorkerExitedError", "LaunchTimeoutError"]
+    raised = ["WorkerExitedError", "ValueError", "WorkerExitedError", "LaunchTimeoutError", "WorkerExitedError"]
     for index, (how, kind) in enumerate(zip(hows, raised, strict=True)):
         assert out[index + 1].startswith(f"{how} raised {kind}"), done.stdout
         assert out[index].rstrip().endswith("line of 1\npartial of 1"), (how, done.stdout)
@@ -194,6 +197,11 @@ def test_nothing_a_rank_wrote_is_lost_when_it_fails_or_is_stopped(tmp_path: Path
         assert "of 0" not in out[index] + err[index]
         for rank in (0, 1):
             log = (tmp_path / f"logs-{how}" / f"rank{rank}.log").read_text().splitlines()
+            fatal = "Fatal Python error: Segmentation fault"
+            if how == "segfault" and rank == 1:  # the crash's traceback, after what the rank wrote
+                log, crash = log[: log.index(fatal)], log[log.index(fatal) :]
+                assert any(line.endswith(", line 20 in work") for line in crash), crash
+                assert fatal in err[index]
             assert sorted(log) == sorted([f"line of {rank}", f"partial of {rank}", f"error text of {rank}"]), how
 
 
