@@ -42,6 +42,7 @@ class Sink:
         return self.line.open_key
 
     def write(self, key: Any, prefix: str, text: str) -> None:
+        """Write ``key``'s ``text`` with ``prefix`` at its line starts, ending another writer's open line first."""
         if not text or self.stream is None:
             return
         line = self.line

@@ -23,11 +23,14 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from mplaunch._errors import LaunchRefusedError
 from mplaunch._lines import Sink, consoles, flush
 from mplaunch._output import RANK_MARK, InheritedFd, RankFds
+
+if TYPE_CHECKING:
+    from mplaunch._worker import WorkerSpec
 
 #: Seconds a rank's text waits for another rank's open line to end before that line is cut.
 HOLD = 0.1
@@ -288,7 +291,7 @@ def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:
 
 
 @contextlib.contextmanager
-def routed(ranks: list[int | None], spec: Any) -> Iterator[Pump | None]:
+def routed(ranks: list[int | None], spec: WorkerSpec) -> Iterator[Pump | None]:
     """A :class:`Pump` for the launch when its output is routed (see :func:`should_route`), else ``None``;
     closed (drained) on exit."""
     if not should_route(spec.prefix_output, spec.console_ranks, spec.log_dir):
