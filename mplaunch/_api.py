@@ -193,7 +193,8 @@ def parallel(
             is available with a device per worker, else gloo): each worker calls ``init_process_group`` with
             it before the function (binding ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group``
             after it, also when it raises. ``None`` (default): the function manages process groups itself.
-        prefix_output: prefix every line a worker writes to ``sys.stdout``/``sys.stderr`` with ``[rank N] ``.
+        prefix_output: prefix every line a worker writes to its stdout or stderr (file descriptors 1 and 2:
+            ``print``, logging, C code, subprocesses) with ``[rank N] ``.
         console_ranks: ranks whose output reaches the console, e.g. ``[0]``; ``None`` (default): all. The
             other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
         log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,

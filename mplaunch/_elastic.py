@@ -9,6 +9,7 @@ the caller's signal handlers and environment as they were (elastic replaces the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from mplaunch._protocol import (
     outcome_rank,
     rank_state,
 )
+from mplaunch._pump import routed, worker_fds
 from mplaunch._worker import elastic_entry
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
@@ -74,7 +76,10 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig) -> li
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(spec.directory, "elastic")),
     )
     failed: dict[int, Any] = {}
-    with _caller_state_kept():
+    with _caller_state_kept(), routed([None] * spec.nprocs, spec) as pump:  # ranks: as the rendezvous assigns
+        spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
+        if pump is not None:
+            pump.start(keep_writers=True)  # elastic may restart workers on the same pipes
         try:
             elastic_launch(elastic_config, elastic_entry)(spec)
         except ChildFailedError as error:

@@ -27,6 +27,7 @@ from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._group import process_group
 from mplaunch._importable import WorkerImports, worker_imports
 from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec
+from mplaunch._pump import Pump, routed, worker_fds
 from mplaunch._pystate import warn_not_carried
 from mplaunch._signals import parent_signals, signals_blocked
 from mplaunch._state import GlobalState
@@ -153,7 +154,9 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
             with rendezvous() as (addr, port, agent_store):
                 spec = dataclasses.replace(spec, master_addr=addr, master_port=port, agent_store=agent_store)
                 in_memory = payload if start_method == "fork" else None
-                results = _run_workers(spec, in_memory, config, _preload(imports, function))
+                with routed(list(range(nprocs)), spec) as pump:
+                    spec = dataclasses.replace(spec, output_fds=worker_fds(pump, start_method, nprocs))
+                    results = _run_workers(spec, in_memory, config, _preload(imports, function), pump)
     return results if config.return_all else results[0]
 
 
@@ -256,7 +259,9 @@ def _spawn_hash_seed(start_method: str) -> Iterator[None]:
             os.environ["PYTHONHASHSEED"] = previous
 
 
-def _run_workers(spec: WorkerSpec, payload: Payload | None, config: LaunchConfig, preload: list[str]) -> list[Any]:
+def _run_workers(
+    spec: WorkerSpec, payload: Payload | None, config: LaunchConfig, preload: list[str], pump: Pump | None
+) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
     supervisor = Supervisor(spec, processes, config.timeout, config.grace_period)
@@ -272,6 +277,8 @@ def _run_workers(spec: WorkerSpec, payload: Payload | None, config: LaunchConfig
                     )
                     process.start()
                     processes.append(process)
+        if pump is not None:
+            pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
         results: list[Any] = supervisor.wait()
         return results
     finally:

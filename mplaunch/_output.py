@@ -1,94 +1,123 @@
-"""Per-rank output in a worker: a ``[rank N]`` prefix, console filtering, and per-rank log files."""
+"""Per-rank output in a worker: put the descriptors the parent chose in place of fd 1 and fd 2.
+
+The parent (:mod:`mplaunch._pump`) hands every worker a table of descriptors, one pair per local rank: the
+write ends of pipes it drains (for ``prefix_output``, ``console_ranks``, ``log_dir``, or a parent whose
+``sys.stdout`` is not fd 1, e.g. a Jupyter kernel), or the caller's own fd 1 and fd 2 (forkserver workers,
+which would otherwise write to the fork server's). Because the worker's descriptors themselves change,
+everything written to them is caught: Python streams, logging handlers made before the launch, C code,
+child processes, faulthandler.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
+import logging
+import multiprocessing.context
 import os
 import sys
-from collections.abc import Iterator
-from typing import TextIO
+from typing import Any, TextIO
+
+#: Written by an elastic worker on its pipes before anything else, so the parent learns the global rank.
+RANK_MARK = b"\x00mplaunch:rank="
 
 
-class RankStream(io.TextIOBase):
-    """A text stream that writes whole lines, prefixed, to the console stream and/or a log file.
+class InheritedFd:
+    """A descriptor that reaches the worker under every start method.
 
-    Partial lines wait in a buffer until their newline (or :meth:`close`), so lines of different ranks
-    never interleave mid-line.
+    Under fork the number is inherited as it is. Under spawn and forkserver, pickling it (which happens while
+    the process starts) registers it with multiprocessing's ``reduction.DupFd``, as ``Connection`` objects do,
+    and the worker gets its own copy.
     """
 
-    def __init__(self, console: TextIO | None, log: TextIO | None, prefix: str) -> None:
-        super().__init__()
-        self._console = console
-        self._log = log
-        self._prefix = prefix
-        self._pending = ""
+    __slots__ = ("fd",)
 
-    def writable(self) -> bool:
-        return True
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
 
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self._console or self._log, "encoding", None) or "utf-8"
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing import reduction
 
-    def fileno(self) -> int:
-        """The console stream's descriptor (writes through it bypass the prefix), for faulthandler and
-        subprocess; raises ``io.UnsupportedOperation`` when this rank's console output is dropped."""
-        if self._console is None:
-            raise io.UnsupportedOperation("this rank's console output is dropped (console_ranks)")
-        return self._console.fileno()
+        if multiprocessing.context.get_spawning_popen() is None:
+            raise TypeError("an InheritedFd is only sent to a process being started")
+        return _rebuild, (reduction.DupFd(self.fd),)
 
-    def isatty(self) -> bool:
+
+def _rebuild(dup: Any) -> InheritedFd:
+    return InheritedFd(dup.detach())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankFds:
+    """What one local rank puts in place of fd 1 and fd 2."""
+
+    stdout: InheritedFd
+    stderr: InheritedFd
+    routed: bool  # pipes to the parent (else the caller's own fd 1 and 2)
+    announce: bool = False  # write RANK_MARK first: the parent does not know this worker's global rank
+
+
+def take_fds(table: tuple[RankFds, ...] | None, local_rank: int, rank: int) -> None:
+    """In a worker: put this rank's descriptors in place of fd 1 and 2 and close the other ranks' copies."""
+    if table is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()  # what is buffered was meant for the old descriptors
+    mine = table[local_rank]
+    keep = {mine.stdout.fd, mine.stderr.fd}
+    _close(*(fd for entry in table for fd in (entry.stdout.fd, entry.stderr.fd) if fd not in keep))
+    for fd, target in ((mine.stdout.fd, 1), (mine.stderr.fd, 2)):
+        if mine.announce:
+            os.write(fd, RANK_MARK + f"{rank}\x00".encode())
+        if fd != target:
+            os.dup2(fd, target)
+    _close(mine.stdout.fd, mine.stderr.fd)
+    if mine.routed:
+        _streams_on_fds()
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _streams_on_fds() -> None:
+    """Make ``sys.stdout``/``sys.stderr`` write to fd 1/2, line-buffered, so that a line reaches the parent
+    when it ends (a rank killed right after loses nothing it printed).
+
+    A stream that is not over its descriptor (ipykernel's ``OutStream`` in a forked worker) is replaced by one
+    that is, and logging handlers holding the old stream (made before the launch) are pointed at the new one.
+    """
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        if _writes_to(old, fd):
+            with contextlib.suppress(Exception):
+                old.reconfigure(line_buffering=True)
+            continue
+        new = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+        setattr(sys, name, new)
+        if getattr(sys, f"__{name}__") is old:
+            setattr(sys, f"__{name}__", new)
+        _repoint_handlers(old, new)
+
+
+def _writes_to(stream: TextIO | None, fd: int) -> bool:
+    """Whether ``stream`` is a plain text stream over descriptor ``fd``."""
+    if not isinstance(stream, io.TextIOWrapper):
+        return False
+    try:
+        return stream.fileno() == fd
+    except (OSError, ValueError):
         return False
 
-    def write(self, text: str) -> int:
-        *lines, self._pending = (self._pending + text).split("\n")
-        if lines:
-            self._emit("".join(f"{self._prefix}{line}\n" for line in lines))
-        return len(text)
 
-    def _emit(self, text: str) -> None:
-        for stream in (self._console, self._log):
-            if stream is not None:
-                stream.write(text)
-                stream.flush()
-
-    def flush(self) -> None:
-        for stream in (self._console, self._log):
-            if stream is not None:
-                stream.flush()
-
-    def close(self) -> None:
-        if self._pending:
-            self._emit(f"{self._prefix}{self._pending}\n")
-            self._pending = ""
-        super().close()
-
-
-@contextlib.contextmanager
-def rank_output(rank: int, prefix: bool, console_ranks: frozenset[int] | None, log_dir: str | None) -> Iterator[None]:
-    """Route this worker's ``sys.stdout``/``sys.stderr`` as the options say, for the duration of the block.
-
-    Only writes through Python's streams are routed; a C library writing to file descriptors 1 and 2
-    directly (e.g. NCCL's logs) reaches the console as it is.
-    """
-    if not prefix and console_ranks is None and log_dir is None:
-        yield
-        return
-    to_console = console_ranks is None or rank in console_ranks
-    label = f"[rank {rank}] " if prefix else ""
-    log = None
-    if log_dir is not None:
-        os.makedirs(log_dir, exist_ok=True)
-        log = open(os.path.join(log_dir, f"rank{rank}.log"), "w", buffering=1, encoding="utf-8")  # noqa: SIM115
-    saved = sys.stdout, sys.stderr
-    streams = [RankStream(original if to_console else None, log, label) for original in saved]
-    sys.stdout, sys.stderr = streams
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-        for stream in streams:
-            stream.close()
-        if log is not None:
-            log.close()
+def _repoint_handlers(old: object, new: TextIO) -> None:
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", ()):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+                handler.stream = new

@@ -17,10 +17,13 @@ import pickle
 import signal
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mplaunch._errors import RemoteError, RemoteTraceback, WorkerExitedError, WorkerFailedError
 from mplaunch._state import GlobalState
+
+if TYPE_CHECKING:
+    from mplaunch._output import RankFds
 
 #: Name of the call in the launch directory.
 PAYLOAD = "payload"
@@ -60,6 +63,8 @@ class WorkerSpec:
         grace_period: seconds a stopped worker has before SIGKILL; its own children get part of it.
         mp_start_method: the parent's ``multiprocessing`` default start method if it set one, else ``None``
             (the platform's default, as in a process that torchrun starts).
+        output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
+            ``None`` (see :mod:`mplaunch._output`).
     """
 
     directory: str
@@ -78,6 +83,7 @@ class WorkerSpec:
     log_dir: str | None = None
     grace_period: float = 5.0
     mp_start_method: str | None = None
+    output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import RemoteError
 from mplaunch._exit import close_files, keep_inherited
 from mplaunch._group import process_group
-from mplaunch._output import rank_output
+from mplaunch._output import take_fds
 from mplaunch._protocol import (
     PAYLOAD,
     REMOTE_RANK0,
@@ -132,9 +132,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         args, kwargs = payload.args, payload.kwargs
         if spec.start_method == "fork":  # inherited: shared memory stays shared; else mapped private already
             args, kwargs = unshare((args, kwargs))
-        with rank_output(rank, spec.prefix_output, spec.console_ranks, spec.log_dir):
-            with process_group(spec.backend, local_rank):
-                value = function(*args, **kwargs)
+        with process_group(spec.backend, local_rank):
+            value = function(*args, **kwargs)
         return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
         return _decide(Raised.of(error))
@@ -257,6 +256,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     outcome: Outcome | None = None
     try:
         _start(spec)
+        take_fds(spec.output_fds, rank, rank)
         if spec.environ is not None:
             os.environ.clear()
             os.environ.update(spec.environ)
@@ -282,6 +282,7 @@ def elastic_entry(spec: WorkerSpec) -> int:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     try:
         _start(spec)
+        take_fds(spec.output_fds, local_rank, rank)
         os.environ[WORKER_VARIABLE] = "1"
         outcome = _execute(rank, local_rank, spec, None)
         if isinstance(outcome, Returned):

@@ -99,3 +99,54 @@ def test_a_missing_node_is_a_bounded_wait_with_a_clear_error(tmp_path: Path) -> 
     (output,) = run_nodes(tmp_path, 1, fail_rank=-1, rdzv_timeout=3)
     assert "failed LaunchTimeoutError" in output
     assert time.monotonic() - start < 60
+
+
+OUTPUT = """
+    import os, subprocess, sys
+    from mplaunch import parallel, worker_info
+
+    @parallel(nprocs=1, start_method=sys.argv[3], nnodes=2, rdzv_endpoint=sys.argv[1], timeout=120,
+              prefix_output=True, console_ranks=[1], log_dir=sys.argv[2])
+    def hello() -> int:
+        rank = worker_info().rank
+        print(f"hello from rank {rank}")
+        os.write(2, f"fd 2 of rank {rank}\\n".encode())
+        subprocess.run(["echo", f"echo of rank {rank}"], check=True)
+        return rank
+
+    if __name__ == "__main__":
+        print("result", hello(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_each_node_routes_the_output_of_its_own_ranks(tmp_path: Path, start_method: str) -> None:
+    script, logs = write_script(tmp_path, OUTPUT), tmp_path / "logs"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, str(script), endpoint, str(logs), start_method]
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        nodes = [
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(2)
+        ]
+        outputs = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    out = "".join(stdout for stdout, _ in outputs)
+    assert sorted(line for line in out.splitlines() if "rank" in line) == [
+        "[rank 1] echo of rank 1",
+        "[rank 1] hello from rank 1",
+    ], outputs
+    assert sum("[rank 1] fd 2 of rank 1\n" in stderr for _, stderr in outputs) == 1, outputs
+    assert "of rank 0" not in "".join(stderr for _, stderr in outputs)
+    for rank in (0, 1):
+        assert sorted((logs / f"rank{rank}.log").read_text().splitlines()) == [
+            f"[rank {rank}] echo of rank {rank}",
+            f"[rank {rank}] fd 2 of rank {rank}",
+            f"[rank {rank}] hello from rank {rank}",
+        ]

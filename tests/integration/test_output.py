@@ -1,9 +1,19 @@
-"""Per-rank output: prefixes, console filtering, log files (in a script, to see the real console)."""
+"""Per-rank output: prefixes, console filtering, log files, in scripts whose stdout and stderr are pipes (a
+terminal-like run: the real file descriptors, not pytest's capture)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from mplaunch import parallel
 from tests.integration.test_scripts import REPO, run_script, write_script
 
 CHATTY = """
@@ -41,3 +51,234 @@ def test_console_ranks_and_log_files(tmp_path: Path) -> None:
     rank1 = (logs / "rank1.log").read_text().splitlines()
     assert rank1[:3] == [f"[rank 1] out {i} from 1" for i in range(3)] and "[rank 1] err from 1" in rank1
     assert "[rank 0] out 0 from 0" in (logs / "rank0.log").read_text()
+
+
+# The issue's example (a logging handler made at the top of the script, before the launch) and every other
+# way a rank writes to its fd 1 and fd 2; each launch is announced on both streams, to split the output.
+SOURCES = """
+    import faulthandler, logging, os, subprocess, sys, warnings
+    from mplaunch import parallel, worker_info
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+
+    def dump_0(): faulthandler.dump_traceback(all_threads=False)  # lines 7, 8: in the faulthandler traceback
+    def dump_1(): faulthandler.dump_traceback(all_threads=False)
+
+    def work():
+        rank = worker_info().rank
+        print(f"print {rank}")
+        logging.info("rank %d", rank)
+        os.write(1, f"os.write {rank}\\n".encode())
+        subprocess.run(["echo", f"echo {rank}"], check=True)
+        subprocess.run(["sh", "-c", f"echo sh-stderr {rank} >&2"], check=True)
+        warnings.warn(f"warning {rank}")
+        (dump_0 if rank == 0 else dump_1)()
+        return rank
+
+    OPTIONS = {
+        "prefix": dict(prefix_output=True),
+        "console": dict(console_ranks=[0]),
+        "logs": dict(log_dir="logs-logs"),
+        "all": dict(prefix_output=True, console_ranks=[0], log_dir="logs-all"),
+    }
+
+    if __name__ == "__main__":
+        for method, name in (arg.split(":") for arg in sys.argv[1:]):
+            print(f"=== {method} {name}", flush=True)
+            print(f"=== {method} {name}", file=sys.stderr, flush=True)
+            parallel(nprocs=2, start_method=method, timeout=60, **OPTIONS[name])(work)()
+"""
+
+# what each rank writes to fd 1, and to fd 2
+_OUT = ("print {r}", "os.write {r}", "echo {r}")
+_ERR = ("INFO rank {r}", "sh-stderr {r}", "UserWarning: warning {r}", 'File "{script}", line {line} in dump_{r}')
+
+
+def _sections(text: str) -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("=== "):
+            current = sections.setdefault(line[4:], [])
+        else:
+            current.append(line)
+    return sections
+
+
+def _expect(lines: list[str], template: str, rank: int, prefix: bool, script: Path, present: bool = True) -> None:
+    text = template.format(r=rank, script=script, line=7 + rank)
+    label = f"[rank {rank}] " if prefix else ""
+    found = [line for line in lines if text in line]
+    if not present:
+        assert not found, (text, lines)
+        return
+    assert len(found) == 1, (text, lines)  # whole, once
+    assert found[0].startswith(label) and (prefix or not found[0].startswith("[rank")), (text, found)
+
+
+def _check_launch(out: list[str], err: list[str], name: str, prefix: bool, console: bool, path: Path) -> None:
+    for rank in (0, 1):
+        shown = not console or rank == 0
+        for template in _OUT:
+            _expect(out, template, rank, prefix, path, shown)
+            _expect(err, template, rank, prefix, path, present=False)  # stdout stays stdout
+        for template in _ERR:
+            _expect(err, template, rank, prefix, path, shown)
+            _expect(out, template, rank, prefix, path, present=False)
+
+
+@pytest.mark.parametrize(
+    "launches",
+    [
+        ["fork:prefix", "fork:console", "fork:logs", "fork:all"],
+        pytest.param(["spawn:all", "forkserver:all"], marks=pytest.mark.slow),
+    ],
+)
+def test_everything_a_rank_writes_is_routed(tmp_path: Path, launches: list[str]) -> None:
+    script = write_script(tmp_path, SOURCES)
+    done = run_script(script, *launches)
+    assert done.returncode == 0, done.stderr
+    outs, errs = _sections(done.stdout), _sections(done.stderr)
+    for launch in launches:
+        method, name = launch.split(":")
+        prefix, console, logs = name in ("prefix", "all"), name in ("console", "all"), name in ("logs", "all")
+        _check_launch(outs[f"{method} {name}"], errs[f"{method} {name}"], name, prefix, console, script)
+        if logs:
+            for rank in (0, 1):
+                lines = (tmp_path / f"logs-{name}" / f"rank{rank}.log").read_text().splitlines()
+                for template in _OUT + _ERR:
+                    _expect(lines, template, rank, prefix, script)
+
+
+LOST = """
+    import ctypes, faulthandler, os, signal, sys, time
+    from mplaunch import parallel, worker_info
+
+    def work(how):
+        rank = worker_info().rank
+        print(f"line of {rank}")
+        sys.stdout.write(f"partial of {rank}")
+        sys.stdout.flush()
+        os.write(2, f"error text of {rank}\\n".encode())
+        if rank == 1:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "raise":
+                raise ValueError("on purpose")
+            if how == "exit":
+                os._exit(3)
+            if how == "segfault":  # faulthandler writes the crash's traceback to fd 2
+                faulthandler.enable()
+                ctypes.string_at(0)
+        time.sleep(60)  # stopped by the other rank's failure, or by the timeout
+
+    if __name__ == "__main__":
+        for how in sys.argv[1:]:
+            try:
+                parallel(nprocs=2, start_method="fork", timeout=2 if how == "timeout" else 60, grace_period=1,
+                         console_ranks=[1], log_dir=f"logs-{how}")(work)(how)
+            except Exception as error:
+                print(f"=== {how} raised {type(error).__name__}", flush=True)
+                print(f"=== {how}", file=sys.stderr, flush=True)
+"""
+
+
+def test_nothing_a_rank_wrote_is_lost_when_it_fails_or_is_stopped(tmp_path: Path) -> None:
+    hows = ["kill", "raise", "exit", "timeout", "segfault"]
+    done = run_script(write_script(tmp_path, LOST), *hows)
+    assert done.returncode == 0, done.stderr
+    # the rank's text is on the console before the call raised: it comes before the line printed after
+    out, err = done.stdout.split("=== "), done.stderr.split("=== ")
+    raised = ["WorkerExitedError", "ValueError", "WorkerExitedError", "LaunchTimeoutError", "WorkerExitedError"]
+    for index, (how, kind) in enumerate(zip(hows, raised, strict=True)):
+        assert out[index + 1].startswith(f"{how} raised {kind}"), done.stdout
+        assert out[index].rstrip().endswith("line of 1\npartial of 1"), (how, done.stdout)
+        assert "error text of 1" in err[index], (how, done.stderr)
+        assert "of 0" not in out[index] + err[index]
+        for rank in (0, 1):
+            log = (tmp_path / f"logs-{how}" / f"rank{rank}.log").read_text().splitlines()
+            fatal = "Fatal Python error: Segmentation fault"
+            if how == "segfault" and rank == 1:  # the crash's traceback, after what the rank wrote
+                log, crash = log[: log.index(fatal)], log[log.index(fatal) :]
+                assert any(line.endswith(", line 20 in work") for line in crash), crash
+                assert fatal in err[index]
+            assert sorted(log) == sorted([f"line of {rank}", f"partial of {rank}", f"error text of {rank}"]), how
+
+
+PROGRESS = """
+    import os, sys, time
+    from mplaunch import parallel, worker_info
+
+    @parallel(nprocs=2, start_method="fork", timeout=60, prefix_output=True)
+    def progress(go_on):
+        if worker_info().rank == 0:
+            for step in (1, 2):
+                sys.stdout.write(f"\\rstep {step}/2")
+                sys.stdout.flush()
+                while step == 1 and not os.path.exists(go_on):  # the test reads the first bar, then says go on
+                    time.sleep(0.02)
+            sys.stdout.write("\\n")
+        return 0
+
+    if __name__ == "__main__":
+        progress(sys.argv[1])
+        print("done")
+"""
+
+
+def test_a_progress_bar_arrives_before_its_line_ends(tmp_path: Path) -> None:
+    go_on = tmp_path / "go-on"
+    script = write_script(tmp_path, PROGRESS)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen([sys.executable, str(script), str(go_on)], stdout=subprocess.PIPE, env=env) as process:
+        assert process.stdout is not None
+        os.set_blocking(process.stdout.fileno(), False)
+        seen, deadline = b"", time.monotonic() + 60
+        while b"step 1/2" not in seen and time.monotonic() < deadline and process.poll() is None:
+            seen += process.stdout.read() or b""
+            time.sleep(0.02)
+        go_on.touch()
+        os.set_blocking(process.stdout.fileno(), True)
+        seen += process.stdout.read()
+        assert process.wait(60) == 0
+    assert seen == b"\r[rank 0] step 1/2\r[rank 0] step 2/2\ndone\n"
+
+
+FOLLOWS = """
+    import os, sys
+    from mplaunch import parallel
+
+    def hello(word):
+        print(word, flush=True)
+        os.write(2, word.encode() + b" on stderr\\n")
+
+    if __name__ == "__main__":
+        run = parallel(nprocs=1, start_method="forkserver", timeout=60)(hello)
+        run("first")  # starts the fork server with this process's fd 1 and 2
+        with open("redirected.txt", "w") as file:
+            os.dup2(file.fileno(), 1)
+            os.dup2(file.fileno(), 2)
+        run("second")
+"""
+
+
+def test_forkserver_workers_write_to_the_callers_current_descriptors(tmp_path: Path) -> None:
+    done = run_script(write_script(tmp_path, FOLLOWS))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "first\n" and done.stderr == "first on stderr\n"
+    assert sorted((tmp_path / "redirected.txt").read_text().splitlines()) == ["second", "second on stderr"]
+
+
+def _echo_everywhere() -> None:
+    print("print line")
+    os.write(1, b"os.write line\n")
+    subprocess.run(["echo", "echo line"], check=True)
+
+
+def test_workers_write_to_the_callers_sys_stdout_object() -> None:
+    """Like a Jupyter kernel, whose sys.stdout is no descriptor: the workers' fd 1 reaches that object."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        parallel(nprocs=2, start_method="fork", timeout=60)(_echo_everywhere)()
+    lines = buffer.getvalue().splitlines()
+    assert sorted(lines) == sorted(["print line", "os.write line", "echo line"] * 2)

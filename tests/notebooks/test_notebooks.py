@@ -300,8 +300,8 @@ print("RESULT", json.dumps({"isinstance": [isinstance(r, Summary) for r in resul
 
 @pytest.mark.timeout(150)
 def test_forked_worker_prints_reach_the_cell(tmp_path: Path) -> None:
-    """What forked workers print (through ipykernel's stream, inherited by fork) shows in the cell's output,
-    before the cell ends, for every rank."""
+    """What forked workers print shows in the cell's output, before the cell ends, for every rank (the kernel's
+    ``sys.stdout`` is no descriptor, so the workers' fd 1 and 2 go through the parent, see ``_pump``)."""
     nb = _notebook(
         IMPORTS,
         """\
@@ -324,6 +324,72 @@ print("RESULT", json.dumps(hello("hello")))
         assert f"hello from rank {rank} of 2" in out, _outputs(cell)
         assert f"stderr line from rank {rank}" in err, _outputs(cell)
     assert "rank" not in _text(nb.cells[2]), "worker output leaked into the next cell"
+
+
+CHATTY_CELL = """\
+import logging, signal, subprocess
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", force=True)
+
+def chatty(lines, die=False):
+    rank = worker_info().rank
+    for i in range(lines):
+        print(f"line {i} of rank {rank} " + "x" * 60)
+    logging.warning("log of rank %d", rank)  # fork: the kernel's handler; spawn: logging's last resort
+    os.write(1, f"os.write of rank {rank}\\n".encode())
+    subprocess.run(["echo", f"echo of rank {rank}"], check=True)
+    sys.stdout.write(f"\\rprogress of rank {rank}")
+    sys.stdout.flush()
+    if die and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdout.write("\\n")
+    return rank
+"""
+
+
+def _check_rank_lines(cell: NotebookNode, ranks: list[int], prefix: bool, lines: int = 200) -> None:
+    """Every line of ``ranks`` is in the cell, whole and once; no line of another rank is."""
+    out, err = _text(cell).split("\n"), _text(cell, "stderr").split("\n")
+    for rank in range(2):
+        label = f"[rank {rank}] " if prefix else ""
+        wanted = [f"line {i} of rank {rank} " + "x" * 60 for i in range(lines)]
+        wanted += [f"os.write of rank {rank}", f"echo of rank {rank}", f"\r{label}progress of rank {rank}"]
+        for line in wanted:
+            expected = line if line.startswith("\r") else label + line
+            assert out.count(expected) == (rank in ranks), (expected, _outputs(cell))
+        logged = [line for line in err if f"log of rank {rank}" in line]
+        assert len(logged) == (rank in ranks) and all(line.startswith(label) for line in logged), _outputs(cell)
+
+
+@pytest.mark.timeout(200)
+def test_cell_shows_each_ranks_lines_whole_and_once(tmp_path: Path) -> None:
+    """Under fork and spawn, with and without the output options: print, a logging handler made in the kernel
+    before the launch, C-level writes, a subprocess and a progress bar all reach the cell, each line whole and
+    once; ``console_ranks`` filters, ``log_dir`` gets every rank; a killed rank's last output is kept."""
+    nb = _notebook(
+        IMPORTS,
+        CHATTY_CELL,
+        'print("RESULT", json.dumps(parallel(nprocs=2, start_method="fork", timeout=60)(chatty)(200)))',
+        """\
+run = parallel(nprocs=2, start_method="spawn", timeout=60, prefix_output=True, console_ranks=[0], log_dir="logs")
+print("RESULT", json.dumps(run(chatty)(200)))
+""",
+        """\
+try:
+    parallel(nprocs=2, start_method="fork", timeout=60, prefix_output=True, grace_period=1)(chatty)(200, die=True)
+except mplaunch.WorkerExitedError as error:
+    print("RAISED", error.rank)
+""",
+    )
+    _run(nb, tmp_path)
+    assert _result_line(nb.cells[2], "RESULT") == 0
+    _check_rank_lines(nb.cells[2], [0, 1], prefix=False)
+    assert _result_line(nb.cells[3], "RESULT") == 0
+    _check_rank_lines(nb.cells[3], [0], prefix=True)
+    log = (tmp_path / "logs" / "rank1.log").read_text()
+    assert "[rank 1] line 199 of rank 1" in log and "[rank 1] echo of rank 1" in log, log
+    out = _text(nb.cells[4])
+    assert out.index("\r[rank 1] progress of rank 1") < out.index("RAISED 1"), _outputs(nb.cells[4])
+    _check_rank_lines(nb.cells[4], [0, 1], prefix=True)
 
 
 def _workers_of(pid: int) -> list[Any]:

@@ -1,0 +1,312 @@
+"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread.
+
+Each worker's fd 1 and fd 2 are the write ends of two pipes (see :mod:`mplaunch._output`). A thread of the
+parent reads them all and writes whole lines, with the ``[rank N] `` prefix, to the parent's ``sys.stdout``
+and ``sys.stderr`` (the objects current when the launch began, so a Jupyter cell shows them) for the ranks of
+``console_ranks``, and every rank's two streams to ``log_dir/rank{N}.log``.
+
+Lines are never mixed (see :mod:`mplaunch._lines`): another rank's text waits until an open line ends, at
+most :data:`HOLD` seconds, before that line is cut. A partial line (a ``\\r`` progress bar) is written as soon
+as it arrives when no other rank's line is open.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import contextvars
+import fcntl
+import os
+import selectors
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TextIO
+
+from mplaunch._errors import LaunchRefusedError
+from mplaunch._lines import Sink, consoles, flush
+from mplaunch._output import RANK_MARK, InheritedFd, RankFds
+
+if TYPE_CHECKING:
+    from mplaunch._protocol import WorkerSpec
+
+#: Seconds a rank's text waits for another rank's open line to end before that line is cut.
+HOLD = 0.1
+#: Seconds to wait, after the workers are reaped, for processes they left to close the pipes.
+DRAIN = 0.5
+_PIPE_SIZE = 1 << 20  # bytes of pipe buffer asked for, so a rank rarely waits on the reader
+_READ = 1 << 16
+_BATCH = 0.002  # seconds the reader lets text gather in the pipes before reading
+
+
+def should_route(prefix: bool, console_ranks: frozenset[int] | None, log_dir: str | None) -> bool:
+    """Whether the launch routes output through the parent: an option asks for it, or the parent's
+    ``sys.stdout``/``sys.stderr`` is not its fd 1/2 (e.g. a Jupyter kernel, ``redirect_stdout``, pytest)."""
+    if prefix or console_ranks is not None or log_dir is not None:
+        return True
+    return not (_is_fd(sys.stdout, 1) and _is_fd(sys.stderr, 2))
+
+
+def _is_fd(stream: Any, fd: int) -> bool:
+    try:
+        return bool(stream.fileno() == fd)
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+class _Source:
+    """One pipe: a rank's stdout or stderr."""
+
+    def __init__(self, fd: int, rank: int | None, local_rank: int, err: bool) -> None:
+        self.fd, self.rank, self.local_rank, self.err = fd, rank, local_rank, err
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.carry = b""  # an incomplete rank mark
+        self.pending = ""  # decoded text the console has not taken yet
+        self.since = 0.0  # when the oldest pending text arrived
+
+
+class Pump:
+    """Pipes for the ranks of one node and the thread that drains them (see the module docstring).
+
+    Args:
+        ranks: the global rank of each local rank, or ``None`` where it is not known before the worker
+            announces it (multi-node launches).
+        prefix: put ``[rank N] `` before each line.
+        console_ranks: the ranks whose output reaches the console; ``None``: all.
+        log_dir: directory for ``rank{N}.log`` files, or ``None``.
+    """
+
+    def __init__(
+        self, ranks: list[int | None], prefix: bool, console_ranks: frozenset[int] | None, log_dir: str | None
+    ) -> None:
+        self.prefix, self.console_ranks, self.log_dir = prefix, console_ranks, log_dir
+        self.consoles = consoles()
+        self.logs: dict[int, tuple[TextIO, Sink]] = {}
+        self.sources: list[_Source] = []
+        self.writers: list[int] = []
+        self.fds: list[RankFds] = []
+        self._finishing = False
+        self._thread: threading.Thread | None = None
+        self._open_logs([rank for rank in ranks if rank is not None])
+        self._wake_r, self._wake_w = os.pipe()
+        for local_rank, rank in enumerate(ranks):
+            ends = []
+            for err in (False, True):
+                read, write = os.pipe()
+                with contextlib.suppress(OSError):
+                    fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+                os.set_blocking(read, False)
+                self.sources.append(_Source(read, rank, local_rank, err))
+                self.writers.append(write)
+                ends.append(InheritedFd(write))
+            self.fds.append(RankFds(ends[0], ends[1], routed=True, announce=rank is None))
+
+    def _open_logs(self, ranks: list[int]) -> None:
+        """Create ``log_dir`` and the known ranks' files, before any worker starts."""
+        if self.log_dir is None:
+            return
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            for rank in ranks:
+                self._log(rank, check=True)
+        except OSError as error:
+            for file, _ in self.logs.values():
+                file.close()
+            raise LaunchRefusedError(
+                f"cannot write the per-rank log files in log_dir={self.log_dir!r}: {error}. "
+                "Pass a directory this process can create and write to."
+            ) from error
+
+    def start(self, keep_writers: bool = False) -> None:
+        """Start draining, once the workers have started; close the parent's write ends unless
+        ``keep_writers`` (a multi-node agent restarts workers on the same pipes)."""
+        if not keep_writers:
+            self._close_writers()
+        context = contextvars.copy_context()  # ipykernel finds the cell of a thread's output there
+        self._thread = threading.Thread(target=context.run, args=(self._loop,), name="mplaunch-output", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Once the workers are reaped: drain the pipes (to their end, or :data:`DRAIN` seconds for processes
+        the workers left behind), write what is pending, end open lines, and close everything."""
+        self._close_writers()
+        self._finishing = True
+        os.write(self._wake_w, b"x")
+        try:
+            if self._thread is not None:
+                self._thread.join()
+            else:
+                self._finish(self.sources)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        for fd in (self._wake_r, self._wake_w, *(s.fd for s in self.sources)):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for file, _ in self.logs.values():
+            with contextlib.suppress(OSError):
+                file.close()
+
+    def _close_writers(self) -> None:
+        for fd in self.writers:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.writers = []
+
+    def _loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        open_sources = {s.fd: s for s in self.sources}
+        for source in self.sources:
+            selector.register(source.fd, selectors.EVENT_READ, source)
+        deadline = None
+        while open_sources:
+            if self._finishing and deadline is None:
+                deadline = time.monotonic() + DRAIN
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            timeouts = [s.since + HOLD - now for s in self.sources if s.pending]
+            if deadline is not None:
+                timeouts.append(deadline - now)
+            ready = selector.select(max(0.0, min(timeouts)) if timeouts else None)
+            if ready and not self._finishing:
+                time.sleep(_BATCH)  # let writers add more: fewer, larger reads (a rank printing fast waits less)
+            for key, _ in ready:
+                if key.data is None:
+                    os.read(self._wake_r, 64)
+                elif not self._read(key.data, _PIPE_SIZE):
+                    selector.unregister(key.fd)
+                    del open_sources[key.fd]
+            self._to_consoles(final=False)
+        selector.close()
+        self._finish(list(open_sources.values()))
+
+    def _finish(self, still_open: list[_Source]) -> None:
+        """Take what is in the pipes still held open by a leftover process, then write everything out."""
+        for source in still_open:
+            self._read(source, _PIPE_SIZE)
+        for source in self.sources:
+            self._take(source, source.decoder.decode(source.carry, final=True))
+            source.carry = b""
+        self._to_consoles(final=True)
+        for sink in self.consoles:
+            sink.end()
+            flush(sink.stream)
+        for file, sink in self.logs.values():
+            sink.end()
+            flush(file)
+
+    def _read(self, source: _Source, limit: int) -> bool:
+        """Read what the pipe holds now, up to about ``limit`` bytes; False at its end."""
+        total = 0
+        while total < limit:
+            try:
+                data = os.read(source.fd, _READ)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            total += len(data)
+            self._bytes(source, data)
+        return True
+
+    def _bytes(self, source: _Source, data: bytes) -> None:
+        """Decode ``data``; a rank mark (multi-node workers) sets the rank of what follows."""
+        data = source.carry + data
+        while (start := data.find(RANK_MARK)) >= 0:
+            end = data.find(b"\x00", start + len(RANK_MARK))
+            if end < 0:
+                break
+            self._take(source, source.decoder.decode(data[:start]))
+            self._write(source)  # what came before belongs to the old rank
+            source.rank = int(data[start + len(RANK_MARK) : end])
+            self._log(source.rank)
+            data = data[end + 1 :]
+        if start < 0:
+            cut = data.rfind(b"\x00")
+            start = cut if cut >= 0 and RANK_MARK.startswith(data[cut:]) else len(data)
+        data, source.carry = data[:start], data[start:]
+        self._take(source, source.decoder.decode(data))
+
+    def _label(self, source: _Source) -> tuple[int, str]:
+        rank = source.rank if source.rank is not None else source.local_rank
+        return rank, f"[rank {rank}] " if self.prefix else ""
+
+    def _take(self, source: _Source, text: str) -> None:
+        if not text:
+            return
+        rank, label = self._label(source)
+        log = self.logs.get(rank) if source.rank is not None else None
+        if log is not None:
+            log[1].write(source.err, label, text)
+        if self.console_ranks is None or rank in self.console_ranks:
+            if not source.pending:
+                source.since = time.monotonic()
+            source.pending += text
+
+    def _to_consoles(self, final: bool) -> None:
+        """Write pending text to the consoles, never into another rank's open line (module docstring)."""
+        now = time.monotonic()
+        for source in sorted((s for s in self.sources if s.pending), key=lambda s: s.since):
+            if final or self.consoles[source.err].open_key in (None, source.fd) or now - source.since >= HOLD:
+                self._write(source)
+        for sink in self.consoles:
+            flush(sink.stream)
+        for file, _ in self.logs.values():
+            flush(file)
+
+    def _write(self, source: _Source) -> None:
+        self.consoles[source.err].write(source.fd, self._label(source)[1], source.pending)
+        source.pending = ""
+
+    def _log(self, rank: int, check: bool = False) -> None:
+        """Open ``rank{rank}.log`` once per launch; a failure is raised with ``check``, else warned about."""
+        if self.log_dir is None or rank in self.logs:
+            return
+        path = os.path.join(self.log_dir, f"rank{rank}.log")
+        try:
+            file = open(path, "w", encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
+        except OSError as error:
+            if check:
+                raise
+            warnings.warn(f"mplaunch: cannot write {path}: {error}", RuntimeWarning, stacklevel=1)
+            return
+        self.logs[rank] = (file, Sink(file))
+
+
+def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:
+    """The caller's current fd 1 and 2 for every rank (forkserver workers would keep the server's); ``None``
+    when the caller has closed one of them."""
+    try:
+        os.fstat(1), os.fstat(2)
+    except OSError:
+        return None
+    return (RankFds(InheritedFd(1), InheritedFd(2), routed=False),) * nprocs
+
+
+@contextlib.contextmanager
+def routed(ranks: list[int | None], spec: WorkerSpec) -> Iterator[Pump | None]:
+    """A :class:`Pump` for the launch when its output is routed (see :func:`should_route`), else ``None``;
+    closed (drained) on exit."""
+    if not should_route(spec.prefix_output, spec.console_ranks, spec.log_dir):
+        yield None
+        return
+    pump = Pump(ranks, spec.prefix_output, spec.console_ranks, spec.log_dir)
+    try:
+        yield pump
+    finally:
+        pump.close()
+
+
+def worker_fds(pump: Pump | None, start_method: str, nprocs: int) -> tuple[RankFds, ...] | None:
+    """The descriptor table the workers take: the pump's pipes, the caller's own fd 1 and 2 under
+    forkserver, else nothing (fork and spawn workers inherit the caller's fd 1 and 2)."""
+    if pump is not None:
+        return tuple(pump.fds)
+    return own_fds(nprocs) if start_method == "forkserver" else None
