@@ -24,14 +24,16 @@ import torch.multiprocessing as mp
 
 from mplaunch import _checks, _transport
 from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs, usable_cpu_count
+from mplaunch._control import LaunchControl
 from mplaunch._env import DEFAULT_MASTER_ADDR, OWN_PORT_VARIABLE, NodeSetup, node_setup, outer_launcher
 from mplaunch._errors import (
     InvalidOptionError,
     LaunchRefusedError,
 )
+from mplaunch._restarts import run_attempts
 from mplaunch._state import GlobalState
 from mplaunch._supervisor import Supervisor
-from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, _prctl, run
+from mplaunch._worker import PAYLOAD, Payload, WorkerSpec, _prctl, outcome_name, run
 
 _DIR_PREFIX = "mplaunch-"
 _BASELINE_NATIVE_THREADS = min(_checks.native_thread_count(), 1)
@@ -231,8 +233,16 @@ def _function_reference(function: Any, by_value: bool) -> Any:
     return function if holder is function else wrapped
 
 
-def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
-    """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s)."""
+def launch(
+    function: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: LaunchConfig,
+    frame: Any,
+    control: LaunchControl | None = None,
+) -> Any:
+    """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s);
+    ``control`` (a submitted launch's) can stop it."""
     _checks.check_not_bootstrapping()
     try:
         outer = outer_launcher()
@@ -241,7 +251,21 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
     if outer is not None:
         return _run_in_process(function, args, kwargs, config)
     with _parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
-        return _launch(function, args, kwargs, config, frame)
+        return _launch(function, args, kwargs, config, frame, control or LaunchControl())
+
+
+def check_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> bool:
+    """Run, in the caller's thread, the checks of a call that depend on where it was made (the main guard
+    looks at the caller's current line); return whether the call will start workers (else it runs in-process)."""
+    _checks.check_not_bootstrapping()
+    try:
+        if outer_launcher() is not None:
+            return False
+    except ValueError as error:
+        raise InvalidOptionError(str(error)) from None
+    _check_arguments(function, args, kwargs)
+    _checks.check_main_guard(config.start_method or _checks.default_start_method(), frame)
+    return True
 
 
 def _check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -258,7 +282,14 @@ def _check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         raise TypeError(f"{name}(): {error} (checked before launching any worker)") from None
 
 
-def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
+def _launch(
+    function: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: LaunchConfig,
+    frame: Any,
+    control: LaunchControl,
+) -> Any:
     _check_arguments(function, args, kwargs)
     nprocs = resolve_nprocs(config.nprocs)
     nodes = _nodes(config)
@@ -274,7 +305,8 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
             f"console_ranks={sorted(config.console_ranks)} names no rank of this launch (ranks 0 to "
             f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
         )
-    payload = Payload(_function_reference(function, by_value), args, kwargs, GlobalState.capture())
+    state = control.state if control.state is not None else GlobalState.capture()
+    payload = Payload(_function_reference(function, by_value), args, kwargs, state)
     if start_method == "fork":
         import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker
 
@@ -306,11 +338,37 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
 
             results = launch_nodes(spec, nodes, config)
         else:
-            with _rendezvous() as (addr, port, agent_store):
-                spec = dataclasses.replace(spec, master_addr=addr, master_port=port, agent_store=agent_store)
-                in_memory = payload if start_method == "fork" else None
-                results = _run_workers(spec, in_memory, config, getattr(function, "__module__", None))
+            in_memory = payload if start_method == "fork" else None
+            module = getattr(function, "__module__", None)
+            results = run_attempts(
+                lambda restart: _attempt(spec, in_memory, config, module, control, restart),
+                config.max_restarts,
+                control,
+            )
     return results if config.return_all else results[0]
+
+
+def _attempt(
+    spec: WorkerSpec,
+    payload: Payload | None,
+    config: LaunchConfig,
+    module: str | None,
+    control: LaunchControl,
+    restart: int,
+) -> list[Any]:
+    """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt."""
+    for rank in range(spec.nprocs):
+        _transport.remove(spec.directory, outcome_name(rank))
+    with _rendezvous() as (addr, port, agent_store):
+        spec = dataclasses.replace(
+            spec,
+            master_addr=addr,
+            master_port=port,
+            agent_store=agent_store,
+            restart_count=restart,
+            max_restarts=config.max_restarts,
+        )
+        return _run_workers(spec, payload, config, module, control)
 
 
 def _space_hint(directory: str) -> str:
@@ -380,11 +438,15 @@ def _preload(function_module: str | None) -> list[str]:
 
 
 def _run_workers(
-    spec: WorkerSpec, payload: Payload | None, config: LaunchConfig, payload_module: str | None = None
+    spec: WorkerSpec,
+    payload: Payload | None,
+    config: LaunchConfig,
+    payload_module: str | None = None,
+    control: LaunchControl | None = None,
 ) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
-    supervisor = Supervisor(spec, processes, config)
+    supervisor = Supervisor(spec, processes, config, control)
     try:
         with _main_without_file():
             if spec.start_method == "forkserver":

@@ -13,6 +13,7 @@ from typing import Any
 
 from mplaunch import _transport
 from mplaunch._config import LaunchConfig
+from mplaunch._control import LaunchControl, LaunchStopped
 from mplaunch._errors import (
     LaunchTimeoutError,
     RemoteError,
@@ -26,22 +27,27 @@ from mplaunch._worker import WorkerSpec, outcome_name
 class Supervisor:
     """Waits for the workers of one launch, reads their outcomes, and stops them all."""
 
-    def __init__(self, spec: WorkerSpec, processes: list[BaseProcess], config: LaunchConfig) -> None:
+    def __init__(
+        self, spec: WorkerSpec, processes: list[BaseProcess], config: LaunchConfig, control: LaunchControl | None = None
+    ) -> None:
         self.spec = spec
         self.processes = processes
         self.config = config
+        self.control = control or LaunchControl()
         self.values: dict[int, Any] = {}
         self.stopped: set[int] = set()
         self.collected: set[int] = set()
 
     def wait(self) -> list[Any]:
-        deadline = None if self.config.timeout is None else time.monotonic() + self.config.timeout
+        self.control.start_clock(self.config.timeout)  # one deadline for every attempt of the launch
+        stop = self.control.fileno()
         pending: dict[Any, int] = {process.sentinel: rank for rank, process in enumerate(self.processes)}
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait(list(pending), timeout=remaining)
+            ready = wait([*pending, *([] if stop is None else [stop])], timeout=self.control.remaining())
             if not ready:
                 self._raise_timeout(sorted(pending.values()))
+            if stop in ready:
+                raise LaunchStopped()  # the caller's clean-up stops the workers
             for sentinel in ready:
                 rank = pending.pop(sentinel)
                 failure = self._collect(rank)
@@ -101,6 +107,7 @@ class Supervisor:
                 continue
             others.append(other_failure)
         _set_attribute(failure, "failures", tuple(others))
+        self.control.failure = failure
         raise failure from failure.__cause__
 
     def _raise_timeout(self, running: list[int]) -> None:

@@ -47,6 +47,8 @@ class WorkerSpec:
     prefix_output: bool = False
     console_ranks: frozenset[int] | None = None
     log_dir: str | None = None
+    restart_count: int = 0
+    max_restarts: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -265,7 +267,15 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
         os.environ.update(spec.environ)
     apply_environment(
         os.environ,
-        rank_environment(rank, spec.nprocs, spec.master_addr, spec.master_port, agent_store=spec.agent_store),
+        rank_environment(
+            rank,
+            spec.nprocs,
+            spec.master_addr,
+            spec.master_port,
+            agent_store=spec.agent_store,
+            restart_count=spec.restart_count,
+            max_restarts=spec.max_restarts,
+        ),
     )
     outcome = {"ok": False}
     try:
