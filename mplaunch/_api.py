@@ -32,7 +32,8 @@ class ParallelFunction(Generic[P, T]):
     Made by :func:`parallel`; it has the wrapped function's signature, ``__name__``, ``__qualname__``,
     ``__module__`` and ``__doc__``. ``__wrapped__`` is the plain function, callable in-process for
     debugging. It pickles by reference (module and qualified name), so workers started with ``spawn`` or
-    ``forkserver`` find it by importing its module, without launching again.
+    ``forkserver`` find it by importing its module, without launching again. :meth:`submit` launches in the
+    background and returns a future; :meth:`options` returns a copy with some options replaced.
 
     Attributes:
         config: the validated launch options (:class:`~mplaunch.LaunchConfig`).
@@ -62,7 +63,8 @@ class ParallelFunction(Generic[P, T]):
 
         Raises:
             BaseException: the exception a worker raised, as its own type, with ``rank`` and ``pid``
-                attributes and the worker's traceback as ``__cause__``; ``failures`` holds other ranks' failures.
+                attributes and the worker's traceback as ``__cause__``; ``failures`` holds other ranks' failures
+                and ``earlier_attempts`` those of earlier attempts (``max_restarts``), oldest first.
             LaunchRefusedError: a check before launching failed (main guard, CUDA before fork, an argument
                 that cannot be pickled under spawn/forkserver); no worker was started.
             WorkerExitedError: a worker was killed, exited non-zero, or exited without returning.
@@ -275,7 +277,11 @@ def parallel(
             rendezvous orders the nodes itself.
         rdzv_endpoint: ``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
             (``MPLAUNCH_RDZV_ENDPOINT``; default port 29400).
-        max_restarts: times elastic may restart all workers after a failure (multi-node only).
+        max_restarts: times all workers are stopped and started again after a worker failure (torchrun's
+            ``--max-restarts``): each restart is announced with a :class:`~mplaunch.RestartWarning`, workers
+            read the count from ``worker_info().restart_count`` (``TORCHELASTIC_RESTART_COUNT``) to resume from
+            a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries
+            the earlier ones in ``earlier_attempts``. Multi-node: passed on to elastic.
         rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``.
 
     Returns:

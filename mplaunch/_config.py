@@ -101,7 +101,8 @@ def make_config(
         raise InvalidOptionError(f"log_dir={log_dir!r} is not valid: pass a directory path, or None.")
     for name, value, low in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0), ("max_restarts", max_restarts, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number >= {low}.")
+            what = " of restarts after a worker failure (0: none)" if name == "max_restarts" else ""
+            raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number{what} >= {low}.")
     if rdzv_endpoint is not None and (not isinstance(rdzv_endpoint, str) or not rdzv_endpoint):
         raise InvalidOptionError(f"rdzv_endpoint={rdzv_endpoint!r} is not valid: pass 'host:port', e.g. 'node0:29400'.")
     if not _is_positive_seconds(rdzv_timeout):
@@ -184,8 +185,8 @@ def usable_cpu_count() -> int:
 
 def resolve_nprocs(nprocs: int | str) -> int:
     """Turn ``nprocs`` into a number: ``"auto"`` is the number of visible CUDA devices when CUDA is
-    available, otherwise the number of usable CPU cores (affinity mask and cgroup quota). Probing CUDA this way does not
-    initialise it."""
+    available, otherwise the number of usable CPU cores (affinity mask and cgroup quota). Probing CUDA this
+    way does not initialise it."""
     if isinstance(nprocs, int):
         return nprocs
     import torch
