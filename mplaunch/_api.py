@@ -267,7 +267,7 @@ def parallel(
         console_ranks: ranks whose output reaches the console, e.g. ``[0]``; ``None`` (default): all. The
             other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
         log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,
-            overwritten at each call.
+            overwritten at each call (a restart appends to it, after a ``--- restart N ---`` line).
         nnodes: number of nodes (machines) taking part, each running this call with ``nprocs`` workers;
             ``None`` (default) reads ``MPLAUNCH_NNODES`` (or SLURM's, in an ``srun`` step with one task per
             node), else 1. With more than one, the call launches through

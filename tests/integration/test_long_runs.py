@@ -294,3 +294,55 @@ def test_options_replace_some_options_and_leave_the_function_unchanged() -> None
     with pytest.raises(TypeError, match="return_all"):
         original.options(return_all=True)  # type: ignore[call-arg]
     assert original.config is config
+
+
+def print_and_fail_once() -> int:
+    info = worker_info()
+    print(f"attempt {info.restart_count} of rank {info.rank}")
+    if info.restart_count == 0:
+        raise ValueError("first attempt failed")
+    return info.restart_count
+
+
+def test_a_restart_appends_to_the_logs_of_the_failed_attempt(tmp_path: Path) -> None:
+    run = parallel(nprocs=1, start_method="fork", max_restarts=1, log_dir=tmp_path, timeout=TIMEOUT)
+    with pytest.warns(RestartWarning):
+        assert run(print_and_fail_once)() == 1
+    log = (tmp_path / "rank0.log").read_text()
+    assert log.index("attempt 0 of rank 0") < log.index("--- restart 1") < log.index("attempt 1 of rank 0")
+
+
+@pytest.mark.slow
+def test_restart_under_spawn_reuses_the_payload(tmp_path: Path) -> None:
+    tensor = torch.arange(100_000, dtype=torch.float64)  # in a file of its own: read again by the restart
+    run = parallel(nprocs=1, start_method="spawn", max_restarts=1, timeout=TIMEOUT)(sum_after_one_failure)
+    with pytest.warns(RestartWarning, match="first attempt failed"):
+        assert run(tensor) == (1, tensor.sum().item())
+
+
+def sum_after_one_failure(tensor: torch.Tensor) -> tuple[int, float]:
+    count = worker_info().restart_count
+    tensor.add_(1)  # private to this attempt: the next one starts from the caller's values
+    if count == 0:
+        raise ValueError("first attempt failed")
+    return count, tensor.sub_(1).sum().item()
+
+
+def test_submit_checks_the_main_guard_at_the_line_that_submits(tmp_path: Path) -> None:
+    """The check runs in submit(), while the caller still stands on that line; the refusal is the future's."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        f"""\
+import sys
+sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+from mplaunch import parallel
+
+def compute():
+    return 1
+
+future = parallel(nprocs=1, start_method="spawn")(compute).submit()
+print(type(future.exception(timeout=30)).__name__, "line 8" in str(future.exception()))
+"""
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["LaunchRefusedError", "True"], done.stdout + done.stderr
