@@ -81,9 +81,10 @@ def rank_output(rank: int, prefix: bool, console_ranks: frozenset[int] | None, l
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        mode = "w" if restart in ("", "0") else "a"  # a restart keeps the failed attempt's output
-        log = open(os.path.join(log_dir, f"rank{rank}.log"), mode, buffering=1, encoding="utf-8")  # noqa: SIM115
-        if mode == "a":
+        append = restart not in ("", "0")  # a restart keeps the failed attempt's output
+        path = os.path.join(log_dir, f"rank{rank}.log")
+        log = open(path, "a" if append else "w", buffering=1, encoding="utf-8")  # noqa: SIM115
+        if append:
             log.write(f"--- restart {restart} (TORCHELASTIC_RESTART_COUNT={restart}) ---\n")
     saved = sys.stdout, sys.stderr
     streams = [RankStream(original if to_console else None, log, label) for original in saved]
