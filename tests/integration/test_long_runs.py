@@ -159,7 +159,7 @@ def test_timeout_bounds_all_attempts_together() -> None:
     run = parallel(nprocs=1, start_method="fork", max_restarts=5, timeout=3.0, grace_period=1)(fail_then_hang)
     with pytest.warns(RestartWarning), pytest.raises(LaunchTimeoutError) as caught:
         run(2.0)  # fails at 2 s; a timeout per attempt would end at 5 s, the launch's ends at 3 s
-    assert time.monotonic() - start < 4.5
+    assert time.monotonic() - start < 4.7  # a timeout per attempt would end after 5 s
     assert [str(e) for e in caught.value.earlier_attempts] == ["first attempt failed"]  # type: ignore[attr-defined]
 
 
