@@ -19,6 +19,7 @@ from mplaunch import _future, _launcher
 from mplaunch._config import LaunchConfig, make_config
 from mplaunch._control import LaunchControl
 from mplaunch._errors import InvalidOptionError
+from mplaunch._state import GlobalState
 
 P = ParamSpec("P")
 _Unset = EllipsisType  # an option left out of options() keeps its value
@@ -77,11 +78,12 @@ class ParallelFunction(Generic[P, T]):
     def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.
 
-        The future's ``result()`` returns, and ``exception()`` returns, exactly what calling the function with
-        these arguments would return or raise, checks before launching included (those that depend on the
-        call, such as wrong arguments or a missing main guard, run here, in the calling thread, and a
-        refusal comes back in the future, as ``ProcessPoolExecutor.submit`` does). The parent's global state
-        (RNG states...) is captured here, so what runs after ``submit()`` does not change what workers see.
+        The future's ``result()`` returns or raises exactly what calling the function with these arguments
+        would return or raise (``exception()`` returns that exception), checks before launching included:
+        those that depend on the call (wrong arguments, a missing main guard) run here, in the calling thread,
+        and a refusal comes back in the future, as ``ProcessPoolExecutor.submit`` does. The parent's global
+        state (RNG states...) is captured here, so what runs after ``submit()`` does not change it for the
+        workers.
         Several launches may run at once; ``asyncio.wrap_future(fn.submit(...))`` makes it awaitable.
 
         Stopping: ``future.cancel()`` stops a running launch's workers (SIGTERM, then SIGKILL after
@@ -110,8 +112,6 @@ class ParallelFunction(Generic[P, T]):
         finally:
             del frame
         if not control.in_process:
-            from mplaunch._state import GlobalState
-
             try:
                 control.state = GlobalState.capture()
             except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future

@@ -346,3 +346,30 @@ print(type(future.exception(timeout=30)).__name__, "line 8" in str(future.except
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["LaunchRefusedError", "True"], done.stdout + done.stderr
+
+
+def draw() -> torch.Tensor:
+    return torch.rand(3)
+
+
+def test_submit_captures_the_random_state_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch import _checks
+
+    started = threading.Event()
+    check = _checks.check_not_bootstrapping
+
+    def late_in_the_launch_thread() -> None:  # the launch thread starts only after the caller reseeded
+        if threading.current_thread() is not threading.main_thread():
+            started.wait(10)
+        check()
+
+    monkeypatch.setattr(_checks, "check_not_bootstrapping", late_in_the_launch_thread)
+    run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(draw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        expected = torch.rand(3)
+        torch.manual_seed(0)
+        future = run.submit()
+        torch.manual_seed(1)  # after submit(): not what the workers start from
+        started.set()
+        assert torch.equal(future.result(timeout=TIMEOUT), expected)
