@@ -98,10 +98,11 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def _wait_for(path: Path, timeout: float = 60) -> None:
+def _wait_for_workers(directory: Path, timeout: float = 60) -> None:
+    """Wait until both ranks of ``record_and_sleep`` have written their pid."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout} s"
+    while not all((directory / f"pid-{rank}").exists() for rank in range(2)):
+        assert time.monotonic() < deadline, f"the workers did not start within {timeout} s"
         time.sleep(0.05)
 
 
@@ -207,8 +208,7 @@ def test_submit_returns_at_once_with_the_call_result_or_its_exception(tmp_path: 
 def test_cancel_stops_a_running_launch_and_leaves_nothing_behind(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=5)(record_and_sleep)
     future = run.submit(str(tmp_path), 300)
-    _wait_for(tmp_path / "pid-1")
-    _wait_for(tmp_path / "pid-0")
+    _wait_for_workers(tmp_path)
     assert future.running() and not future.done()
     start = time.monotonic()
     assert future.cancel()
@@ -272,7 +272,7 @@ def test_interrupted_notebook_cell_stops_running_launches(tmp_path: Path) -> Non
     from mplaunch import _future
 
     future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
-    _wait_for(tmp_path / "pid-1")
+    _wait_for_workers(tmp_path)
     _future._after_cell(SimpleNamespace(error_in_exec=None))  # a cell that ended normally changes nothing
     assert future.running()
     _future._after_cell(SimpleNamespace(error_in_exec=KeyboardInterrupt()))
@@ -373,3 +373,16 @@ def test_submit_captures_the_random_state_when_called(monkeypatch: pytest.Monkey
         torch.manual_seed(1)  # after submit(): not what the workers start from
         started.set()
         assert torch.equal(future.result(timeout=TIMEOUT), expected)
+
+
+def test_ctrl_c_while_waiting_for_a_submitted_launch_stops_it(tmp_path: Path) -> None:
+    future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
+    _wait_for_workers(tmp_path)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            future.result(timeout=TIMEOUT)
+    finally:
+        timer.cancel()
+    assert future.cancelled() and all(_gone(pid) for pid in _pids(tmp_path))
