@@ -20,6 +20,7 @@ from mplaunch._errors import (
     WorkerExitedError,
     WorkerFailedError,
 )
+from mplaunch._restarts import RestartWarning
 from mplaunch._sharing import to_cpu, unshare
 from mplaunch._state import GlobalState, register_state, unregister_state
 
@@ -33,6 +34,7 @@ __all__ = [
     "ParallelFunction",
     "RemoteError",
     "RemoteTraceback",
+    "RestartWarning",
     "WorkerExitedError",
     "WorkerFailedError",
     "WorkerInfo",

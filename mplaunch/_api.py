@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
 import sys
 import types
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import ParamSpec
 
-from mplaunch import _launcher
+from mplaunch import _future, _launcher
 from mplaunch._config import LaunchConfig, make_config
+from mplaunch._control import LaunchControl
 from mplaunch._errors import InvalidOptionError
+from mplaunch._state import GlobalState
 
 P = ParamSpec("P")
+_Unset = EllipsisType  # an option left out of options() keeps its value
 R = TypeVar("R")
 T = TypeVar("T")
 
@@ -28,7 +34,8 @@ class ParallelFunction(Generic[P, T]):
     ``__module__`` and ``__doc__``. ``__wrapped__`` is the plain function; :meth:`debug` runs it here as
     rank 0 of a world of 1 with a worker's setup (environment, process group), for debuggers. It pickles by
     reference (module and qualified name), so workers started with ``spawn`` or ``forkserver`` find it by
-    importing its module, without launching again.
+    importing its module, without launching again. :meth:`submit` launches in the background and returns a
+    future; :meth:`options` returns a copy with some options replaced.
 
     Attributes:
         config: the validated launch options (:class:`~mplaunch.LaunchConfig`).
@@ -59,7 +66,8 @@ class ParallelFunction(Generic[P, T]):
 
         Raises:
             BaseException: the exception a worker raised, as its own type, with ``rank`` and ``pid``
-                attributes and the worker's traceback as ``__cause__``; ``failures`` holds other ranks' failures.
+                attributes and the worker's traceback as ``__cause__``; ``failures`` holds other ranks' failures
+                and ``earlier_attempts`` those of earlier attempts (``max_restarts``), oldest first.
             LaunchRefusedError: a check before launching failed (main guard, CUDA before fork, an argument
                 that cannot be pickled under spawn/forkserver); no worker was started.
             WorkerExitedError: a worker was killed, exited non-zero, or exited without returning.
@@ -86,6 +94,88 @@ class ParallelFunction(Generic[P, T]):
             TypeError: the arguments do not fit the function's signature.
         """
         return _launcher.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
+
+    def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.
+
+        The future's ``result()`` returns or raises exactly what calling the function with these arguments
+        would return or raise (``exception()`` returns that exception), checks before launching included:
+        those that depend on the call (wrong arguments, a missing main guard) run here, in the calling thread,
+        and a refusal comes back in the future, as ``ProcessPoolExecutor.submit`` does. The parent's global
+        state (RNG states...) is captured here, so what runs after ``submit()`` does not change it for the
+        workers.
+        Several launches may run at once; ``asyncio.wrap_future(fn.submit(...))`` makes it awaitable.
+
+        Stopping: ``future.cancel()`` stops a running launch's workers (SIGTERM, then SIGKILL after
+        ``grace_period``), waits until none is left, and returns ``True`` (``result()`` then raises
+        ``CancelledError``). Ctrl-C while waiting in ``result()`` or ``exception()``, interrupting an
+        IPython/Jupyter cell, and the interpreter's exit stop running launches too.
+
+        Returns:
+            A future of rank 0's return value (with ``return_all=True``, of the list of every rank's value).
+
+        Raises:
+            RuntimeError: the interpreter is shutting down, so no thread can start.
+
+        Example:
+            >>> future = train.submit(0.1)  # doctest: +SKIP
+            >>> future.done(), future.cancel()  # doctest: +SKIP
+            (False, True)
+        """
+        frame = sys._getframe(1)
+        control = LaunchControl(stoppable=True)
+        try:
+            control.in_process = not _launcher.check_call(self, args, kwargs, self.config, frame)
+        except Exception as error:  # noqa: BLE001 - a refusal is the future's outcome, as calling would raise it
+            control.close()
+            return _future.failed(error)
+        finally:
+            del frame
+        if not control.in_process:
+            try:
+                control.state = GlobalState.capture()
+            except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
+                control.state = None
+
+        def run(control: LaunchControl) -> T:
+            return _launcher.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
+
+        return _future.submit(run, control, getattr(self, "__qualname__", "launch"))
+
+    def options(
+        self,
+        *,
+        nprocs: int | Literal["auto"] | _Unset = ...,
+        start_method: str | None | _Unset = ...,
+        timeout: float | None | _Unset = ...,
+        grace_period: float | _Unset = ...,
+        backend: str | None | _Unset = ...,
+        prefix_output: bool | _Unset = ...,
+        console_ranks: Iterable[int] | None | _Unset = ...,
+        log_dir: str | os.PathLike[str] | None | _Unset = ...,
+        nnodes: int | None | _Unset = ...,
+        node_rank: int | None | _Unset = ...,
+        rdzv_endpoint: str | None | _Unset = ...,
+        max_restarts: int | _Unset = ...,
+        rdzv_timeout: float | _Unset = ...,
+    ) -> ParallelFunction[P, T]:
+        """Return this function with some options replaced; this one is left unchanged (as Ray's
+        ``.options()`` and tenacity's ``retry_with``).
+
+        Takes the keyword options of :func:`parallel` (except ``return_all``, which would change the return
+        type: decorate again for that); options not given keep their values. E.g.
+        ``train.options(nprocs=1, timeout=60)(0.1)`` or ``train.options(max_restarts=3).submit(0.1)``.
+
+        Returns:
+            A new :class:`ParallelFunction` of the same function with the merged options.
+
+        Raises:
+            InvalidOptionError: an option is invalid; the same checks and messages as :func:`parallel`.
+            TypeError: an unknown option name.
+        """
+        given = {name: value for name, value in locals().items() if name != "self" and value is not ...}
+        current = {field.name: getattr(self.config, field.name) for field in dataclasses.fields(self.config)}
+        return ParallelFunction(self.__wrapped__, make_config(**{**current, **given}))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
         module = sys.modules.get(getattr(self, "__module__", ""))
@@ -198,7 +288,7 @@ def parallel(
         console_ranks: ranks whose output reaches the console, e.g. ``[0]``; ``None`` (default): all. The
             other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
         log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,
-            overwritten at each call.
+            overwritten at each call (a restart appends to it, after a ``--- restart N ---`` line).
         nnodes: number of nodes (machines) taking part, each running this call with ``nprocs`` workers;
             ``None`` (default) reads ``MPLAUNCH_NNODES`` (or SLURM's, in an ``srun`` step with one task per
             node), else 1. With more than one, the call launches through
@@ -208,7 +298,11 @@ def parallel(
             rendezvous orders the nodes itself.
         rdzv_endpoint: ``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
             (``MPLAUNCH_RDZV_ENDPOINT``; default port 29400).
-        max_restarts: times elastic may restart all workers after a failure (multi-node only).
+        max_restarts: times all workers are stopped and started again after a worker failure (torchrun's
+            ``--max-restarts``): each restart is announced with a :class:`~mplaunch.RestartWarning`, workers
+            read the count from ``worker_info().restart_count`` (``TORCHELASTIC_RESTART_COUNT``) to resume from
+            a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries
+            the earlier ones in ``earlier_attempts``. Multi-node: passed on to elastic.
         rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``.
 
     Returns:

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 from collections.abc import Iterable
 
+from mplaunch._cgroup import cpu_limit
 from mplaunch._errors import InvalidOptionError
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -31,7 +32,8 @@ class LaunchConfig:
         nnodes: number of nodes, or ``None`` to read it from the environment (one node if unset).
         node_rank: this node's index, or ``None`` (informative: c10d rendezvous orders the nodes).
         rdzv_endpoint: ``host[:port]`` of the c10d rendezvous on a multi-node launch.
-        max_restarts: how often torch.distributed.elastic may restart the workers of a multi-node launch.
+        max_restarts: how often all workers are restarted after a failure (by mplaunch on one node, by
+            torch.distributed.elastic on several), as torchrun's ``--max-restarts``.
         rdzv_timeout: seconds to wait for every node to join a multi-node launch.
     """
 
@@ -99,7 +101,8 @@ def make_config(
         raise InvalidOptionError(f"log_dir={log_dir!r} is not valid: pass a directory path, or None.")
     for name, value, low in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0), ("max_restarts", max_restarts, 0)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number >= {low}.")
+            what = " of restarts after a worker failure (0: none)" if name == "max_restarts" else ""
+            raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number{what} >= {low}.")
     if rdzv_endpoint is not None and (not isinstance(rdzv_endpoint, str) or not rdzv_endpoint):
         raise InvalidOptionError(f"rdzv_endpoint={rdzv_endpoint!r} is not valid: pass 'host:port', e.g. 'node0:29400'.")
     if not _is_positive_seconds(rdzv_timeout):
@@ -168,17 +171,22 @@ def _is_positive_seconds(value: object, *, allow_zero: bool = False) -> bool:
 
 
 def usable_cpu_count() -> int:
-    """Return the number of CPU cores this process may run on (its affinity mask), at least 1."""
+    """Return the number of CPUs this process may use, at least 1: the smaller of its affinity mask and its
+    cgroup CPU quota (Docker ``--cpus``, Kubernetes limits; v1 and v2), the quota rounded up."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    quota = cpu_limit()
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
 
 
 def resolve_nprocs(nprocs: int | str) -> int:
     """Turn ``nprocs`` into a number: ``"auto"`` is the number of visible CUDA devices when CUDA is
-    available, otherwise the number of usable CPU cores (affinity mask). Probing CUDA this way does not
-    initialise it."""
+    available, otherwise the number of usable CPU cores (affinity mask and cgroup quota). Probing CUDA this
+    way does not initialise it."""
     if isinstance(nprocs, int):
         return nprocs
     import torch

@@ -50,6 +50,8 @@ def rank_environment(
     master_port: int,
     *,
     agent_store: bool,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
     """Return the variables that make a worker rank ``rank`` of ``nprocs`` on one node, as torchrun sets them.
 
@@ -60,6 +62,8 @@ def rank_environment(
         master_port: its TCP port.
         agent_store: the store is hosted by the launching parent (torchrun's "agent store"), so every rank,
             rank 0 included, connects to it as a client in ``init_process_group(init_method="env://")``.
+        restart_count: how often the workers were restarted before this attempt (``TORCHELASTIC_RESTART_COUNT``).
+        max_restarts: how often they may be restarted in all (``TORCHELASTIC_MAX_RESTARTS``).
     """
     env = {
         "RANK": str(rank),
@@ -74,6 +78,8 @@ def rank_environment(
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         WORKER_VARIABLE: "1",
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
     }
     if agent_store:
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
@@ -98,6 +104,8 @@ class WorkerInfo:
         world_size: number of processes in the job.
         local_world_size: number of processes on this node.
         node_rank: index of this node (``GROUP_RANK``).
+        restart_count: how often the workers were restarted before this attempt (``TORCHELASTIC_RESTART_COUNT``,
+            0 on the first attempt): resume from a checkpoint when it is above 0.
     """
 
     rank: int
@@ -105,11 +113,12 @@ class WorkerInfo:
     world_size: int
     local_world_size: int
     node_rank: int
+    restart_count: int = 0
 
 
 def worker_info(environ: Mapping[str, str] | None = None) -> WorkerInfo:
     """Return the calling process's :class:`WorkerInfo`, read from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK`` (falling back to ``NODE_RANK``).
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (falling back to ``NODE_RANK``) and ``TORCHELASTIC_RESTART_COUNT``.
 
     Works in an mplaunch worker, under torchrun, and in a plain process, which is rank 0 of a world of 1.
 
@@ -142,6 +151,7 @@ def worker_info(environ: Mapping[str, str] | None = None) -> WorkerInfo:
         world_size=world_size,
         local_world_size=read("LOCAL_WORLD_SIZE", world_size),
         node_rank=read("GROUP_RANK", read("NODE_RANK", 0)),
+        restart_count=read("TORCHELASTIC_RESTART_COUNT", 0),
     )
 
 

@@ -21,14 +21,16 @@ import torch.multiprocessing as mp
 
 from mplaunch import _checks, _threads, _transport
 from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs
+from mplaunch._control import LaunchControl
 from mplaunch._directory import launch_directory, space_hint
 from mplaunch._env import NodeSetup, apply_environment, node_setup, outer_launcher, rank_environment
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._group import process_group
 from mplaunch._importable import WorkerImports, worker_imports
-from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec
+from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec, outcome_name
 from mplaunch._pump import Pump, routed, worker_fds
 from mplaunch._pystate import warn_not_carried
+from mplaunch._restarts import run_attempts
 from mplaunch._signals import parent_signals, signals_blocked
 from mplaunch._state import GlobalState
 from mplaunch._store import rendezvous
@@ -71,8 +73,16 @@ def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
     return function._mplaunch_target
 
 
-def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
-    """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s)."""
+def launch(
+    function: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: LaunchConfig,
+    frame: Any,
+    control: LaunchControl | None = None,
+) -> Any:
+    """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s);
+    ``control`` (a submitted launch's) can stop it."""
     _checks.check_not_bootstrapping(_name(function))
     try:
         outer = outer_launcher()
@@ -81,7 +91,21 @@ def launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config:
     if outer is not None:
         return _run_in_process(function, args, kwargs, config)
     with parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
-        return _launch(function, args, kwargs, config, frame)
+        return _launch(function, args, kwargs, config, frame, control or LaunchControl())
+
+
+def check_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> bool:
+    """Run, in the caller's thread, the checks of a call that depend on where it was made (the main guard
+    looks at the caller's current line); return whether the call will start workers (else it runs in-process)."""
+    _checks.check_not_bootstrapping(_name(function))
+    try:
+        if outer_launcher() is not None:
+            return False
+    except ValueError as error:
+        raise InvalidOptionError(str(error)) from None
+    _check_arguments(function, args, kwargs)
+    _checks.check_main_guard(config.start_method or _checks.default_start_method(), frame, _name(function))
+    return True
 
 
 def _name(function: Any) -> str:
@@ -103,7 +127,14 @@ def _check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         raise TypeError(f"{name}(): {error} (checked before launching any worker)") from None
 
 
-def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> Any:
+def _launch(
+    function: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: LaunchConfig,
+    frame: Any,
+    control: LaunchControl,
+) -> Any:
     _check_arguments(function, args, kwargs)
     _checks.check_log_dir(config.log_dir)
     nprocs = resolve_nprocs(config.nprocs)
@@ -118,7 +149,8 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
             f"console_ranks={sorted(config.console_ranks)} names no rank of this launch (ranks 0 to "
             f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
         )
-    payload = Payload(_function_reference(function, imports), args, kwargs, GlobalState.capture())
+    state = control.state if control.state is not None else GlobalState.capture()
+    payload = Payload(_function_reference(function, imports), args, kwargs, state)
     if start_method != "fork":
         warn_not_carried(payload.state.python)
     if start_method == "fork":
@@ -151,13 +183,39 @@ def _launch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config
 
             results = launch_nodes(spec, nodes, config)
         else:
-            with rendezvous() as (addr, port, agent_store):
-                spec = dataclasses.replace(spec, master_addr=addr, master_port=port, agent_store=agent_store)
-                in_memory = payload if start_method == "fork" else None
-                with routed(list(range(nprocs)), spec) as pump:
-                    spec = dataclasses.replace(spec, output_fds=worker_fds(pump, start_method, nprocs))
-                    results = _run_workers(spec, in_memory, config, _preload(imports, function), pump)
+            in_memory = payload if start_method == "fork" else None
+            preload = _preload(imports, function)
+            results = run_attempts(
+                lambda restart: _attempt(spec, in_memory, config, preload, control, restart),
+                config.max_restarts,
+                control,
+            )
     return results if config.return_all else results[0]
+
+
+def _attempt(
+    spec: WorkerSpec,
+    payload: Payload | None,
+    config: LaunchConfig,
+    preload: list[str],
+    control: LaunchControl,
+    restart: int,
+) -> list[Any]:
+    """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt."""
+    for rank in range(spec.nprocs):
+        _transport.remove(spec.directory, outcome_name(rank))
+    with rendezvous() as (addr, port, agent_store):
+        spec = dataclasses.replace(
+            spec,
+            master_addr=addr,
+            master_port=port,
+            agent_store=agent_store,
+            restart_count=restart,
+            max_restarts=config.max_restarts,
+        )
+        with routed(list(range(spec.nprocs)), spec) as pump:
+            spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
+            return _run_workers(spec, payload, config, preload, pump, control)
 
 
 def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> None:
@@ -260,11 +318,16 @@ def _spawn_hash_seed(start_method: str) -> Iterator[None]:
 
 
 def _run_workers(
-    spec: WorkerSpec, payload: Payload | None, config: LaunchConfig, preload: list[str], pump: Pump | None
+    spec: WorkerSpec,
+    payload: Payload | None,
+    config: LaunchConfig,
+    preload: list[str],
+    pump: Pump | None,
+    control: LaunchControl,
 ) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
-    supervisor = Supervisor(spec, processes, config.timeout, config.grace_period)
+    supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control)
     try:
         with _main_without_file():
             if spec.start_method == "forkserver":

@@ -63,6 +63,8 @@ class WorkerSpec:
         grace_period: seconds a stopped worker has before SIGKILL; its own children get part of it.
         mp_start_method: the parent's ``multiprocessing`` default start method if it set one, else ``None``
             (the platform's default, as in a process that torchrun starts).
+        restart_count, max_restarts: this attempt's ``TORCHELASTIC_RESTART_COUNT`` and the launch's
+            ``TORCHELASTIC_MAX_RESTARTS``.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output`).
     """
@@ -83,6 +85,8 @@ class WorkerSpec:
     log_dir: str | None = None
     grace_period: float = 5.0
     mp_start_method: str | None = None
+    restart_count: int = 0
+    max_restarts: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
 
 

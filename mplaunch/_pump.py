@@ -76,12 +76,18 @@ class Pump:
         prefix: put ``[rank N] `` before each line.
         console_ranks: the ranks whose output reaches the console; ``None``: all.
         log_dir: directory for ``rank{N}.log`` files, or ``None``.
+        restart: the attempt's restart count: a restart appends to the log files, after a marker line.
     """
 
     def __init__(
-        self, ranks: list[int | None], prefix: bool, console_ranks: frozenset[int] | None, log_dir: str | None
+        self,
+        ranks: list[int | None],
+        prefix: bool,
+        console_ranks: frozenset[int] | None,
+        log_dir: str | None,
+        restart: int = 0,
     ) -> None:
-        self.prefix, self.console_ranks, self.log_dir = prefix, console_ranks, log_dir
+        self.prefix, self.console_ranks, self.log_dir, self.restart = prefix, console_ranks, log_dir, restart
         self.consoles = consoles()
         self.logs: dict[int, tuple[TextIO, Sink]] = {}
         self.sources: list[_Source] = []
@@ -271,7 +277,9 @@ class Pump:
             return
         path = os.path.join(self.log_dir, f"rank{rank}.log")
         try:
-            file = open(path, "w", encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
+            file = open(path, "a" if self.restart else "w", encoding="utf-8", errors="replace", newline="")  # noqa: SIM115
+            if self.restart:
+                file.write(f"--- restart {self.restart} (TORCHELASTIC_RESTART_COUNT={self.restart}) ---\n")
         except OSError as error:
             if check:
                 raise
@@ -297,7 +305,7 @@ def routed(ranks: list[int | None], spec: WorkerSpec) -> Iterator[Pump | None]:
     if not should_route(spec.prefix_output, spec.console_ranks, spec.log_dir):
         yield None
         return
-    pump = Pump(ranks, spec.prefix_output, spec.console_ranks, spec.log_dir)
+    pump = Pump(ranks, spec.prefix_output, spec.console_ranks, spec.log_dir, spec.restart_count)
     try:
         yield pump
     finally:

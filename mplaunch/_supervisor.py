@@ -11,6 +11,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from mplaunch import _transport
+from mplaunch._control import LaunchControl, LaunchStopped
 from mplaunch._errors import LaunchTimeoutError, RemoteError
 from mplaunch._protocol import Outcome, RankState, Returned, WorkerSpec, outcome_name, rank_state, set_attribute
 
@@ -23,12 +24,19 @@ class Supervisor:
         processes: the started workers, indexed by rank (filled in by the launcher as they start).
         timeout: seconds the whole launch may take, or ``None``.
         grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
+        control: the launch's deadline (shared by all its attempts) and stop request.
     """
 
     def __init__(
-        self, spec: WorkerSpec, processes: list[BaseProcess], timeout: float | None, grace_period: float
+        self,
+        spec: WorkerSpec,
+        processes: list[BaseProcess],
+        timeout: float | None,
+        grace_period: float,
+        control: LaunchControl | None = None,
     ) -> None:
         self.spec = spec
+        self.control = control or LaunchControl()
         self.processes = processes
         self.timeout = timeout
         self.grace_period = grace_period
@@ -42,14 +50,17 @@ class Supervisor:
             BaseException: the first failure (see :func:`~mplaunch._protocol.rank_state`), after stopping the
                 other workers; their own failures are on its ``failures`` attribute.
             LaunchTimeoutError: ``timeout`` passed; every worker was stopped.
+            LaunchStopped: a stop was requested through the control (the caller stops the workers).
         """
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self.control.start_clock(self.timeout)  # one deadline for every attempt of the launch
+        stop = self.control.fileno()
         pending: dict[Any, int] = {process.sentinel: rank for rank, process in enumerate(self.processes)}
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait(list(pending), timeout=remaining)
+            ready = wait([*pending, *([] if stop is None else [stop])], timeout=self.control.remaining())
             if not ready:
                 self._raise_timeout(sorted(pending.values()))
+            if stop in ready:
+                raise LaunchStopped()  # the caller's clean-up stops the workers
             for sentinel in ready:
                 rank = pending.pop(sentinel)
                 state = self._collect(rank)
@@ -92,6 +103,7 @@ class Supervisor:
             if other != rank and isinstance(state, BaseException):
                 others.append(state)
         set_attribute(failure, "failures", tuple(others))
+        self.control.failure = failure
         raise failure from failure.__cause__
 
     def _raise_timeout(self, running: list[int]) -> None:

@@ -262,7 +262,15 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
             os.environ.update(spec.environ)
         apply_environment(
             os.environ,
-            rank_environment(rank, spec.nprocs, spec.master_addr, spec.master_port, agent_store=spec.agent_store),
+            rank_environment(
+                rank,
+                spec.nprocs,
+                spec.master_addr,
+                spec.master_port,
+                agent_store=spec.agent_store,
+                restart_count=spec.restart_count,
+                max_restarts=spec.max_restarts,
+            ),
         )
         outcome = _execute(rank, rank, spec, payload)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish

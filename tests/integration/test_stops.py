@@ -76,9 +76,7 @@ def test_a_signal_from_outside_is_named(start_method: str, signum: int) -> None:
     assert f"signal {int(signum)}" in str(error) and error.failures == ()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(
-    ("code", "exitcode"), [(None, 0), (True, 1), (False, 0), (3, 3), (123, 123), ("a message", 1)]
-)
+@pytest.mark.parametrize(("code", "exitcode"), [(None, 0), (True, 1), (False, 0), (3, 3), (123, 123), ("a message", 1)])
 def test_exit_codes_are_cpythons(code: object, exitcode: int) -> None:
     """sys.exit() and sys.exit(None) gave exitcode 1; sys.exit(True) gave True."""
     with pytest.raises(WorkerExitedError) as caught:

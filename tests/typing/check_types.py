@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Future
+
 import torch
 from typing_extensions import assert_type
 
@@ -29,3 +32,17 @@ assert_type(every_rank(1), list[int])
 bare("not an int")  # type: ignore[arg-type]
 configured(0.1, epoch=5)  # type: ignore[call-arg]
 every_rank("x")  # type: ignore[arg-type]
+
+# submit() keeps the parameters and returns a Future of the call's result; options() keeps the function's type.
+assert_type(bare.submit(1, y="b"), Future[float])
+assert_type(every_rank.submit(1), Future[list[int]])
+assert_type(configured.options(nprocs=1, timeout=60.0)(0.1, epochs=5), dict[str, torch.Tensor])
+assert_type(configured.options(max_restarts=2).submit(0.1).result(), dict[str, torch.Tensor])
+assert_type(asyncio.wrap_future(bare.submit(1)), asyncio.Future[float])
+bare.submit("not an int")  # type: ignore[arg-type]
+configured.submit(0.1, epoch=5)  # type: ignore[call-arg]
+configured.options(nproc=1)  # type: ignore[call-arg]
+configured.options(nprocs="all")  # type: ignore[arg-type]
+configured.options(nprocs=1)(0.1, epoch=5)  # type: ignore[call-arg]
+assert_type(every_rank.options(nprocs=4)(1), list[int])
+every_rank.options(nprocs=4)("x")  # type: ignore[arg-type]

@@ -136,3 +136,45 @@ def test_async_functions_and_unreachable_console_ranks_are_refused() -> None:
         parallel(coroutine)
     with pytest.raises(InvalidOptionError, match=r"console_ranks=\[7\] names no rank"):
         parallel(nprocs=2, start_method="fork", console_ranks=[7])(len)([])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"nprocs": 0},
+        {"start_method": "thread"},
+        {"timeout": -1},
+        {"grace_period": -1},
+        {"console_ranks": "0"},
+        {"max_restarts": -1},
+        {"max_restarts": True},
+        {"max_restarts": 1.5},
+        {"backend": "nccll"},
+    ],
+)
+def test_options_are_validated_like_the_decorator_and_leave_the_function_unchanged(options: dict[str, object]) -> None:
+    with pytest.raises(InvalidOptionError) as when_decorating:
+        parallel(**options)  # type: ignore[call-overload]
+    config = with_options.config
+    with pytest.raises(InvalidOptionError) as with_options_call:
+        with_options.options(**options)  # type: ignore[arg-type]
+    assert str(with_options_call.value) == str(when_decorating.value)
+    assert with_options.config is config
+
+
+def test_options_merge_into_a_new_function() -> None:
+    changed = with_options.options(nprocs=1, timeout=None, max_restarts=2, console_ranks=[0])
+    assert changed is not with_options and isinstance(changed, ParallelFunction)
+    assert (changed.config.nprocs, changed.config.timeout, changed.config.max_restarts) == (1, None, 2)
+    assert changed.config.console_ranks == frozenset({0})
+    assert changed.config.return_all and changed.config.grace_period == 1.0  # kept
+    assert (with_options.config.nprocs, with_options.config.timeout, with_options.config.max_restarts) == (2, 10, 0)
+    assert changed.__name__ == "with_options" and changed.__wrapped__ is with_options.__wrapped__
+    assert with_options.options() is not with_options and with_options.options().config == with_options.config
+    with pytest.raises(TypeError):
+        with_options.options(nproc=2)  # type: ignore[call-arg]
+
+
+def test_max_restarts_error_says_what_it_counts() -> None:
+    with pytest.raises(InvalidOptionError, match=r"max_restarts=-1 is not valid: .*restarts after a worker failure"):
+        parallel(max_restarts=-1)

@@ -1,0 +1,75 @@
+"""What steers one launch from outside the code that runs it: one deadline over all its attempts, a request to
+stop it (from a future's ``cancel()``, the interpreter's exit, or an interrupted notebook cell), and the worker
+failure its supervisor raised last (the one kind of error a restart answers)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from mplaunch._state import GlobalState
+
+
+class LaunchStopped(BaseException):
+    """Raised in the thread running a launch that was asked to stop; its workers are stopped on the way out.
+    A ``BaseException``, so that no ``except Exception`` on the way mistakes it for a failure to restart."""
+
+
+class LaunchControl:
+    """The state one launch shares with whoever may stop it. Thread-safe.
+
+    Attributes:
+        deadline: ``time.monotonic()`` by which every attempt must be done, or ``None``; set when the first
+            attempt starts waiting for its workers.
+        failure: the worker failure the supervisor raised last, or ``None``.
+        state: the parent's :class:`~mplaunch.GlobalState`, captured when the launch was submitted, or ``None``
+            to capture it when the launch starts.
+        in_process: the call runs the function in this process (already under a launcher): it cannot be stopped.
+    """
+
+    def __init__(self, *, stoppable: bool = False) -> None:
+        self.deadline: float | None = None
+        self.failure: BaseException | None = None
+        self.state: GlobalState | None = None
+        self.in_process = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pipe = os.pipe() if stoppable else None
+
+    def start_clock(self, timeout: float | None) -> None:
+        """Start the deadline of ``timeout`` seconds, unless an earlier attempt started it."""
+        if self.deadline is None and timeout is not None:
+            self.deadline = time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (``0.0`` once passed), or ``None`` without one."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def fileno(self) -> int | None:
+        """A file descriptor that becomes readable when a stop is requested (for ``connection.wait``)."""
+        return None if self._pipe is None else self._pipe[0]
+
+    def request_stop(self) -> None:
+        """Ask the launch to stop its workers and end with :class:`LaunchStopped`; returns at once."""
+        with self._lock:
+            self._stop.set()
+            if self._pipe is not None:
+                os.write(self._pipe[1], b"x")
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def check(self) -> None:
+        """Raise :class:`LaunchStopped` if a stop was requested."""
+        if self._stop.is_set():
+            raise LaunchStopped()
+
+    def close(self) -> None:
+        """Close the pipe; a later :meth:`request_stop` only sets the flag."""
+        with self._lock:
+            if self._pipe is not None:
+                for fd in self._pipe:
+                    os.close(fd)
+                self._pipe = None

@@ -1,0 +1,172 @@
+"""Launches that run in the background: ``fn.submit(...)`` returns a :class:`concurrent.futures.Future`.
+
+Each submitted launch runs in a daemon thread of its own, which forks or spawns the workers, waits for them and
+settles the future. Stopping is cooperative: :meth:`LaunchFuture.cancel` asks the launch's supervisor to stop
+(a pipe it waits on with the workers' sentinels), and waits until the workers are gone. Every running launch
+is stopped when the interpreter exits (``atexit``, which runs before ``multiprocessing`` would join the workers)
+and when an IPython/Jupyter cell is interrupted (a ``post_run_cell`` hook); if the process dies anyway, the
+workers die with it (``PR_SET_PDEATHSIG``, sent when the launch thread that forked them ends).
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from mplaunch._control import LaunchControl, LaunchStopped
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_running: set[LaunchFuture[Any]] = set()
+_hooks_installed = False
+
+
+class LaunchFuture(Future[T]):
+    """The future of a submitted launch; :meth:`cancel` also stops a launch that is running.
+
+    The future stays ``PENDING`` (as ``concurrent.futures`` counts states) until the launch has ended, so that
+    a stopped launch can still end ``CANCELLED``; :meth:`running` says whether its launch is under way.
+    """
+
+    def __init__(self, control: LaunchControl) -> None:
+        super().__init__()
+        self._control = control
+        self._thread: threading.Thread | None = None
+        self._settle_lock = threading.Lock()
+
+    def running(self) -> bool:
+        """Return whether the launch is under way (starting, running its workers, or stopping them)."""
+        thread = self._thread
+        return not self.done() and thread is not None and thread.is_alive()
+
+    def cancel(self) -> bool:
+        """Stop the launch: its workers get SIGTERM, then SIGKILL after ``grace_period`` seconds.
+
+        Blocks until every worker has been stopped and reaped and the launch directory removed. Returns
+        ``True`` when the future ends cancelled (``result()`` then raises ``CancelledError``); ``False`` when the
+        launch had already finished, or runs the function in this process (under an outer launcher), which
+        cannot be stopped.
+        """
+        if self.done():
+            return self.cancelled()
+        if self._control.in_process:
+            return False
+        self._control.request_stop()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._settle_lock:
+            if self.done():
+                return self.cancelled()
+            super().cancel()
+            self.set_running_or_notify_cancel()  # wakes concurrent.futures.wait() and as_completed()
+            return True
+
+    def result(self, timeout: float | None = None) -> T:
+        """Wait for the launch and return its result, or raise what the call would raise; Ctrl-C while
+        waiting stops the launch (as it stops a call) before ``KeyboardInterrupt`` propagates.
+
+        Raises:
+            concurrent.futures.CancelledError: the launch was stopped through :meth:`cancel`.
+            TimeoutError: ``timeout`` seconds passed first (``concurrent.futures.TimeoutError`` before 3.11).
+        """
+        try:
+            return super().result(timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the launch and return the exception the call would raise, or ``None``; Ctrl-C while
+        waiting stops the launch."""
+        try:
+            return super().exception(timeout)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+
+    def _settle(self, value: Any = None, error: BaseException | None = None) -> None:
+        with self._settle_lock:
+            if self.done():
+                return
+            self.set_running_or_notify_cancel()
+            if error is not None:
+                self.set_exception(error)
+            else:
+                self.set_result(value)
+
+
+def failed(error: BaseException) -> LaunchFuture[Any]:
+    """A future that already holds ``error`` (a call refused before any thread or worker started)."""
+    future: LaunchFuture[Any] = LaunchFuture(LaunchControl())
+    future._settle(error=error)
+    return future
+
+
+def submit(run: Callable[[LaunchControl], T], control: LaunchControl, name: str) -> LaunchFuture[T]:
+    """Start ``run(control)`` in a daemon thread named ``mplaunch-<name>`` and return its future."""
+    _install_hooks()
+    future: LaunchFuture[T] = LaunchFuture(control)
+    thread = threading.Thread(target=_run, args=(future, run), name=f"mplaunch-{name}", daemon=True)
+    future._thread = thread
+    with _lock:
+        _running.add(future)
+    try:
+        thread.start()
+    except BaseException:
+        with _lock:
+            _running.discard(future)
+        control.close()
+        raise
+    return future
+
+
+def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T]) -> None:
+    control = future._control
+    try:
+        value = run(control)
+    except LaunchStopped:
+        pass  # cancel() marks the future cancelled once this thread has ended
+    except BaseException as error:  # noqa: BLE001 - the future carries whatever the call would raise
+        future._settle(error=error)
+    else:
+        future._settle(value=value)
+    finally:
+        with _lock:
+            _running.discard(future)
+        control.close()
+
+
+def stop_all() -> None:
+    """Stop every running submitted launch of this process: ask them all first, then wait for each."""
+    with _lock:
+        running = list(_running)
+    for future in running:
+        future._control.request_stop()
+    for future in running:
+        future.cancel()
+
+
+def _after_cell(result: Any) -> None:
+    """IPython ``post_run_cell`` hook: an interrupted cell stops the running launches."""
+    if isinstance(getattr(result, "error_in_exec", None), KeyboardInterrupt):
+        stop_all()
+
+
+def _install_hooks() -> None:
+    """Once per process: stop running launches at exit and when an IPython cell is interrupted."""
+    global _hooks_installed
+    with _lock:
+        if _hooks_installed:
+            return
+        _hooks_installed = True
+    atexit.register(stop_all)  # after multiprocessing's own exit handler, so it runs first (last in, first out)
+    ipython_module = sys.modules.get("IPython")
+    ipython = getattr(ipython_module, "get_ipython", lambda: None)()
+    if ipython is not None:
+        ipython.events.register("post_run_cell", _after_cell)

@@ -1,0 +1,388 @@
+"""Long runs: restarts after a worker failure (max_restarts), launches in the background (submit), and
+per-call options. Worker targets live here, at module level, so spawned workers could import them."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from mplaunch import InvalidOptionError, LaunchTimeoutError, RestartWarning, parallel, worker_info
+
+TIMEOUT = 90
+
+
+def _append(path: str, text: str) -> None:
+    with open(path, "a") as file:
+        file.write(text + "\n")
+
+
+def resume_from_checkpoint(directory: str) -> dict[str, Any]:
+    """Rank 0 saves a checkpoint, then rank 1 fails on the first attempt; the restart resumes from it."""
+    info = worker_info()
+    _append(os.path.join(directory, f"attempts-{info.rank}"), str(info.restart_count))
+    checkpoint = os.path.join(directory, "checkpoint.pt")
+    value = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(value)  # a process group on each attempt's own store
+    if info.restart_count == 0:
+        if info.rank == 0:
+            torch.save({"step": 7}, checkpoint)
+        dist.barrier()
+        if info.rank == 1:
+            raise ValueError("lost a node")
+        time.sleep(30)  # stopped by the restart
+    return {
+        "step": torch.load(checkpoint)["step"],
+        "restart_count": info.restart_count,
+        "env": (os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["TORCHELASTIC_MAX_RESTARTS"]),
+        "sum": value.item(),
+    }
+
+
+def always_fails(directory: str) -> None:
+    info = worker_info()
+    _append(os.path.join(directory, f"attempts-{info.rank}"), str(info.restart_count))
+    if info.rank == 1:
+        raise ValueError(f"attempt {info.restart_count} failed")
+    time.sleep(30)
+
+
+def fail_then_hang(seconds: float) -> None:
+    if worker_info().restart_count == 0:
+        time.sleep(seconds)
+        raise ValueError("first attempt failed")
+    time.sleep(60)
+
+
+def record_and_sleep(directory: str, seconds: float) -> int:
+    info = worker_info()
+    _append(os.path.join(directory, f"pid-{info.rank}"), f"{os.getpid()} {info.restart_count}")
+    try:
+        time.sleep(seconds)
+    finally:
+        _append(os.path.join(directory, f"finally-{info.rank}"), "ran")
+    return info.world_size
+
+
+def meet(directory: str, mine: str, theirs: str) -> str:
+    """Create ``mine`` and wait for ``theirs``: two launches only finish if they run at the same time."""
+    if worker_info().rank == 0:
+        Path(directory, mine).touch()
+        deadline = time.monotonic() + 60
+        while not Path(directory, theirs).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{theirs} never appeared: the launches did not run at the same time")
+            time.sleep(0.05)
+    return mine
+
+
+def world() -> tuple[int, int]:
+    info = worker_info()
+    return info.world_size, info.restart_count
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def _wait_for_workers(directory: Path, timeout: float = 60) -> None:
+    """Wait until both ranks of ``record_and_sleep`` have written their pid."""
+    deadline = time.monotonic() + timeout
+    while not all((directory / f"pid-{rank}").exists() for rank in range(2)):
+        assert time.monotonic() < deadline, f"the workers did not start within {timeout} s"
+        time.sleep(0.05)
+
+
+def _pids(directory: Path) -> list[int]:
+    return [int(line.split()[0]) for rank in range(2) for line in _lines_of(directory / f"pid-{rank}")]
+
+
+def _lines_of(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (an orphan's zombie, not yet reaped by init, counts as ended)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# --- restarts -------------------------------------------------------------------------------------------------
+
+
+def test_restart_resumes_from_a_checkpoint_on_the_second_attempt(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", max_restarts=2, backend="gloo", return_all=True, timeout=TIMEOUT)(
+        resume_from_checkpoint
+    )
+    with pytest.warns(RestartWarning, match=r"attempt 1 of 3 failed \(rank 1 raised ValueError: lost a node\)") as w:
+        results = run(str(tmp_path))
+    assert len(w) == 1 and w[0].filename == __file__  # points at the caller's line, not into mplaunch
+    assert [r["step"] for r in results] == [7, 7] and [r["restart_count"] for r in results] == [1, 1]
+    assert results[0]["env"] == ("1", "2") and results[0]["sum"] == 3.0
+    assert _lines(tmp_path / "attempts-0") == ["0", "1"] and _lines(tmp_path / "attempts-1") == ["0", "1"]
+
+
+def test_exhausted_restarts_raise_the_last_failure_with_the_earlier_ones(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", max_restarts=1, timeout=TIMEOUT)(always_fails)
+    with pytest.warns(RestartWarning, match="attempt 1 of 2") as w, pytest.raises(ValueError) as caught:
+        run(str(tmp_path))
+    assert len(w) == 1
+    assert str(caught.value) == "attempt 1 failed" and caught.value.rank == 1  # type: ignore[attr-defined]
+    (earlier,) = caught.value.earlier_attempts  # type: ignore[attr-defined]
+    assert isinstance(earlier, ValueError) and str(earlier) == "attempt 0 failed" and earlier.rank == 1
+    assert _lines(tmp_path / "attempts-1") == ["0", "1"]
+
+
+def test_without_max_restarts_nothing_is_restarted(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="attempt 0 failed") as caught:
+        parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(always_fails)(str(tmp_path))
+    assert caught.value.earlier_attempts == ()  # type: ignore[attr-defined]
+    assert _lines(tmp_path / "attempts-1") == ["0"]
+
+
+def test_timeout_bounds_all_attempts_together() -> None:
+    start = time.monotonic()
+    run = parallel(nprocs=1, start_method="fork", max_restarts=5, timeout=3.0, grace_period=1)(fail_then_hang)
+    with pytest.warns(RestartWarning), pytest.raises(LaunchTimeoutError) as caught:
+        run(2.0)  # fails at 2 s; a timeout per attempt would end at 5 s, the launch's ends at 3 s
+    assert time.monotonic() - start < 4.7  # a timeout per attempt would end after 5 s
+    assert [str(e) for e in caught.value.earlier_attempts] == ["first attempt failed"]  # type: ignore[attr-defined]
+
+
+def test_a_refusal_before_launching_is_not_retried() -> None:
+    run = parallel(nprocs=2, start_method="fork", max_restarts=3)(always_fails)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RestartWarning)
+        with pytest.raises(TypeError, match="checked before launching"):
+            run()  # type: ignore[call-arg]
+
+
+def test_ctrl_c_is_never_restarted(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", max_restarts=3, timeout=TIMEOUT)(record_and_sleep)
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RestartWarning)
+            with pytest.raises(KeyboardInterrupt):
+                run(str(tmp_path), 30)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 20
+    assert [line.split()[1] for line in _lines_of(tmp_path / "pid-0")] == ["0"]  # one attempt only
+    assert all(_gone(pid) for pid in _pids(tmp_path))
+
+
+# --- submit ---------------------------------------------------------------------------------------------------
+
+
+def test_submit_returns_at_once_with_the_call_result_or_its_exception(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep)
+    start = time.monotonic()
+    future = run.submit(str(tmp_path), 1.0)
+    assert time.monotonic() - start < 0.5 and isinstance(future, concurrent.futures.Future)
+    assert future.result(timeout=TIMEOUT) == 2 and not future.running()
+    failing = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(always_fails).submit(str(tmp_path))
+    error = failing.exception(timeout=TIMEOUT)
+    assert isinstance(error, ValueError) and error.rank == 1  # type: ignore[attr-defined]
+    refused = run.submit(str(tmp_path), 1.0, "extra")  # type: ignore[call-arg]
+    assert isinstance(refused.exception(timeout=1), TypeError)  # the same refusal as the call, in the future
+
+
+def test_cancel_stops_a_running_launch_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=5)(record_and_sleep)
+    future = run.submit(str(tmp_path), 300)
+    _wait_for_workers(tmp_path)
+    assert future.running() and not future.done()
+    start = time.monotonic()
+    assert future.cancel()
+    assert time.monotonic() - start < 5  # within grace_period: the workers end on SIGTERM
+    assert future.cancelled() and future.done()
+    with pytest.raises(concurrent.futures.CancelledError):
+        future.result()
+    assert all(_gone(pid) for pid in _pids(tmp_path))
+    assert _lines(tmp_path / "finally-0") == ["ran"]  # stopped with SIGTERM: its finally block ran
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{os.getpid()}-")]
+    assert not future.cancel() or future.cancelled()
+
+
+def test_two_submitted_launches_run_at_the_same_time(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(meet)
+    first, second = run.submit(str(tmp_path), "a", "b"), run.submit(str(tmp_path), "b", "a")
+    done, _ = concurrent.futures.wait([first, second], timeout=TIMEOUT)
+    assert len(done) == 2 and (first.result(), second.result()) == ("a", "b")
+
+
+def test_asyncio_awaits_and_cancels_submitted_launches(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(world)
+    sleeper = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep)
+    futures: list[concurrent.futures.Future[Any]] = []
+
+    async def scenario() -> tuple[Any, ...]:
+        results = await asyncio.gather(asyncio.wrap_future(run.submit()), asyncio.wrap_future(run.submit()))
+        futures.append(sleeper.submit(str(tmp_path), 300))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.wrap_future(futures[0]), timeout=2)  # cancels the launch
+        return tuple(results)
+
+    assert asyncio.run(scenario()) == ((2, 0), (2, 0))
+    assert futures[0].cancelled()
+    assert all(_gone(pid) for pid in _pids(tmp_path))
+
+
+def test_submitted_launches_are_stopped_when_the_interpreter_exits(tmp_path: Path) -> None:
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+from mplaunch import parallel
+from tests.integration.test_long_runs import record_and_sleep
+
+future = parallel(nprocs=2, start_method="fork")(record_and_sleep).submit({str(tmp_path)!r}, 300)
+while not all(os.path.exists(os.path.join({str(tmp_path)!r}, f"pid-{{rank}}")) for rank in range(2)):
+    time.sleep(0.05)
+print("exiting with a running launch", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "exiting with a running launch" in done.stdout
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids), pids
+    assert _lines(tmp_path / "finally-0") == ["ran"]  # stopped (SIGTERM), not killed with the parent
+
+
+def test_interrupted_notebook_cell_stops_running_launches(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from mplaunch import _future
+
+    future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
+    _wait_for_workers(tmp_path)
+    _future._after_cell(SimpleNamespace(error_in_exec=None))  # a cell that ended normally changes nothing
+    assert future.running()
+    _future._after_cell(SimpleNamespace(error_in_exec=KeyboardInterrupt()))
+    assert future.cancelled() and all(_gone(pid) for pid in _pids(tmp_path))
+
+
+# --- options --------------------------------------------------------------------------------------------------
+
+
+def test_options_replace_some_options_and_leave_the_function_unchanged() -> None:
+    original = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(world)
+    config = original.config
+    one = original.options(nprocs=1, max_restarts=1)
+    assert one() == (1, 0) and one.config.max_restarts == 1 and one.config.timeout == TIMEOUT
+    assert original.config is config and original() == (2, 0)
+    assert one.__name__ == "world" and one.__wrapped__ is world
+    with pytest.raises(InvalidOptionError, match="nprocs=0 is not valid"):
+        original.options(nprocs=0)
+    with pytest.raises(TypeError, match="return_all"):
+        original.options(return_all=True)  # type: ignore[call-arg]
+    assert original.config is config
+
+
+def print_and_fail_once() -> int:
+    info = worker_info()
+    print(f"attempt {info.restart_count} of rank {info.rank}")
+    if info.restart_count == 0:
+        raise ValueError("first attempt failed")
+    return info.restart_count
+
+
+def test_a_restart_appends_to_the_logs_of_the_failed_attempt(tmp_path: Path) -> None:
+    run = parallel(nprocs=1, start_method="fork", max_restarts=1, log_dir=tmp_path, timeout=TIMEOUT)
+    with pytest.warns(RestartWarning):
+        assert run(print_and_fail_once)() == 1
+    log = (tmp_path / "rank0.log").read_text()
+    assert log.index("attempt 0 of rank 0") < log.index("--- restart 1") < log.index("attempt 1 of rank 0")
+
+
+@pytest.mark.slow
+def test_restart_under_spawn_reuses_the_payload(tmp_path: Path) -> None:
+    tensor = torch.arange(100_000, dtype=torch.float64)  # in a file of its own: read again by the restart
+    run = parallel(nprocs=1, start_method="spawn", max_restarts=1, timeout=TIMEOUT)(sum_after_one_failure)
+    with pytest.warns(RestartWarning, match="first attempt failed"):
+        assert run(tensor) == (1, tensor.sum().item())
+
+
+def sum_after_one_failure(tensor: torch.Tensor) -> tuple[int, float]:
+    count = worker_info().restart_count
+    tensor.add_(1)  # private to this attempt: the next one starts from the caller's values
+    if count == 0:
+        raise ValueError("first attempt failed")
+    return count, tensor.sub_(1).sum().item()
+
+
+def test_submit_checks_the_main_guard_at_the_line_that_submits(tmp_path: Path) -> None:
+    """The check runs in submit(), while the caller still stands on that line; the refusal is the future's."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        f"""\
+import sys
+sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+from mplaunch import parallel
+
+def compute():
+    return 1
+
+future = parallel(nprocs=1, start_method="spawn")(compute).submit()
+print(type(future.exception(timeout=30)).__name__, "line 8" in str(future.exception()))
+"""
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["LaunchRefusedError", "True"], done.stdout + done.stderr
+
+
+def draw() -> torch.Tensor:
+    return torch.rand(3)
+
+
+def test_submit_captures_the_random_state_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch import _checks
+
+    started = threading.Event()
+    check = _checks.check_not_bootstrapping
+
+    def late_in_the_launch_thread() -> None:  # the launch thread starts only after the caller reseeded
+        if threading.current_thread() is not threading.main_thread():
+            started.wait(10)
+        check()
+
+    monkeypatch.setattr(_checks, "check_not_bootstrapping", late_in_the_launch_thread)
+    run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(draw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        expected = torch.rand(3)
+        torch.manual_seed(0)
+        future = run.submit()
+        torch.manual_seed(1)  # after submit(): not what the workers start from
+        started.set()
+        assert torch.equal(future.result(timeout=TIMEOUT), expected)
+
+
+def test_ctrl_c_while_waiting_for_a_submitted_launch_stops_it(tmp_path: Path) -> None:
+    future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
+    _wait_for_workers(tmp_path)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            future.result(timeout=TIMEOUT)
+    finally:
+        timer.cancel()
+    assert future.cancelled() and all(_gone(pid) for pid in _pids(tmp_path))

@@ -1,0 +1,160 @@
+"""The cgroup CPU limit, over fake cgroup trees (v1, v2, nested, no limit) and one real cgroup where allowed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mplaunch import _config
+from mplaunch._cgroup import cpu_limit
+
+V1_MOUNTS = """\
+25 30 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+32 25 0:29 {root} /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+33 25 0:30 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
+"""
+V2_MOUNTS = "35 30 0:31 {root} /sys/fs/cgroup rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def _tree(tmp_path: Path, cgroup: str, mountinfo: str, files: dict[str, str]) -> str:
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    (tmp_path / "proc/self/mountinfo").write_text(mountinfo)
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    return str(tmp_path)
+
+
+def test_v2_quota_of_the_process_cgroup(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        "0::/kubepods/pod1/c1\n",
+        V2_MOUNTS.format(root="/"),
+        {"sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "150000 100000\n", "sys/fs/cgroup/cpu.max": "max 100000\n"},
+    )
+    assert cpu_limit(root) == 1.5
+
+
+def test_v2_max_means_no_limit(tmp_path: Path) -> None:
+    root = _tree(tmp_path, "0::/\n", V2_MOUNTS.format(root="/"), {"sys/fs/cgroup/cpu.max": "max 100000\n"})
+    assert cpu_limit(root) is None
+
+
+def test_nested_limits_the_smallest_ancestor_wins(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        "0::/slice/job/step\n",
+        V2_MOUNTS.format(root="/"),
+        {
+            "sys/fs/cgroup/slice/cpu.max": "200000 100000\n",  # 2 CPUs for the whole slice
+            "sys/fs/cgroup/slice/job/cpu.max": "max 100000\n",
+            "sys/fs/cgroup/slice/job/step/cpu.max": "800000 100000\n",  # asks for 8, gets 2
+        },
+    )
+    assert cpu_limit(root) == 2.0
+
+
+def test_v1_quota_through_a_container_mount_root(tmp_path: Path) -> None:
+    """Without a cgroup namespace, the container's cgroup is the mount's root: the path maps onto the mount."""
+    root = _tree(
+        tmp_path,
+        "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n1:name=systemd:/docker/abc\n0::/\n",
+        V1_MOUNTS.format(root="/docker/abc"),
+        {
+            "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "250000\n",
+            "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        },
+    )
+    assert cpu_limit(root) == 2.5
+
+
+def test_v1_minus_one_means_no_limit_and_hybrid_v2_without_cpu_is_ignored(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        "4:cpu,cpuacct:/user.slice\n0::/user.slice\n",
+        V1_MOUNTS.format(root="/") + "40 25 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n",
+        {
+            "sys/fs/cgroup/cpu,cpuacct/user.slice/cpu.cfs_quota_us": "-1\n",
+            "sys/fs/cgroup/cpu,cpuacct/user.slice/cpu.cfs_period_us": "100000\n",
+        },
+    )
+    assert cpu_limit(root) is None
+
+
+def test_escaped_mount_points_and_missing_files_are_handled(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        "0::/a b\n",
+        "35 30 0:31 / /sys/fs/my\\040cgroup rw - cgroup2 cgroup2 rw\n",
+        {"sys/fs/my cgroup/a b/cpu.max": "50000 100000\n"},
+    )
+    assert cpu_limit(root) == 0.5
+    assert cpu_limit(str(tmp_path / "nowhere")) is None
+
+
+def test_usable_cpu_count_is_the_smaller_of_affinity_and_quota_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(_config, "cpu_limit", lambda: 2.5)
+    assert _config.usable_cpu_count() == 3
+    monkeypatch.setattr(_config, "cpu_limit", lambda: 0.2)
+    assert _config.usable_cpu_count() == 1
+    monkeypatch.setattr(_config, "cpu_limit", lambda: None)
+    assert _config.usable_cpu_count() == 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(_config, "cpu_limit", lambda: 16.0)
+    assert _config.usable_cpu_count() == 2
+    assert _config.resolve_nprocs(5) == 5
+
+
+def _make_cgroup() -> tuple[Path, str]:
+    """A fresh cgroup with a CPU limit of half a CPU, v2 or v1, or skip when this machine does not allow it."""
+    name = f"mplaunch-test-{os.getpid()}"
+    base = Path("/sys/fs/cgroup")
+    candidates = [(base, "cpu.max", "50000 100000"), (base / "cpu", "cpu.cfs_quota_us", "50000")]
+    if not (base / "cgroup.controllers").exists() or "cpu" not in (base / "cgroup.subtree_control").read_text():
+        candidates = candidates[1:]
+    reason = "no writable cgroup hierarchy with the cpu controller"
+    for parent, file, text in candidates:
+        directory = parent / name
+        try:
+            directory.mkdir()
+        except OSError as error:
+            reason = f"cannot create a cgroup under {parent}: {error}"
+            continue
+        try:
+            (directory / file).write_text(text)
+        except OSError as error:
+            directory.rmdir()
+            reason = f"cannot set {file} in a new cgroup: {error}"
+            continue
+        return directory, file
+    pytest.skip(reason)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="cgroups are Linux's")
+def test_a_real_cgroup_quota_is_seen_by_a_process_moved_into_it() -> None:
+    directory, _ = _make_cgroup()
+    program = (
+        "import os, sys\n"
+        "with open(sys.argv[1], 'w') as procs: procs.write(str(os.getpid()))\n"
+        "from mplaunch._config import usable_cpu_count; from mplaunch._cgroup import cpu_limit\n"
+        "print(cpu_limit(), usable_cpu_count())"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", program, str(directory / "cgroup.procs")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        )
+    finally:
+        directory.rmdir()
+    assert done.returncode == 0, done.stderr
+    limit, count = done.stdout.split()
+    assert float(limit) == 0.5 and int(count) == 1  # half a CPU, rounded up, whatever the affinity mask
