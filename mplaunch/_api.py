@@ -16,9 +16,9 @@ from typing import Any, Generic, Literal, TypeVar, overload
 from typing_extensions import ParamSpec
 
 from mplaunch import _future, _launcher
-from mplaunch._config import LaunchConfig, make_config
+from mplaunch._config import LaunchConfig, StartMethod, make_config
 from mplaunch._control import LaunchControl
-from mplaunch._errors import InvalidOptionError
+from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
 from mplaunch._state import GlobalState
 
 P = ParamSpec("P")
@@ -75,7 +75,14 @@ class ParallelFunction(Generic[P, T]):
             LaunchTimeoutError: the launch ran past ``timeout`` seconds.
             KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
         """
-        return _launcher.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
+        try:
+            return _launcher.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
+        except BaseException as error:
+            if not _ours(error):
+                raise
+            # the caller's line and the worker's own traceback (the cause) tell what happened; the frames of
+            # mplaunch in between do not: cut them, as concurrent.futures' result() does
+            raise error.with_traceback(None) from error.__cause__
 
     def debug(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run the function here, in this process, as rank 0 of a world of 1, set up as a worker would be.
@@ -146,7 +153,7 @@ class ParallelFunction(Generic[P, T]):
         self,
         *,
         nprocs: int | Literal["auto"] | _Unset = ...,
-        start_method: str | None | _Unset = ...,
+        start_method: StartMethod | None | _Unset = ...,
         timeout: float | None | _Unset = ...,
         grace_period: float | _Unset = ...,
         backend: str | None | _Unset = ...,
@@ -174,8 +181,7 @@ class ParallelFunction(Generic[P, T]):
             TypeError: an unknown option name.
         """
         given = {name: value for name, value in locals().items() if name != "self" and value is not ...}
-        current = {field.name: getattr(self.config, field.name) for field in dataclasses.fields(self.config)}
-        return ParallelFunction(self.__wrapped__, make_config(**{**current, **given}))
+        return ParallelFunction(self.__wrapped__, dataclasses.replace(self.config, **given))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
         module = sys.modules.get(getattr(self, "__module__", ""))
@@ -201,7 +207,7 @@ def parallel(
     /,
     *,
     nprocs: int | Literal["auto"] = ...,
-    start_method: str | None = ...,
+    start_method: StartMethod | None = ...,
     return_all: Literal[False] = ...,
     timeout: float | None = ...,
     grace_period: float = ...,
@@ -223,7 +229,7 @@ def parallel(
     /,
     *,
     nprocs: int | Literal["auto"] = ...,
-    start_method: str | None = ...,
+    start_method: StartMethod | None = ...,
     return_all: Literal[True],
     timeout: float | None = ...,
     grace_period: float = ...,
@@ -239,25 +245,7 @@ def parallel(
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, list[R]]]: ...
 
 
-def parallel(
-    function: Callable[..., Any] | None = None,
-    /,
-    *,
-    nprocs: int | Literal["auto"] = "auto",
-    start_method: str | None = None,
-    return_all: bool = False,
-    timeout: float | None = None,
-    grace_period: float = 5.0,
-    backend: str | None = None,
-    prefix_output: bool = False,
-    console_ranks: Iterable[int] | None = None,
-    log_dir: str | os.PathLike[str] | None = None,
-    nnodes: int | None = None,
-    node_rank: int | None = None,
-    rdzv_endpoint: str | None = None,
-    max_restarts: int = 0,
-    rdzv_timeout: float = 600.0,
-) -> Any:
+def parallel(function: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     """Make ``function`` run on ``nprocs`` worker processes of this machine each time it is called.
 
     Usable bare (``@parallel``) or with options (``@parallel(nprocs=2)``). Options are checked here, when
@@ -311,6 +299,7 @@ def parallel(
 
     Raises:
         InvalidOptionError: an option is invalid; the message names it, its value and the allowed values.
+        TypeError: an option name that does not exist (the message lists the options).
 
     Example:
         >>> @parallel(nprocs=2, start_method="spawn")  # doctest: +SKIP
@@ -328,22 +317,7 @@ def parallel(
     The decorator form follows tenacity's ``retry`` and attrs' ``define``; the launcher follows
     ``torch.multiprocessing.start_processes`` and torchrun's environment contract.
     """
-    config = make_config(
-        nprocs=nprocs,
-        start_method=start_method,
-        return_all=return_all,
-        timeout=timeout,
-        grace_period=grace_period,
-        backend=backend,
-        prefix_output=prefix_output,
-        console_ranks=console_ranks,
-        log_dir=log_dir,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        max_restarts=max_restarts,
-        rdzv_timeout=rdzv_timeout,
-    )
+    config = make_config(**options)  # the options and their defaults are LaunchConfig's fields
     if function is not None:
         return _wrap(function, config)
 
@@ -351,6 +325,13 @@ def parallel(
         return _wrap(fn, config)
 
     return decorate
+
+
+def _ours(error: BaseException) -> bool:
+    """Whether ``error`` is one mplaunch raises by design: its own errors, and workers' exceptions rebuilt in
+    the parent (they carry the worker's traceback as ``RemoteTraceback`` cause). Anything else (a bug of
+    mplaunch, an interrupt) keeps its full traceback."""
+    return isinstance(error, MplaunchError) or isinstance(error.__cause__, RemoteTraceback)
 
 
 def _wrap(function: Any, config: LaunchConfig) -> ParallelFunction[Any, Any]:

@@ -1,4 +1,4 @@
-"""The launch options, validated once when a function is decorated."""
+"""The launch options, validated once, when they are made (when a function is decorated)."""
 
 from __future__ import annotations
 
@@ -7,38 +7,47 @@ import math
 import multiprocessing
 import os
 from collections.abc import Iterable
+from typing import Any, Literal
 
 from mplaunch._cgroup import cpu_limit
 from mplaunch._errors import InvalidOptionError
 
-START_METHODS = ("spawn", "fork", "forkserver")
+StartMethod = Literal["spawn", "fork", "forkserver"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchConfig:
-    """Options of one decorated function. Build it with :func:`make_config`, which validates every field.
+    """The launch options of one decorated function, validated when made: a ``LaunchConfig`` cannot exist with
+    an invalid value. :func:`~mplaunch.parallel` makes one from its keyword options, and
+    ``ParallelFunction.options`` with :func:`dataclasses.replace`; every field's default is the option's.
 
     Attributes:
         nprocs: number of worker processes started by one call, or ``"auto"`` (see :func:`resolve_nprocs`).
         start_method: ``"spawn"``, ``"fork"``, ``"forkserver"``, or ``None`` to choose at call time.
         return_all: return a list of every rank's value ordered by rank instead of rank 0's value.
-        timeout: seconds the whole launch may take, or ``None`` for no limit.
+        timeout: seconds the whole launch may take (restarts included), or ``None`` for no limit.
         grace_period: seconds a worker gets between SIGTERM and SIGKILL when the launch stops it.
         backend: process-group backend each worker initialises around the function (``"gloo"``,
             ``"nccl"``, ``"auto"``, ...), or ``None`` to leave process groups to the function.
-        prefix_output: prefix each line a worker prints with ``[rank N] ``.
-        console_ranks: the ranks whose output reaches the console, or ``None`` for every rank.
-        log_dir: a directory where each rank's output is also written to ``rank{N}.log``, or ``None``.
+        prefix_output: prefix each line a worker writes with ``[rank N] ``.
+        console_ranks: the ranks whose output reaches the console, or ``None`` for every rank (any collection
+            of ints is accepted and kept as a ``frozenset``).
+        log_dir: a directory where each rank's output is also written to ``rank{N}.log``, or ``None`` (any
+            path is accepted and kept as an absolute ``str``).
         nnodes: number of nodes, or ``None`` to read it from the environment (one node if unset).
         node_rank: this node's index, or ``None`` (informative: c10d rendezvous orders the nodes).
         rdzv_endpoint: ``host[:port]`` of the c10d rendezvous on a multi-node launch.
         max_restarts: how often all workers are restarted after a failure (by mplaunch on one node, by
             torch.distributed.elastic on several), as torchrun's ``--max-restarts``.
         rdzv_timeout: seconds to wait for every node to join a multi-node launch.
+
+    Raises:
+        InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
+            allowed. (An unknown field name is a ``TypeError``, as for any call.)
     """
 
-    nprocs: int | str = 1
-    start_method: str | None = None
+    nprocs: int | Literal["auto"] = "auto"
+    start_method: StartMethod | None = None
     return_all: bool = False
     timeout: float | None = None
     grace_period: float = 5.0
@@ -52,77 +61,83 @@ class LaunchConfig:
     max_restarts: int = 0
     rdzv_timeout: float = 600.0
 
+    def __post_init__(self) -> None:
+        _check_nprocs(self.nprocs)
+        _check_start_method(self.start_method)
+        for name in ("return_all", "prefix_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidOptionError(f"{name}={getattr(self, name)!r} is not valid: pass True or False.")
+        _check_seconds("timeout", self.timeout, "> 0, or None for no limit", optional=True)
+        _check_seconds("grace_period", self.grace_period, ">= 0", allow_zero=True)
+        _check_seconds("rdzv_timeout", self.rdzv_timeout, "> 0")
+        _check_backend(self.backend)
+        _check_whole("nnodes", self.nnodes, 1)
+        _check_whole("node_rank", self.node_rank, 0)
+        _check_whole("max_restarts", self.max_restarts, 0, " of restarts after a worker failure (0: none)")
+        if self.rdzv_endpoint is not None and (not isinstance(self.rdzv_endpoint, str) or not self.rdzv_endpoint):
+            raise InvalidOptionError(
+                f"rdzv_endpoint={self.rdzv_endpoint!r} is not valid: pass 'host:port', e.g. 'node0:29400'."
+            )
+        if self.log_dir is not None and not isinstance(self.log_dir, (str, os.PathLike)):
+            raise InvalidOptionError(f"log_dir={self.log_dir!r} is not valid: pass a directory path, or None.")
+        normalised = {
+            "console_ranks": None if self.console_ranks is None else _check_ranks(self.console_ranks),
+            "log_dir": None if self.log_dir is None else os.path.abspath(os.fspath(self.log_dir)),
+            "timeout": None if self.timeout is None else float(self.timeout),
+            "grace_period": float(self.grace_period),
+            "rdzv_timeout": float(self.rdzv_timeout),
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
 
-def make_config(
-    *,
-    nprocs: int | str,
-    start_method: str | None,
-    return_all: bool,
-    timeout: float | None,
-    grace_period: float,
-    backend: str | None = None,
-    prefix_output: bool = False,
-    console_ranks: Iterable[int] | None = None,
-    log_dir: str | os.PathLike[str] | None = None,
-    nnodes: int | None = None,
-    node_rank: int | None = None,
-    rdzv_endpoint: str | None = None,
-    max_restarts: int = 0,
-    rdzv_timeout: float = 600.0,
-) -> LaunchConfig:
-    """Validate the options and return them as a :class:`LaunchConfig`.
+
+#: The option names, in the order of :class:`LaunchConfig`'s fields (one list for the decorator and options()).
+OPTIONS = tuple(field.name for field in dataclasses.fields(LaunchConfig))
+
+
+def make_config(**options: Any) -> LaunchConfig:
+    """Return the :class:`LaunchConfig` of these keyword options (defaults for the others).
 
     Raises:
-        InvalidOptionError: an option has a wrong type or value; the message names it and the allowed values.
+        InvalidOptionError: an option has a wrong type or value.
+        TypeError: an option name that does not exist; the message lists the valid ones.
     """
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}: the options are {', '.join(OPTIONS)}.")
+    return LaunchConfig(**options)
+
+
+def _check_nprocs(nprocs: object) -> None:
     if nprocs != "auto" and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
         raise InvalidOptionError(
             f"nprocs={nprocs!r} is not valid: pass a whole number of processes >= 1 (e.g. nprocs=2), or 'auto'."
         )
+
+
+def _check_start_method(start_method: object) -> None:
     available = multiprocessing.get_all_start_methods()
     if start_method is not None and start_method not in available:
         raise InvalidOptionError(
             f"start_method={start_method!r} is not available on this platform: use one of "
             f"{', '.join(repr(m) for m in available)}, or None to let mplaunch choose."
         )
-    if not isinstance(return_all, bool):
-        raise InvalidOptionError(f"return_all={return_all!r} is not valid: pass True or False.")
-    if timeout is not None and not _is_positive_seconds(timeout):
-        raise InvalidOptionError(
-            f"timeout={timeout!r} is not valid: pass a number of seconds > 0, or None for no limit."
-        )
-    if not _is_positive_seconds(grace_period, allow_zero=True):
-        raise InvalidOptionError(f"grace_period={grace_period!r} is not valid: pass a number of seconds >= 0.")
-    _check_backend(backend)
-    if not isinstance(prefix_output, bool):
-        raise InvalidOptionError(f"prefix_output={prefix_output!r} is not valid: pass True or False.")
-    ranks = None if console_ranks is None else _check_ranks(console_ranks)
-    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
-        raise InvalidOptionError(f"log_dir={log_dir!r} is not valid: pass a directory path, or None.")
-    for name, value, low in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0), ("max_restarts", max_restarts, 0)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            what = " of restarts after a worker failure (0: none)" if name == "max_restarts" else ""
-            raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number{what} >= {low}.")
-    if rdzv_endpoint is not None and (not isinstance(rdzv_endpoint, str) or not rdzv_endpoint):
-        raise InvalidOptionError(f"rdzv_endpoint={rdzv_endpoint!r} is not valid: pass 'host:port', e.g. 'node0:29400'.")
-    if not _is_positive_seconds(rdzv_timeout):
-        raise InvalidOptionError(f"rdzv_timeout={rdzv_timeout!r} is not valid: pass a number of seconds > 0.")
-    return LaunchConfig(
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        max_restarts=max_restarts,
-        rdzv_timeout=float(rdzv_timeout),
-        backend=backend,
-        prefix_output=prefix_output,
-        console_ranks=ranks,
-        log_dir=None if log_dir is None else os.path.abspath(os.fspath(log_dir)),
-        nprocs=nprocs,
-        start_method=start_method,
-        return_all=return_all,
-        timeout=None if timeout is None else float(timeout),
-        grace_period=float(grace_period),
-    )
+
+
+def _check_seconds(name: str, value: object, allowed: str, *, allow_zero: bool = False, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        ok = False
+    else:
+        ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        raise InvalidOptionError(f"{name}={value!r} is not valid: pass a number of seconds {allowed}.")
+
+
+def _check_whole(name: str, value: object, low: int, what: str = "") -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+        raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number{what} >= {low}.")
 
 
 def _check_ranks(console_ranks: Iterable[int]) -> frozenset[int]:
@@ -162,12 +177,6 @@ def resolve_backend(backend: str | None, nprocs: int) -> str | None:
     import torch
 
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
-
-
-def _is_positive_seconds(value: object, *, allow_zero: bool = False) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
-    return value >= 0 if allow_zero else value > 0
 
 
 def usable_cpu_count() -> int:

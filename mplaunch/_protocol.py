@@ -30,6 +30,7 @@ PAYLOAD = "payload"
 #: Rank 0's outcome, fetched by a node of a multi-node launch that does not run rank 0.
 REMOTE_RANK0 = "remote-rank0"
 _RANK_PREFIX = "rank"
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def outcome_name(rank: int) -> str:
@@ -127,8 +128,11 @@ class Raised:
     @classmethod
     def of(cls, error: BaseException) -> Raised:
         """The record of ``error``, raised in this process; never raises itself."""
+        tb = error.__traceback__
+        while tb is not None and tb.tb_next is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
+            tb = tb.tb_next  # the worker's own frames (mplaunch's) above the user's function tell nothing
         try:
-            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            text = "".join(traceback.format_exception(type(error), error, tb))
         except Exception:  # noqa: BLE001 - a broken __str__ must not hide the error
             text = "".join(traceback.format_tb(error.__traceback__)) + _safely(repr, error)
         try:
