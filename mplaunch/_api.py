@@ -259,6 +259,8 @@ def parallel(function: Callable[..., Any] | None = None, /, **options: Any) -> A
 
     Args:
         function: the function to decorate; given only in the bare form.
+        **options: the launch options below, by keyword; each option's default is
+            :class:`~mplaunch.LaunchConfig`'s.
         nprocs: worker processes per call, an int >= 1, or ``"auto"`` (the default): the number of visible
             CUDA devices when CUDA is available, else the number of usable CPU cores.
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names), or ``None``

@@ -26,7 +26,7 @@ def _read(path: str) -> str | None:
 
 
 def _unescape(field: str) -> str:
-    """mountinfo writes a space, tab, newline or backslash in a path as an octal escape (``\\040``)."""
+    r"""Undo mountinfo's octal escapes of a space, tab, newline or backslash in a path (``\040``)."""
     return _ESCAPE.sub(lambda match: chr(int(match.group(1), 8)), field)
 
 

@@ -1,4 +1,4 @@
-"""Writing the text of several ranks to one stream in whole lines, each started by its rank's prefix.
+r"""Writing the text of several ranks to one stream in whole lines, each started by its rank's prefix.
 
 A stream (or two streams on one terminal, which share a :class:`Line`) has at most one open (unfinished) line,
 of one writer. Another writer's text first ends that line with a newline; the first writer's continuation then
@@ -74,7 +74,7 @@ def consoles() -> tuple[Sink, Sink]:
 
 
 def prefixed(text: str, prefix: str, at_start: bool) -> tuple[str, bool]:
-    """``text`` with ``prefix`` at the start of each line (a ``\\r`` starts one too); returns it and whether
+    r"""Return ``text`` with ``prefix`` at the start of each line (a ``\r`` starts one too), and whether
     the text that follows starts a line."""
     if not prefix or not text:
         return text, at_start

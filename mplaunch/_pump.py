@@ -1,4 +1,4 @@
-"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread.
+r"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread.
 
 Each worker's fd 1 and fd 2 are the write ends of two pipes (see :mod:`mplaunch._output`). A thread of the
 parent reads them all and writes whole lines, with the ``[rank N] `` prefix, to the parent's ``sys.stdout``

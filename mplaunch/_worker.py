@@ -53,7 +53,7 @@ _outcome_decided = False  # after this, signals are noted and ignored
 
 @functools.lru_cache(maxsize=1)
 def prctl() -> Any:
-    """libc's prctl, loaded once (in the parent before a fork, so forked workers inherit it)."""
+    """The prctl of libc, loaded once (in the parent before a fork, so forked workers inherit it)."""
     return ctypes.CDLL(None, use_errno=True).prctl
 
 
