@@ -35,7 +35,7 @@ from mplaunch._signals import parent_signals, signals_blocked
 from mplaunch._state import GlobalState
 from mplaunch._store import rendezvous
 from mplaunch._supervisor import Supervisor
-from mplaunch._worker import prctl, run
+from mplaunch._worker import run
 
 
 @contextlib.contextmanager
@@ -153,11 +153,6 @@ def _launch(
     payload = Payload(_function_reference(function, imports), args, kwargs, state)
     if start_method != "fork":
         warn_not_carried(payload.state.python)
-    if start_method == "fork":
-        import lightning_utilities  # noqa: F401 - imported once here rather than in every forked worker
-
-        prctl()
-
     with launch_directory() as directory:
         spec = WorkerSpec(
             directory=directory,
@@ -277,7 +272,7 @@ def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
     :mod:`mplaunch._importable`: a module loaded from a file path, or ``pkg.__main__``, is never imported
     there). Only the first forkserver launch of a process starts the server, so later functions from other
     modules are imported by each worker."""
-    modules = ["__main__", "torch", "lightning_utilities", "mplaunch._worker"]
+    modules = ["__main__", "torch", "mplaunch._worker"]
     if "numpy" in sys.modules:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it
     module = getattr(function, "__module__", None)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import functools
 import multiprocessing
 import multiprocessing.util
 import os
@@ -22,7 +20,6 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
 
 import torch
 
@@ -45,22 +42,16 @@ from mplaunch._protocol import (
 )
 from mplaunch._sharing import unshare
 
-_PR_SET_PDEATHSIG = 1
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
 _outcome_decided = False  # after this, signals are noted and ignored
 
 
-@functools.lru_cache(maxsize=1)
-def prctl() -> Any:
-    """The prctl of libc, loaded once (in the parent before a fork, so forked workers inherit it)."""
-    return ctypes.CDLL(None, use_errno=True).prctl
-
-
 def _die_with_parent(parent_pid: int, start_method: str) -> None:
     """Make sure this worker dies when the launching process dies, even by SIGKILL; exit now if it is gone.
 
-    Under fork and spawn the launching process is the parent: Linux's ``PR_SET_PDEATHSIG`` sends SIGKILL.
+    Under fork and spawn the launching process is the parent: Linux's ``PR_SET_PDEATHSIG`` sends SIGKILL (set
+    with torch's own helper, as ``torch.multiprocessing.spawn`` workers do).
     Under forkserver the parent is the fork server, which outlives a killed launcher (its children keep the
     server's "alive" pipe open), so a daemon thread waits on a pidfd of the launching process instead.
     """
@@ -68,8 +59,8 @@ def _die_with_parent(parent_pid: int, start_method: str) -> None:
         return
     if start_method != "forkserver":
         try:
-            prctl()(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
+            torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # type: ignore[attr-defined]
+        except (OSError, AttributeError, RuntimeError):
             return
         if os.getppid() != parent_pid:
             os._exit(1)
@@ -103,7 +94,26 @@ def _on_signal(signum: int, frame: object) -> None:
     if first:
         _signal_received = signum
     if first and not _outcome_decided:
+        _terminate_children()  # before unwinding: e.g. DataLoader workers would print about a vanished rank
         raise Terminated(128 + signum) if signum == signal.SIGTERM else Interrupted()
+
+
+def _terminate_children() -> None:
+    """SIGTERM the rest of this worker's process group (what it started), quietly: the DataLoader's SIGCHLD
+    handler, which would raise about its workers' deaths, is reset first. This worker ignores the SIGTERM it
+    sends itself (a stop signal has been received already)."""
+    if not _children():
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    with contextlib.suppress(OSError):
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGTERM)
+
+
+def _default_signals() -> None:
+    """In a process forked by a worker: SIGTERM and SIGINT as in any Python process, not the worker's."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _set_threads(num_threads: int) -> None:
@@ -235,6 +245,7 @@ def _start(spec: WorkerSpec) -> None:
     """Signals, parent-death and exit handlers: the first things a worker does."""
     for signum in _STOP_SIGNALS:
         signal.signal(signum, _on_signal)
+    os.register_at_fork(after_in_child=_default_signals)  # the worker's children (DataLoader's...) get Python's
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
         atexit._clear()  # inherited from the parent or the fork server: not ours to run

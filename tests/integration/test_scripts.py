@@ -446,3 +446,110 @@ def test_a_function_defined_inside_the_guard_is_sent_by_value(tmp_path: Path) ->
     done = run_script(write_script(tmp_path, DEFINED_IN_GUARD), "forkserver")
     assert done.returncode == 0, done.stderr
     assert "result 2" in done.stdout
+
+
+BIG_ARGUMENT = """
+    import os, sys, time
+    import torch
+    from mplaunch import parallel, worker_info
+
+    @parallel(nprocs=2, start_method=sys.argv[1])
+    def work(pid_dir: str, weights: torch.Tensor) -> None:
+        rank = str(worker_info().rank)
+        with open(os.path.join(pid_dir, "tmp" + rank), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(pid_dir, "tmp" + rank), os.path.join(pid_dir, rank))
+        time.sleep(120)
+
+    if __name__ == "__main__":
+        work(sys.argv[2], torch.ones(64 * 2**20))  # 256 MiB, in the launch directory for the whole call
+"""
+
+
+def _shm_used() -> int:
+    stats = os.statvfs("/dev/shm")
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP])
+def test_a_killed_parents_launch_directory_is_removed_without_a_later_launch(started: Starter, signum: int) -> None:
+    """Issue 16: after SIGKILL (or SIGHUP, SIGQUIT) the launch directory stayed in /dev/shm until some later
+    launch cleaned it: a dead job's arguments and results could hold gigabytes of RAM. The parent's reaper
+    removes it as soon as the parent is gone."""
+    before = _shm_used()
+    parent, pids = started(BIG_ARGUMENT, "forkserver")
+    assert _shm_used() - before > 200 * 2**20  # the argument is there
+    parent.send_signal(signum)
+    parent.communicate(timeout=30)
+    assert_gone(pids, within=15.0)
+    deadline = time.monotonic() + 10
+    while [
+        e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{parent.pid}-")
+    ] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{parent.pid}-")]
+    assert _shm_used() - before < 64 * 2**20  # back to where it started (other processes may use a little)
+
+
+QUIET_STOP = """
+    import os, signal, sys, time
+    sys.path.insert(0, sys.argv[3])
+    from mplaunch import LaunchTimeoutError, parallel, worker_info
+    from tests import workers
+
+    @parallel(nprocs=2, start_method=sys.argv[1], timeout=float(sys.argv[4]), grace_period=3.0)
+    def work(pid_dir: str, fail_after: float) -> None:
+        rank = str(worker_info().rank)
+        with open(os.path.join(pid_dir, "tmp" + rank), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(pid_dir, "tmp" + rank), os.path.join(pid_dir, rank))
+        workers.dataloader_forever(fail_after)
+
+    if __name__ == "__main__":
+        try:
+            work(sys.argv[2], float(sys.argv[5]))
+        except (LaunchTimeoutError, RuntimeError, KeyboardInterrupt) as error:
+            print("stopped by", type(error).__name__, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("start_method", "how"), [("fork", "timeout"), ("spawn", "peer"), ("fork", "ctrl-c"), ("forkserver", "peer")]
+)
+def test_a_stop_the_user_asked_for_is_quiet(tmp_path: Path, start_method: str, how: str) -> None:
+    """Issue 10/16: a stop (timeout, a peer's failure, Ctrl-C) printed tracebacks from the ranks' own
+    DataLoader workers and exit handlers. Ranks iterate a DataLoader with 2 persistent workers when stopped."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    timeout, fail_after = {"timeout": ("4", "1e9"), "peer": ("120", "2"), "ctrl-c": ("120", "1e9")}[how]
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            str(write_script(tmp_path, QUIET_STOP)),
+            start_method,
+            str(pid_dir),
+            str(REPO),
+            timeout,
+            fail_after,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
+    try:
+        if how == "ctrl-c":
+            deadline = time.monotonic() + 60
+            while len(list(pid_dir.glob("[01]"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            os.killpg(parent.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the parent's whole process group
+        out, err = parent.communicate(timeout=120)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.communicate()
+    expected = {"timeout": "LaunchTimeoutError", "peer": "RuntimeError", "ctrl-c": "KeyboardInterrupt"}[how]
+    assert f"stopped by {expected}" in out, (out, err)
+    assert "Traceback" not in err and "Exception ignored" not in err, err
