@@ -84,6 +84,17 @@ def raise_everywhere() -> None:
     raise KeyError(f"rank {worker_info().rank}")
 
 
+def raise_everywhere_rank1_when_stopped(ready: str) -> None:
+    """Rank 0 raises once rank 1 holds SIGTERM; rank 1 raises when the launch's stop (its SIGTERM) arrives."""
+    if worker_info().rank == 1:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        open(ready, "w").close()
+        signal.sigtimedwait({signal.SIGTERM}, 60)
+    while not os.path.exists(ready):
+        time.sleep(0.01)
+    raise KeyError(f"rank {worker_info().rank}")
+
+
 def exit_zero_on_rank0() -> int:
     if worker_info().rank == 0:
         sys.exit(0)

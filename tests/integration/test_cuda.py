@@ -19,6 +19,13 @@ def test_cuda_tensors_come_back_on_the_cpu() -> None:
     assert not torch.cuda.is_initialized()  # the parent never touched CUDA
 
 
+def test_probing_cuda_leaves_fork_allowed() -> None:
+    """is_available() and device_count() on a machine with CUDA do not initialise it: fork still works."""
+    assert torch.cuda.is_available() and torch.cuda.device_count() >= 1
+    assert not torch.cuda.is_initialized()
+    assert parallel(nprocs=1, start_method="fork", timeout=120)(workers.identity)(7) == ((7,), {})
+
+
 CUDA_THEN_FORK = """
     import torch
     import mplaunch
