@@ -5,8 +5,10 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,8 +25,9 @@ from tests import workers
 TIMEOUT = 90
 
 
-def launch(function: object, start_method: str = "fork", **options: object) -> object:
-    return parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT, **options)(function)  # type: ignore[call-overload]
+def launch(function: Callable[..., Any], start_method: str = "fork", **options: object) -> Callable[..., Any]:
+    run: Callable[..., Any] = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT, **options)(function)  # type: ignore[call-overload]
+    return run
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

@@ -7,6 +7,7 @@ import importlib.machinery
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def _run_main(
     main = types.ModuleType("__main__")
     main.__file__ = str(tmp_path / "runner.py" if own_namespace else path)
     monkeypatch.setitem(sys.modules, "__main__", main)
-    namespace = {"__name__": "__main__"} if own_namespace else vars(main)
+    namespace: dict[str, Any] = {"__name__": "__main__"} if own_namespace else vars(main)
 
     def fit(x: int) -> None:
         _checks.check_main_guard("spawn", sys._getframe(1), "fit")

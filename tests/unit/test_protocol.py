@@ -74,7 +74,7 @@ def test_rank_state_of_every_outcome_stop_and_exit_code(kind: str, stopped: bool
         assert state is outcome
     elif kind == "raised":  # an exception of its own is a failure even when the stop reached it after
         assert type(state) is ValueError and str(state) == "bad value"
-        assert state.rank == 3 and state.pid == os.getpid()  # type: ignore[union-attr]
+        assert state.rank == 3 and state.pid == os.getpid()  # type: ignore[attr-defined]
     elif stopped:  # the launch ended it: never a failure
         assert state == Stopped(3)
     elif kind == "signalled":  # a SIGTERM from outside the launch
@@ -115,7 +115,7 @@ def test_an_mplaunch_failure_from_a_nested_launch_gets_no_note() -> None:
     inner = WorkerExitedError("rank 1 (pid 5) exited with code 3 before returning", 1, 5, 3)
     error = rebuild_exception(raised(inner), 0)
     assert type(error) is WorkerExitedError and str(error) == str(inner) and error.exitcode == 3
-    assert (error.rank, error.pid) == (0, os.getpid())  # type: ignore[attr-defined]
+    assert (error.rank, error.pid) == (0, os.getpid())
     assert not hasattr(error, "__notes__")
 
 

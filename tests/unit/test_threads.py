@@ -66,7 +66,12 @@ def test_forked_workers_keep_their_share_when_the_pool_is_released(monkeypatch: 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(_threads, "usable_cpu_count", lambda: 8)
     released: list[bool] = []
-    monkeypatch.setattr(_threads, "release_openmp_pools", lambda: released.append(True) or True)
+
+    def release() -> bool:
+        released.append(True)
+        return True
+
+    monkeypatch.setattr(_threads, "release_openmp_pools", release)
     assert _threads.worker_threads(2, "fork") == 4 and released == [True]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert _threads.worker_threads(2, "fork") == 1 and released == [True]  # one thread: nothing to release
