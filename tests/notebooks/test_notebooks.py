@@ -404,17 +404,20 @@ except mplaunch.WorkerExitedError as error:
 
 def _workers_of(pid: int) -> list[Any]:
     """Live descendants of the kernel, but multiprocessing's long-lived helpers (resource tracker, fork
-    server), which are not workers."""
+    server) and mplaunch's reaper of the kernel's launch directories, which are not workers."""
     found = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
             if child.status() == psutil.STATUS_ZOMBIE:
                 found.append(child)  # an unreaped worker is a leak too
                 continue
-            cmdline = " ".join(child.cmdline())
+            args = child.cmdline()
         except psutil.NoSuchProcess:
             continue
+        cmdline = " ".join(args)
         if "resource_tracker" in cmdline or "forkserver" in cmdline:
+            continue
+        if args and args[-1].startswith(f"mplaunch-{pid}-"):  # the reaper: its last argument is the kernel's prefix
             continue
         found.append(child)
     return found
