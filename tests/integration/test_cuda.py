@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ CUDA_THEN_FORK = """
 """
 
 
-def test_fork_after_cuda_is_refused_with_where(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fork_after_cuda_is_refused_with_where(tmp_path: Path) -> None:
     done = run_script(write_script(tmp_path, CUDA_THEN_FORK))
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "CUDA was first initialised here" in done.stdout
