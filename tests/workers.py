@@ -84,6 +84,17 @@ def raise_everywhere() -> None:
     raise KeyError(f"rank {worker_info().rank}")
 
 
+def raise_everywhere_rank1_when_stopped(ready: str) -> None:
+    """Rank 0 raises once rank 1 holds SIGTERM; rank 1 raises when the launch's stop (its SIGTERM) arrives."""
+    if worker_info().rank == 1:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        open(ready, "w").close()
+        signal.sigtimedwait({signal.SIGTERM}, 60)
+    while not os.path.exists(ready):
+        time.sleep(0.01)
+    raise KeyError(f"rank {worker_info().rank}")
+
+
 def exit_zero_on_rank0() -> int:
     if worker_info().rank == 0:
         sys.exit(0)
@@ -111,7 +122,7 @@ def sleep(seconds: float) -> int:
     return worker_info().rank
 
 
-def mutate(module: torch.nn.Module, tensor: torch.Tensor) -> dict[str, float]:
+def mutate(module: torch.nn.Linear, tensor: torch.Tensor) -> dict[str, float]:
     rank = worker_info().rank
     with torch.no_grad():
         module.weight.add_(rank + 1)
@@ -248,7 +259,7 @@ def nested_launch() -> list[tuple[int, float]]:
     os.environ["MPLAUNCH_IN_PROCESS"] = "0"
 
     inner = parallel(nprocs=2, start_method="fork", backend="gloo", return_all=True, timeout=60)
-    return inner(all_reduce_in_given_group)()  # type: ignore[no-any-return]
+    return inner(all_reduce_in_given_group)()
 
 
 def leave_a_thread_running() -> int:
@@ -395,9 +406,9 @@ def start_children_then(action: str, pid_file: str) -> int:
     """Start two non-daemon children with ``torch.multiprocessing.start_processes(join=False)`` (torch's
     test_nested), record their pids, then ``action``: ``"return"``, ``"raise"``, ``"sigterm"`` (kill self)
     or ``"wait"`` (to be stopped by the launch)."""
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import start_processes
 
-    context = mp.start_processes(_sleep_forever, nprocs=2, join=False, daemon=False, start_method="fork")
+    context = start_processes(_sleep_forever, nprocs=2, join=False, daemon=False, start_method="fork")
     if worker_info().rank == 0:
         _write(pid_file, " ".join(str(pid) for pid in context.pids()))
     if action == "raise":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +19,13 @@ def test_cuda_tensors_come_back_on_the_cpu() -> None:
     assert result["tensor"].device.type == "cpu" and result["tensor"].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert result["module"].weight.device.type == "cpu" and result["big"].device.type == "cpu"
     assert not torch.cuda.is_initialized()  # the parent never touched CUDA
+
+
+def test_probing_cuda_leaves_fork_allowed() -> None:
+    """is_available() and device_count() on a machine with CUDA do not initialise it: fork still works."""
+    assert torch.cuda.is_available() and torch.cuda.device_count() >= 1
+    assert not torch.cuda.is_initialized()
+    assert parallel(nprocs=1, start_method="fork", timeout=120)(workers.identity)(7) == ((7,), {})
 
 
 CUDA_THEN_FORK = """
@@ -37,7 +46,7 @@ CUDA_THEN_FORK = """
 """
 
 
-def test_fork_after_cuda_is_refused_with_where(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fork_after_cuda_is_refused_with_where(tmp_path: Path) -> None:
     done = run_script(write_script(tmp_path, CUDA_THEN_FORK))
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "CUDA was first initialised here" in done.stdout

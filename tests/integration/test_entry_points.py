@@ -275,7 +275,7 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """Run the selected entry points two at a time (each is one mostly single-threaded program, and CI has
     2 cores); every one has ended, with its session checked, before the first test of the matrix starts."""
     selected = [
-        item.callspec.params["entry"]
+        str(item.callspec.params["entry"])
         for item in request.session.items
         if isinstance(item, pytest.Function) and item.originalname == "test_every_entry_point_on_every_start_method"
     ]

@@ -44,7 +44,7 @@ def parent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str
     random.seed(7)
     torch.manual_seed(7)
     logger = logging.getLogger(LOGGER)
-    handlers = [
+    handlers: list[logging.Handler] = [
         logging.FileHandler(tmp_path / "log.txt", mode="w", encoding="utf-8"),
         logging.StreamHandler(sys.stderr),
     ]

@@ -117,7 +117,7 @@ def _lines_of(path: Path) -> list[str]:
 def _gone(pid: int) -> bool:
     """The process has ended (an orphan's zombie, not yet reaped by init, counts as ended)."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return True
 
@@ -144,7 +144,7 @@ def test_exhausted_restarts_raise_the_last_failure_with_the_earlier_ones(tmp_pat
     assert len(w) == 1
     assert str(caught.value) == "attempt 1 failed" and caught.value.rank == 1  # type: ignore[attr-defined]
     (earlier,) = caught.value.earlier_attempts  # type: ignore[attr-defined]
-    assert isinstance(earlier, ValueError) and str(earlier) == "attempt 0 failed" and earlier.rank == 1
+    assert isinstance(earlier, ValueError) and str(earlier) == "attempt 0 failed" and earlier.rank == 1  # type: ignore[attr-defined]
     assert _lines(tmp_path / "attempts-1") == ["0", "1"]
 
 

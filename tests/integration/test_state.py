@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy
 import pytest
@@ -14,7 +15,7 @@ from tests import workers
 TIMEOUT = 90
 
 
-def parent_draws() -> dict[str, object]:
+def parent_draws() -> dict[str, Any]:
     """What the parent itself would draw next, computed without disturbing its state."""
     from mplaunch import GlobalState
 

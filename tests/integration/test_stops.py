@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,9 +19,10 @@ TIMEOUT = 90
 METHODS = ["fork", "forkserver", "spawn"]
 
 
-def launch(function: object, start_method: str = "fork", **options: object) -> object:
+def launch(function: Callable[..., Any], start_method: str = "fork", **options: object) -> Callable[..., Any]:
     options = {"nprocs": 2, "start_method": start_method, "timeout": TIMEOUT, **options}
-    return parallel(**options)(function)  # type: ignore[call-overload]
+    run: Callable[..., Any] = parallel(**options)(function)  # type: ignore[call-overload]
+    return run
 
 
 def _gone(pids: list[int], within: float) -> bool:

@@ -33,6 +33,7 @@ psutil = pytest.importorskip("psutil")
 import nbformat  # noqa: E402
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager  # noqa: E402
+from jupyter_client.provisioning.local_provisioner import LocalProvisioner  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
 from nbformat import NotebookNode  # noqa: E402
 from traitlets import default  # noqa: E402
@@ -76,7 +77,7 @@ def _kernel_env(tmp_path: Path, **overrides: str | None) -> dict[str, str]:
 
 
 def _notebook(*sources: str, tags: dict[int, list[str]] | None = None) -> NotebookNode:
-    nb = nbformat.v4.new_notebook()
+    nb: NotebookNode = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell(source) for source in sources]
     for index, cell_tags in (tags or {}).items():
@@ -93,6 +94,15 @@ def _client(nb: NotebookNode, tmp_path: Path, *, timeout: int = CELL_TIMEOUT) ->
         kernel_manager_class=_VenvKernelManager,
         resources={"metadata": {"path": str(tmp_path)}},
     )
+
+
+def _kernel(client: NotebookClient) -> tuple[AsyncKernelManager, int]:
+    """The manager and pid of the kernel that ``client`` started (nbclient types both as optional)."""
+    manager = client.km
+    assert isinstance(manager, AsyncKernelManager)
+    provisioner = manager.provisioner
+    assert isinstance(provisioner, LocalProvisioner) and provisioner.pid is not None
+    return manager, provisioner.pid
 
 
 def _run(nb: NotebookNode, tmp_path: Path, *, own: bool = True, **env: str | None) -> NotebookNode:
@@ -394,17 +404,20 @@ except mplaunch.WorkerExitedError as error:
 
 def _workers_of(pid: int) -> list[Any]:
     """Live descendants of the kernel, but multiprocessing's long-lived helpers (resource tracker, fork
-    server), which are not workers."""
+    server) and mplaunch's reaper of the kernel's launch directories, which are not workers."""
     found = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
             if child.status() == psutil.STATUS_ZOMBIE:
                 found.append(child)  # an unreaped worker is a leak too
                 continue
-            cmdline = " ".join(child.cmdline())
+            args = child.cmdline()
         except psutil.NoSuchProcess:
             continue
+        cmdline = " ".join(args)
         if "resource_tracker" in cmdline or "forkserver" in cmdline:
+            continue
+        if args and args[-1].startswith(f"mplaunch-{pid}-"):  # the reaper: its last argument is the kernel's prefix
             continue
         found.append(child)
     return found
@@ -412,7 +425,7 @@ def _workers_of(pid: int) -> list[Any]:
 
 def _alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
@@ -450,7 +463,8 @@ print("RESULT", json.dumps(again(41)))
     async def scenario() -> dict[str, Any]:
         facts: dict[str, Any] = {}
         async with client.async_setup_kernel(env=_kernel_env(tmp_path)):
-            kernel_pid = facts["kernel_pid"] = client.km.provisioner.pid
+            manager, kernel_pid = _kernel(client)
+            facts["kernel_pid"] = kernel_pid
             await client.async_execute_cell(nb.cells[0], 0, execution_count=1)
             launch = asyncio.ensure_future(client.async_execute_cell(nb.cells[1], 1, execution_count=2))
             deadline = time.monotonic() + 60
@@ -463,7 +477,7 @@ print("RESULT", json.dumps(again(41)))
             facts["workers"] = [int(p.read_text()) for p in pid_files]
             facts["children_before"] = [c.pid for c in _workers_of(kernel_pid)]
             interrupted = time.monotonic()
-            await client.km.interrupt_kernel()
+            await manager.interrupt_kernel()
             await asyncio.wait_for(launch, timeout=30)
             facts["stop_seconds"] = time.monotonic() - interrupted
             facts["children_after"] = [(c.pid, c.name(), c.status()) for c in _workers_of(kernel_pid)]
@@ -501,4 +515,5 @@ def test_example_notebook_runs_top_to_bottom(tmp_path: Path) -> None:
 
 
 def _cell_with(nb: NotebookNode, snippet: str) -> NotebookNode:
-    return next(cell for cell in nb.cells if cell.cell_type == "code" and snippet in cell.source)
+    cell: NotebookNode = next(cell for cell in nb.cells if cell.cell_type == "code" and snippet in cell.source)
+    return cell

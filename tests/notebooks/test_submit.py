@@ -16,6 +16,7 @@ from tests.notebooks.test_notebooks import (
     _alive,
     _client,
     _errors,
+    _kernel,
     _kernel_env,
     _notebook,
     _outputs,
@@ -70,14 +71,14 @@ print("RESULT", json.dumps([future.cancelled(), sleepy.options(nprocs=1).submit(
     async def scenario() -> dict[str, Any]:
         facts: dict[str, Any] = {}
         async with client.async_setup_kernel(env=_kernel_env(tmp_path)):
-            kernel_pid = client.km.provisioner.pid
+            manager, kernel_pid = _kernel(client)
             await client.async_execute_cell(nb.cells[0], 0, execution_count=1)
             await client.async_execute_cell(nb.cells[1], 1, execution_count=2)
             facts["first"] = await _pids(tmp_path, "a")
             busy = asyncio.ensure_future(client.async_execute_cell(nb.cells[2], 2, execution_count=3))
             await asyncio.sleep(1.0)
             interrupted = time.monotonic()
-            await client.km.interrupt_kernel()
+            await manager.interrupt_kernel()
             await asyncio.wait_for(busy, timeout=30)
             facts["stop_seconds"] = time.monotonic() - interrupted
             facts["alive_after_interrupt"] = [pid for pid in facts["first"] if _alive(pid)]

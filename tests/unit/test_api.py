@@ -124,9 +124,9 @@ def test_a_positional_option_is_refused_with_the_fix() -> None:
 def test_wrong_call_arguments_fail_before_launching() -> None:
     # nprocs=2 with spawn would take seconds per launch: the error must come first, in the parent
     with pytest.raises(TypeError, match=r"bare\(\): missing a required argument: 'x'.*before launching"):
-        parallel(nprocs=2, start_method="spawn")(bare.__wrapped__)()
+        parallel(nprocs=2, start_method="spawn")(bare.__wrapped__)()  # type: ignore[call-arg]  # on purpose
     with pytest.raises(TypeError, match="unexpected keyword argument 'z'"):
-        parallel(nprocs=2, start_method="spawn")(bare.__wrapped__)(1, z=2)
+        parallel(nprocs=2, start_method="spawn")(bare.__wrapped__)(1, z=2)  # type: ignore[call-arg]  # on purpose
 
 
 def test_async_functions_and_unreachable_console_ranks_are_refused() -> None:

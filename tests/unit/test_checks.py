@@ -7,6 +7,7 @@ import importlib.machinery
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,9 +24,19 @@ def test_cuda_initialised_refuses_fork_only(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_cuda_probe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Probing (is_available, device_count) does not initialise CUDA, so fork stays allowed. On a machine without
+    CUDA nothing initialises, so CUDA's initialisation is replaced by one that succeeds and is seen by the check
+    (tests/integration/test_cuda.py probes the real one)."""
+    initialised: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: initialised.append(True))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(initialised))
     torch.cuda.is_available()
     torch.cuda.device_count()
+    assert not initialised
     _checks.check_cuda_fork("fork")
+    torch.cuda.init()  # what does initialise CUDA is refused
+    with pytest.raises(LaunchRefusedError):
+        _checks.check_cuda_fork("fork")
 
 
 def test_cuda_message_helps_notebook_users(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +98,7 @@ def _run_main(
     main = types.ModuleType("__main__")
     main.__file__ = str(tmp_path / "runner.py" if own_namespace else path)
     monkeypatch.setitem(sys.modules, "__main__", main)
-    namespace = {"__name__": "__main__"} if own_namespace else vars(main)
+    namespace: dict[str, Any] = {"__name__": "__main__"} if own_namespace else vars(main)
 
     def fit(x: int) -> None:
         _checks.check_main_guard("spawn", sys._getframe(1), "fit")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -25,7 +25,12 @@ class Batch:
 
 def test_shared_tensors_are_copied_wherever_they_sit() -> None:
     shared = torch.zeros(4).share_memory_()
-    obj = {"d": collections.OrderedDict(w=shared), "t": (Pair(shared, 1),), "s": [Batch(shared)], "n": 3}
+    obj: dict[str, Any] = {
+        "d": collections.OrderedDict(w=shared),
+        "t": (Pair(shared, 1),),
+        "s": [Batch(shared)],
+        "n": 3,
+    }
     out = unshare(obj)
     for tensor in (out["d"]["w"], out["t"][0].a, out["s"][0].x):
         assert not tensor.is_shared() and torch.equal(tensor, shared)

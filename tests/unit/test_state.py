@@ -112,7 +112,10 @@ def test_logger(tmp_path: Path) -> Iterator[logging.Logger]:
 
 
 def _configure(logger: logging.Logger, path: Path) -> list[logging.Handler]:
-    handlers = [logging.FileHandler(path, mode="w", encoding="utf-8"), logging.StreamHandler(sys.stderr)]
+    handlers: list[logging.Handler] = [
+        logging.FileHandler(path, mode="w", encoding="utf-8"),
+        logging.StreamHandler(sys.stderr),
+    ]
     for handler in handlers:
         handler.setFormatter(logging.Formatter("{levelname}|{message}", datefmt="%H:%M", style="{"))
         handler.setLevel(logging.DEBUG)
@@ -136,7 +139,8 @@ def test_logging_and_warning_filters_are_rebuilt_as_configured(test_logger: logg
         test_logger.setLevel(logging.NOTSET)
         test_logger.propagate = True
         state.restore()  # as in a spawn worker: nothing configured yet
-        assert warnings.filters[0][1].pattern == "unit-state-filter"
+        message = warnings.filters[0][1]
+        assert message is not None and message.pattern == "unit-state-filter"
     assert (test_logger.level, test_logger.propagate) == (logging.INFO, False)
     file, stream = test_logger.handlers
     assert isinstance(file, logging.FileHandler) and file.baseFilename == str(path) and file.mode == "a"
@@ -188,7 +192,9 @@ def test_exit_closes_the_files_left_open_wrappers_first(tmp_path: Path, monkeypa
     raw = open(tmp_path / "data.gz", "wb")  # noqa: SIM115
     packed = gzip.GzipFile(fileobj=raw, mode="wb")
     packed.write(b"payload")
-    found = [raw, raw.raw, text.buffer.raw, text.buffer, sys.stderr, text, io.BytesIO(), packed]  # as gc lists them
+    buffer = text.buffer
+    assert isinstance(buffer, io.BufferedWriter)  # typeshed's TextIOWrapper.buffer is a protocol without .raw
+    found = [raw, raw.raw, buffer.raw, buffer, sys.stderr, text, io.BytesIO(), packed]  # as gc lists them
     monkeypatch.setattr(logging, "shutdown", lambda: None)  # the test process's handlers are pytest's
     monkeypatch.setattr(gc, "get_objects", lambda: found)  # the test process's other files are pytest's
     _exit.close_files()

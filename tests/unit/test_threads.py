@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,48 @@ def test_an_unreleasable_pool_means_one_thread_and_a_warning_at_the_callers_line
         assert _threads.worker_threads(2, "fork") == 1
     assert len(caught) == 1 and caught[0].filename == __file__  # once, pointing here, not into mplaunch
     assert "could not be released" in str(caught[0].message)
+
+
+def test_forked_workers_keep_their_share_when_the_pool_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(_threads, "usable_cpu_count", lambda: 8)
+    released: list[bool] = []
+
+    def release() -> bool:
+        released.append(True)
+        return True
+
+    monkeypatch.setattr(_threads, "release_openmp_pools", release)
+    assert _threads.worker_threads(2, "fork") == 4 and released == [True]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert _threads.worker_threads(2, "fork") == 1 and released == [True]  # one thread: nothing to release
+
+
+@pytest.mark.parametrize(("result", "released"), [(0, True), (-1, False), (None, False)])
+def test_every_runtime_must_free_its_pool(monkeypatch: pytest.MonkeyPatch, result: int | None, released: bool) -> None:
+    """``omp_pause_resource_all`` returns 0 on success; a runtime without it (``None``) cannot be paused."""
+    calls: list[tuple[str, int]] = []
+
+    def pauser(path: str) -> Callable[[int], int] | None:
+        def pause(kind: int) -> int:
+            calls.append((path, kind))
+            return 0 if path.endswith("libgomp.so.1") else (result or 0)
+
+        return None if result is None and path.endswith("libiomp5.so") else pause
+
+    monkeypatch.setattr(_threads, "_scanned", (len(sys.modules), ["/lib/libgomp.so.1", "/lib/libiomp5.so"]))
+    monkeypatch.setattr(_threads, "_pauser", pauser)
+    assert _threads.release_openmp_pools() is released
+    assert calls[0] == ("/lib/libgomp.so.1", 2)  # omp_pause_hard: the pool's threads end
+
+
+def test_a_runtime_is_paused_only_if_this_process_loaded_it(tmp_path: Path) -> None:
+    import torch
+
+    torch.randn(10**5).exp().sum()
+    loaded = next(path for path in _threads._loaded_runtimes() if "torch" in path)
+    assert _threads._pauser(loaded) is not None
+    copy = tmp_path / "libgomp.so.1"
+    copy.write_bytes(Path(loaded).read_bytes())
+    assert _threads._pauser(str(copy)) is None  # another file, never loaded: RTLD_NOLOAD does not open it
+    assert str(copy) not in _threads._loaded_runtimes()

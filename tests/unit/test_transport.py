@@ -7,6 +7,7 @@ import os
 import pickle
 import resource
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from mplaunch import _transport
 
 def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
     base = torch.arange(100_000, dtype=torch.float32)
-    obj = {
+    obj: dict[str, Any] = {
         "base": base,
         "view": base[10:20],
         "small": torch.tensor([1, 2, 3]),

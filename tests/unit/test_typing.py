@@ -13,16 +13,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_mypy_accepts_the_typing_checks_and_the_package() -> None:
+def test_mypy_strict_accepts_the_package_the_tests_and_the_typing_checks() -> None:
+    """``mypy`` as configured in pyproject.toml (strict) checks every Python file of the package and of tests/,
+    tests/typing/check_types.py among them (its ``type: ignore`` comments must each be needed)."""
     pytest.importorskip("mypy")
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "tests/typing/check_types.py", "mplaunch"],
+        [sys.executable, "-m", "mypy", "--strict", "--warn-unused-ignores"],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=280,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    files = [*REPO.glob("mplaunch/**/*.py"), *REPO.glob("tests/**/*.py")]
+    assert REPO / "tests" / "typing" / "check_types.py" in files
+    assert f"Success: no issues found in {len(files)} source files" in done.stdout, done.stdout
 
 
 @pytest.mark.slow

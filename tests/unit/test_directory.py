@@ -1,0 +1,86 @@
+"""Launch directories: where they go, whose they are, and which stale ones a launch removes, in one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from mplaunch import _directory
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped) just now."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def make(root: Path, name: str) -> Path:
+    """A directory named ``name`` holding what a launch leaves: a payload and an outcome with its data."""
+    directory = root / name
+    directory.mkdir()
+    for file in ("payload.pkl", "rank0.pkl", "rank0.bin"):
+        (directory / file).write_bytes(b"x" * 10)
+    return directory
+
+
+def test_only_directories_of_dead_parents_of_this_pid_namespace_are_removed(tmp_path: Path) -> None:
+    namespace, dead, alive = _directory._pid_namespace(), dead_pid(), os.getpid()
+    assert not _directory._pid_alive(dead) and _directory._pid_alive(alive)
+    stale = [make(tmp_path, f"mplaunch-{dead}-{namespace}-k2x9q"), make(tmp_path, f"mplaunch-{dead}-{namespace}-")]
+    kept = [
+        make(tmp_path, f"mplaunch-{alive}-{namespace}-a8c1z"),  # a running launch of this process
+        make(tmp_path, f"mplaunch-{dead}-{namespace}1-a8c1z"),  # another namespace whose number starts alike
+        make(tmp_path, f"mplaunch-{dead}-9{namespace}-a8c1z"),
+        make(tmp_path, f"mplaunch-{dead}-0-a8c1z"),  # a namespace that could not be read
+        make(tmp_path, f"mplaunch-{dead}-{namespace}"),  # not a name mkdtemp makes
+        make(tmp_path, f"mplaunch-{dead}"),
+        make(tmp_path, f"mplaunch-x{dead}-{namespace}-a8c1z"),
+        make(tmp_path, f"mplaunch-{namespace}-a8c1z"),
+        make(tmp_path, f"other-{dead}-{namespace}-a8c1z"),  # not mplaunch's
+        make(tmp_path, f"mplaunch{dead}-{namespace}-a8c1z"),
+    ]
+    _directory.remove_stale_directories(str(tmp_path))
+    assert not any(directory.exists() for directory in stale)
+    assert sorted(os.listdir(tmp_path)) == sorted(directory.name for directory in kept)
+    assert all(sorted(os.listdir(directory)) == ["payload.pkl", "rank0.bin", "rank0.pkl"] for directory in kept)
+
+
+def test_a_pid_that_cannot_be_signalled_counts_as_alive(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another user's process (EPERM) is alive: its launch directory must be kept."""
+
+    def refuse(pid: int, signum: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", refuse)
+    assert _directory._pid_alive(dead_pid())
+    directory = make(tmp_path, f"mplaunch-{dead_pid()}-{_directory._pid_namespace()}-a8c1z")
+    _directory.remove_stale_directories(str(tmp_path))
+    assert directory.exists()
+
+
+def test_the_namespace_is_this_processs() -> None:
+    namespace = _directory._pid_namespace()
+    assert namespace.isdigit()
+    assert os.readlink("/proc/self/ns/pid") == f"pid:[{namespace}]"
+    assert _directory.own_prefix() == f"mplaunch-{os.getpid()}-{namespace}-"
+
+
+def test_a_namespace_that_cannot_be_read_is_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreadable(path: str) -> str:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "readlink", unreadable)
+    assert _directory._pid_namespace() == "0"
+
+
+def test_shm_root_is_the_users_choice_else_dev_shm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MPLAUNCH_SHM_DIR", str(tmp_path))
+    assert _directory.shm_root() == str(tmp_path)
+    monkeypatch.delenv("MPLAUNCH_SHM_DIR")
+    writable = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+    assert _directory.shm_root() == ("/dev/shm" if writable else tempfile.gettempdir())

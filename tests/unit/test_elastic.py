@@ -1,0 +1,113 @@
+"""How a node of a multi-node launch turns its ranks' outcome records into a result or one failure, in one
+process: the records are written as workers write them, and torch elastic's failures are built by hand."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from mplaunch import WorkerExitedError, _transport
+from mplaunch._config import LaunchConfig
+from mplaunch._elastic import _collect
+from mplaunch._protocol import REMOTE_RANK0, Outcome, Raised, Returned, Signalled, WorkerSpec, outcome_name
+
+
+def raised(error: BaseException) -> Raised:
+    try:
+        raise error
+    except BaseException as caught:  # noqa: BLE001
+        return Raised.of(caught)
+
+
+def write(directory: Path, outcomes: dict[int, Outcome]) -> None:
+    for rank, outcome in outcomes.items():
+        _transport.dump(outcome, str(directory), outcome_name(rank))
+
+
+def collect(directory: Path, failed: dict[int, Any] | None = None, return_all: bool = False) -> list[Any]:
+    spec = WorkerSpec(
+        directory=str(directory),
+        nprocs=2,
+        start_method="fork",
+        parent_pid=os.getpid(),
+        num_threads=1,
+        reporting_ranks=frozenset({0}),
+    )
+    return _collect(spec, failed or {}, LaunchConfig(return_all=return_all))
+
+
+def failure(pid: int, exitcode: int) -> ProcessFailure:
+    return ProcessFailure(local_rank=0, pid=pid, exitcode=exitcode, error_file="<none>")
+
+
+def test_a_rank_that_raised_wins_over_a_lower_rank_that_was_signalled(tmp_path: Path) -> None:
+    write(tmp_path, {0: Signalled(100, signal.SIGTERM), 1: raised(ValueError("rank 1 fails"))})
+    with pytest.raises(ValueError, match="rank 1 fails") as caught:
+        collect(tmp_path)
+    assert caught.value.rank == 1  # type: ignore[attr-defined]
+
+
+def test_a_rank_that_raised_wins_over_a_lower_rank_that_elastic_saw_die(tmp_path: Path) -> None:
+    write(tmp_path, {1: raised(KeyError("rank 1"))})
+    with pytest.raises(KeyError) as caught:
+        collect(tmp_path, failed={0: failure(100, -signal.SIGKILL), 1: failure(101, 1)})
+    assert caught.value.rank == 1  # type: ignore[attr-defined]
+
+
+def test_the_lowest_rank_that_raised_comes_first(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        {0: Returned(100, 0), 1: Signalled(101, signal.SIGTERM), 3: raised(KeyError("3")), 2: raised(KeyError("2"))},
+    )
+    with pytest.raises(KeyError) as caught:
+        collect(tmp_path)
+    assert caught.value.rank == 2 and caught.value.args == ("2",)  # type: ignore[attr-defined]
+
+
+def test_without_an_exception_the_lowest_failed_rank_is_reported(tmp_path: Path) -> None:
+    write(tmp_path, {0: Returned(100, "zero"), 2: Signalled(102, signal.SIGTERM)})
+    with pytest.raises(WorkerExitedError) as caught:
+        collect(tmp_path, failed={1: failure(101, -signal.SIGKILL), 2: failure(102, 143)})
+    error = caught.value
+    assert (error.rank, error.pid, error.exitcode, error.signal_name) == (1, 101, -signal.SIGKILL, "SIGKILL")
+    assert "out-of-memory" in str(error)
+
+
+def test_a_rank_that_was_signalled_is_a_failure(tmp_path: Path) -> None:
+    write(tmp_path, {0: Returned(100, "zero"), 1: Signalled(101, signal.SIGTERM)})
+    with pytest.raises(WorkerExitedError, match="SIGTERM") as caught:
+        collect(tmp_path)
+    assert (caught.value.rank, caught.value.pid) == (1, 101)
+
+
+def test_return_all_gives_this_nodes_values_in_rank_order(tmp_path: Path) -> None:
+    write(tmp_path, {3: Returned(103, "three"), 2: Returned(102, "two")})  # node 1 of 2: ranks 2 and 3
+    write(tmp_path, {10: Returned(110, "ten")})  # numbers, not names, order the ranks: 10 after 3
+    assert collect(tmp_path, return_all=True) == ["two", "three", "ten"]
+    assert os.listdir(tmp_path) == []  # each record is read once and removed
+
+
+def test_rank_0_is_read_where_it_runs(tmp_path: Path) -> None:
+    write(tmp_path, {1: Returned(101, None), 0: Returned(100, {"loss": 0.5})})
+    _transport.dump(Returned(1, "not this one"), str(tmp_path), REMOTE_RANK0)
+    assert collect(tmp_path) == [{"loss": 0.5}]
+
+
+def test_rank_0_of_another_node_is_fetched(tmp_path: Path) -> None:
+    write(tmp_path, {2: Returned(102, None), 3: Returned(103, None)})
+    _transport.dump(Returned(1, "rank 0's value"), str(tmp_path), REMOTE_RANK0)
+    assert collect(tmp_path) == ["rank 0's value"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failure_of_rank_0_on_another_node_is_raised_here_as_itself(tmp_path: Path) -> None:
+    write(tmp_path, {2: Returned(102, None)})
+    _transport.dump(raised(OSError(28, "No space left")), str(tmp_path), REMOTE_RANK0)
+    with pytest.raises(OSError, match="No space left") as caught:
+        collect(tmp_path)
+    assert caught.value.errno == 28 and caught.value.rank == 0  # type: ignore[attr-defined]
