@@ -8,7 +8,7 @@ Example:
 
 from mplaunch._api import ParallelFunction, parallel
 from mplaunch._checks import record_cuda_init
-from mplaunch._config import LaunchConfig
+from mplaunch._config import LaunchConfig, StartMethod
 from mplaunch._env import WorkerInfo, outer_launcher, worker_info
 from mplaunch._errors import (
     InvalidOptionError,
@@ -35,6 +35,7 @@ __all__ = [
     "RemoteError",
     "RemoteTraceback",
     "RestartWarning",
+    "StartMethod",
     "WorkerExitedError",
     "WorkerFailedError",
     "WorkerInfo",

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from mplaunch import GlobalState, parallel
+from mplaunch import GlobalState, StartMethod, parallel
 from tests import inherit_workers
 
 TIMEOUT = 90
@@ -94,7 +94,7 @@ def _expected(handlers: list[logging.Handler]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_workers_start_from_the_parent_as_it_is_at_call_time(parent: dict[str, Any], start_method: str) -> None:
+def test_workers_start_from_the_parent_as_it_is_at_call_time(parent: dict[str, Any], start_method: StartMethod) -> None:
     expected = _expected(parent["handlers"])
     run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(inherit_workers.observe)
     results = run(parent["rows"], LOGGER)

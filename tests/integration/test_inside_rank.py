@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from mplaunch import parallel
+from mplaunch import StartMethod, parallel
 from tests import workers
 
 TIMEOUT = 120
@@ -23,7 +23,9 @@ TIMEOUT = 120
         pytest.param("spawn", (None, "forkserver", "spawn"), marks=pytest.mark.slow),
     ],
 )
-def test_tensor_arguments_are_ordinary_tensors_in_the_rank(start_method: str, contexts: tuple[str | None, ...]) -> None:
+def test_tensor_arguments_are_ordinary_tensors_in_the_rank(
+    start_method: StartMethod, contexts: tuple[str | None, ...]
+) -> None:
     """Arguments mapped from the launch directory reported is_shared(), so DataLoader workers failed with
     'Bad file descriptor' once an argument passed 64 KiB; the rank's default start method was its own
     (spawn), where a torchrun rank's is the platform's."""
@@ -36,7 +38,7 @@ def test_tensor_arguments_are_ordinary_tensors_in_the_rank(start_method: str, co
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_a_nested_call_runs_in_process_as_that_rank(start_method: str) -> None:
+def test_a_nested_call_runs_in_process_as_that_rank(start_method: StartMethod) -> None:
     """It started N x N processes under spawn and failed with 'process group initialised twice' under fork."""
     outer = parallel(nprocs=2, start_method=start_method, backend="gloo", timeout=TIMEOUT, return_all=True)
     results = outer(workers.outer_with_nested_call)()

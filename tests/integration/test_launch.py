@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from mplaunch import parallel
+from mplaunch import StartMethod, parallel
 from tests import workers
 
 ALL_METHODS = ["fork", "forkserver", "spawn"]
@@ -16,7 +16,9 @@ TIMEOUT = 90  # only a deadlock reaches it
 
 
 @pytest.mark.parametrize("start_method", ALL_METHODS)
-def test_returns_rank0_value_with_kwargs_and_env_contract(start_method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_returns_rank0_value_with_kwargs_and_env_contract(
+    start_method: StartMethod, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("RANK", "5")  # stale values in the parent never reach a worker
     monkeypatch.setenv("WORLD_SIZE", "9")
     monkeypatch.setenv("GROUP_RANK", "3")  # (TORCHELASTIC_RUN_ID would mean "already under torchrun": in-process)
@@ -36,7 +38,7 @@ def test_returns_rank0_value_with_kwargs_and_env_contract(start_method: str, mon
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
-def test_gloo_process_group_works_with_env_init(start_method: str) -> None:
+def test_gloo_process_group_works_with_env_init(start_method: StartMethod) -> None:
     run = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT)(workers.all_reduce_rank)
     assert run().item() == 3.0  # 1 + 2
 
@@ -55,7 +57,7 @@ def test_user_master_addr_and_port_are_kept(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
-def test_arguments_and_nested_results(start_method: str) -> None:
+def test_arguments_and_nested_results(start_method: StartMethod) -> None:
     run = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT)(workers.nested_result)
     result = run()
     assert torch.equal(result["list"][0], torch.arange(10.0))
@@ -71,7 +73,7 @@ def test_arguments_and_nested_results(start_method: str) -> None:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_large_result_is_complete_and_outlives_the_workers(start_method: str) -> None:
+def test_large_result_is_complete_and_outlives_the_workers(start_method: StartMethod) -> None:
     run = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT)(workers.big_result)
     result = run(64)  # 64 MiB: far past a pipe buffer
     tensor = result["tensor"]

@@ -9,7 +9,7 @@ import numpy
 import pytest
 import torch
 
-from mplaunch import parallel
+from mplaunch import StartMethod, parallel
 from tests import workers
 
 TIMEOUT = 90
@@ -40,7 +40,7 @@ def seeded_parent() -> object:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_workers_draw_exactly_what_the_parent_would(seeded_parent: None, start_method: str) -> None:
+def test_workers_draw_exactly_what_the_parent_would(seeded_parent: None, start_method: StartMethod) -> None:
     expected = parent_draws()
     run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(workers.random_draws)
     for result in run():
@@ -53,7 +53,7 @@ def test_workers_draw_exactly_what_the_parent_would(seeded_parent: None, start_m
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
-def test_arguments_are_private_to_each_worker(start_method: str, shared: bool) -> None:
+def test_arguments_are_private_to_each_worker(start_method: StartMethod, shared: bool) -> None:
     module = torch.nn.Linear(256, 256, bias=False)
     torch.nn.init.zeros_(module.weight)
     tensor = torch.zeros(1 << 16)
@@ -88,7 +88,7 @@ def test_worker_threads_default_to_cores_per_worker(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("start_method", ["forkserver"])
-def test_spawned_arguments_are_mapped_not_copied(start_method: str) -> None:
+def test_spawned_arguments_are_mapped_not_copied(start_method: StartMethod) -> None:
     anonymous = parallel(nprocs=1, start_method=start_method, timeout=TIMEOUT)(workers.anonymous_memory_after_reading)
     baseline = anonymous(torch.ones(1024))
     # read through a private mapping of the parent's copy: no private 128 MiB copy was made

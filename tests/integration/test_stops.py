@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from mplaunch import InvalidOptionError, LaunchTimeoutError, WorkerExitedError, parallel
+from mplaunch import InvalidOptionError, LaunchTimeoutError, StartMethod, WorkerExitedError, parallel
 from tests import workers
 
 TIMEOUT = 90
 METHODS = ["fork", "forkserver", "spawn"]
 
 
-def launch(function: Callable[..., Any], start_method: str = "fork", **options: object) -> Callable[..., Any]:
+def launch(function: Callable[..., Any], start_method: StartMethod = "fork", **options: object) -> Callable[..., Any]:
     options = {"nprocs": 2, "start_method": start_method, "timeout": TIMEOUT, **options}
     run: Callable[..., Any] = parallel(**options)(function)  # type: ignore[call-overload]
     return run
@@ -43,7 +43,7 @@ def _gone(pids: list[int], within: float) -> bool:
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_a_rank_stopped_while_writing_its_result_is_no_failure(
-    start_method: str, capfd: pytest.CaptureFixture[str]
+    start_method: StartMethod, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Rank 0 has returned and is pickling (slowly) when rank 1 raises: `failures` held a bogus 'exited with
     code 143' for rank 0, and spawn printed 'Exception ignored in atexit callback ... Terminated'."""
@@ -67,7 +67,7 @@ def test_every_rank_raising_keeps_only_real_failures() -> None:
 
 @pytest.mark.parametrize("start_method", METHODS)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGABRT])
-def test_a_signal_from_outside_is_named(start_method: str, signum: int) -> None:
+def test_a_signal_from_outside_is_named(start_method: StartMethod, signum: int) -> None:
     """A worker ended by someone else's SIGTERM was 'raised Terminated(143)' with signal_name None."""
     if start_method == "spawn" and signum != signal.SIGTERM:
         pytest.skip("the start method does not change how other signals are read; spawn is slow")
@@ -90,7 +90,9 @@ def test_exit_codes_are_cpythons(code: object, exitcode: int) -> None:
 
 @pytest.mark.parametrize("start_method", METHODS)
 @pytest.mark.parametrize("action", ["return", "raise"])
-def test_children_of_a_finished_worker_never_hold_the_call(start_method: str, action: str, tmp_path: Path) -> None:
+def test_children_of_a_finished_worker_never_hold_the_call(
+    start_method: StartMethod, action: str, tmp_path: Path
+) -> None:
     """A worker that started a 600 s child and returned held the call until the child ended (exit handlers
     join non-daemon children); raising, the failure was reported only then."""
     if start_method == "spawn" and action == "raise":
@@ -108,7 +110,7 @@ def test_children_of_a_finished_worker_never_hold_the_call(start_method: str, ac
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 @pytest.mark.parametrize("action", ["wait", "sigterm"])
-def test_a_stopped_worker_ends_with_its_children(start_method: str, action: str, tmp_path: Path) -> None:
+def test_a_stopped_worker_ends_with_its_children(start_method: StartMethod, action: str, tmp_path: Path) -> None:
     """torch's test_nested: two non-daemon children from start_processes(join=False); stopped (peer failure)
     or killed by SIGTERM, the worker waited for them in its exit handlers (still alive 10 s later)."""
     pid_file = tmp_path / "pids"

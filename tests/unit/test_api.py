@@ -74,7 +74,7 @@ def test_bad_options_are_refused_when_decorating(options: dict[str, object], nam
 
 def test_start_method_error_lists_the_available_ones() -> None:
     with pytest.raises(InvalidOptionError) as caught:
-        parallel(start_method="fork-exec")
+        parallel(start_method="fork-exec")  # type: ignore[call-overload]
     for method in multiprocessing.get_all_start_methods():
         assert repr(method) in str(caught.value)
 
