@@ -358,10 +358,10 @@ def test_submit_captures_the_random_state_when_called(monkeypatch: pytest.Monkey
     started = threading.Event()
     check = _checks.check_not_bootstrapping
 
-    def late_in_the_launch_thread() -> None:  # the launch thread starts only after the caller reseeded
+    def late_in_the_launch_thread(name: str) -> None:  # the launch thread starts only after the caller reseeded
         if threading.current_thread() is not threading.main_thread():
             started.wait(10)
-        check()
+        check(name)
 
     monkeypatch.setattr(_checks, "check_not_bootstrapping", late_in_the_launch_thread)
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(draw)
