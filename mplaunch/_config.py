@@ -13,6 +13,8 @@ from mplaunch._cgroup import cpu_limit
 from mplaunch._errors import InvalidOptionError
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
+StartMethod.__doc__ = """The start methods mplaunch accepts (``multiprocessing``'s names), for annotations:
+``def run(start_method: mplaunch.StartMethod) -> None``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,6 +8,7 @@ import io
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -160,7 +161,12 @@ LOST = """
         sys.stdout.write(f"partial of {rank}")
         sys.stdout.flush()
         os.write(2, f"error text of {rank}\\n".encode())
+        if rank == 0:
+            open(f"written-{how}", "w").close()
         if rank == 1:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(f"written-{how}") and time.monotonic() < deadline:
+                time.sleep(0.01)  # fail only once rank 0 has written: then its text must not be lost
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if how == "raise":
@@ -200,7 +206,9 @@ def test_nothing_a_rank_wrote_is_lost_when_it_fails_or_is_stopped(tmp_path: Path
             fatal = "Fatal Python error: Segmentation fault"
             if how == "segfault" and rank == 1:  # the crash's traceback, after what the rank wrote
                 log, crash = log[: log.index(fatal)], log[log.index(fatal) :]
-                assert any(line.endswith(", line 20 in work") for line in crash), crash
+                lines = [line.strip() for line in textwrap.dedent(LOST).splitlines()]
+                crash_line = 1 + lines.index("ctypes.string_at(0)")
+                assert any(line.endswith(f", line {crash_line} in work") for line in crash), crash
                 assert fatal in err[index]
             assert sorted(log) == sorted([f"line of {rank}", f"partial of {rank}", f"error text of {rank}"]), how
 
