@@ -33,12 +33,10 @@ def touch(value: Any) -> None:
     """Read one byte per page of a tensor or array (single-threaded NumPy: GNU OpenMP hangs in forked
     children of a process that started its thread pool), as the first use of a lazily mapped result would."""
     import numpy
-    import torch
 
-    if isinstance(value, torch.Tensor):
-        value = value.reshape(-1).view(torch.uint8).numpy()
-    if isinstance(value, numpy.ndarray):
-        numpy.add.reduce(value.reshape(-1).view(numpy.uint8)[:: os.sysconf("SC_PAGE_SIZE")], dtype=numpy.int64)
+    if hasattr(value, "nbytes"):  # a tensor or an array
+        flat = numpy.asarray(value).reshape(-1).view(numpy.uint8)
+        numpy.add.reduce(flat[:: os.sysconf("SC_PAGE_SIZE")], dtype=numpy.int64)
 
 
 def returned(launch: Callable[[], tuple[float, Any]], expected: int, count: int) -> list[dict[str, float]]:

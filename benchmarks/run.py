@@ -82,11 +82,6 @@ class Target:
     def value(self, data: Round) -> float | None:
         return div(med(data, self.top), self.bottom if isinstance(self.bottom, float) else med(data, self.bottom))
 
-    def needs(self) -> list[tuple[str, str]]:
-        """The (cell, part) pairs to rerun."""
-        paths = [p.split("|") for p in (self.top, self.bottom) if isinstance(p, str)]
-        return [(cell, keys[0]) for cell, *keys in paths]
-
     def verdict(self, rounds: list[Round], final: bool) -> tuple[str | None, float | None, list[float]]:
         """PASS/MISS/N/A (NOISY if ``final``, else None: rerun), the median of the last 3 values, all values."""
         found = [v for v in map(self.value, rounds) if v is not None]
@@ -162,9 +157,10 @@ def run_rounds(plan: dict[str, Any], cells: list[str], logs: Path, notes: list[s
             continue
         todo = {}
         if len(rounds) < plan["max_rounds"] and time.perf_counter() - started < plan["budget"]:
-            for target in TARGETS:
-                for cell, part in target.needs() if target.verdict(rounds, final=False)[0] is None else ():
-                    todo[cell] = [*dict.fromkeys([*todo.get(cell, []), part])]
+            undecided = [t for t in TARGETS if t.verdict(rounds, final=False)[0] is None]
+            for path in (p for t in undecided for p in (t.top, t.bottom) if isinstance(p, str)):
+                cell, part, *_ = path.split("|")
+                todo[cell] = [*dict.fromkeys([*todo.get(cell, []), part])]
     notes.append(f"{len(rounds)} round(s) in {time.perf_counter() - started:.0f} s")
     return rounds
 
