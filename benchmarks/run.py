@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [] if str(ROOT) in sys.path else [str(ROOT)]
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import median  # noqa: E402
 from benchmarks.launchers import PAYLOADS, RUNNERS  # noqa: E402
