@@ -1,45 +1,22 @@
 """Benchmark mplaunch against raw ``torch.multiprocessing`` and other launchers, in one run.
 
-Usage::
+Usage: ``python benchmarks/run.py [--quick] [--only [PEER ...]] [--results DIR]``
 
-    python benchmarks/run.py [--quick] [--only [RUNNER ...]] [--results DIR]
-
-(``benchmarks/profile_launch.py`` profiles a warm launch; see its docstring.)
-
-What is measured, always with ``nprocs=2`` on this machine:
-
-(a) Launch latency of a function that does nothing: the first call in a fresh process (fork server not
-    started yet) and the median of later calls, per start method (fork, forkserver, spawn).
-(b) Result return from rank 0 of an int, a list of 10**6 ints, and 1 MiB / 64 MiB / 512 MiB float32 tensors:
-    rank 0 builds the value, notes ``time.time()`` and returns both; the parent notes ``time.time()`` when
-    the call returns, so the interval covers pickling, transport, the workers' exit and unpickling (and
-    waiting for rank 1, which returns None: a call returns when every rank has finished). The
-    parent's peak RSS increase is read from the kernel (``VmHWM`` after resetting it through
-    ``/proc/self/clear_refs``, see ``measure.PeakRss``) after reading every page of the result, so a
-    lazily mapped result is counted once it is used. Baselines, in-process: one copy of the tensor into a
-    new shared-memory storage, and a pickle round trip of the list.
-(c) A launch whose function sets up a gloo process group from the environment, all-reduces one number and
-    tears the group down.
-Also: ``import mplaunch`` on top of ``import torch`` (fresh interpreters, median), and
-``GlobalState.capture().restore()`` when nothing differs.
-
-How: every (launcher, start method) pair is a *cell* run in a fresh process (``cell.py``) with a deadline
-on every launch and a time limit on the cell; processes a cell leaves behind are reported and killed. All
-cells run once per *round*; a ratio to the raw ``torch.multiprocessing.start_processes`` baseline compares
-cells of the same round. Peers (Lightning Fabric, Accelerate, Ignite) come from the ``bench`` extra and are
-skipped with a note when missing or failing; ``elastic_launch`` ships with torch. The table is printed and
-written with every sample to ``benchmarks/results/latest.json``; the chart goes to
-``benchmarks/results/chart.png`` and is copied to ``benchmarks/chart.png``.
+Every measurement runs in a *cell*, a fresh process with a time limit (``cells.py``): a (launcher, start
+method) pair with nprocs=2, or ``baselines``, ``arguments``, ``ddp``, ``output``. A round runs every cell
+once; ratios compare cells of the same round. A target whose per-round values are neither stable (the last 3
+within 15%) nor clearly (by 15%) on one side of its limit has its cells' parts rerun, up to ``max_rounds``;
+if it never settles it is NOISY, not MISS. Missing peers (the ``bench`` extra) are skipped with a note. The
+report is printed and saved with every sample to ``benchmarks/results/latest.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import platform
-import shutil
-import statistics
+import signal
 import subprocess
 import sys
 import time
@@ -48,259 +25,238 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.append(str(ROOT))
+sys.path.insert(0, str(ROOT))
 
-from benchmarks import report  # noqa: E402
-from benchmarks.config import FULL, METHOD_ORDER, QUICK, Plan  # noqa: E402
-from benchmarks.runners import RUNNERS  # noqa: E402
+from benchmarks.common import median  # noqa: E402
+from benchmarks.launchers import PAYLOADS, RUNNERS  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
-IMPORT_PROBE = (
-    "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); import mplaunch; "
-    "t2 = time.perf_counter(); print(t1 - t0, t2 - t1, mplaunch.__file__)"
-)
-PACKAGES = ("torch", "mplaunch", "lightning", "accelerate", "pytorch-ignite", "matplotlib", "psutil")
+METHODS = ("fork", "forkserver", "forkserver+preload", "spawn")
+PACKAGES = ("torch", "numpy", "lightning", "accelerate", "pytorch-ignite")
+Round = dict[str, dict[str, Any]]
 
 
-def child_environment() -> dict[str, str]:
-    """The environment of cells: this checkout importable as ``benchmarks`` (after any user ``PYTHONPATH``,
-    so another mplaunch can be benchmarked by putting it first)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
+#: rounds of every cell, then reruns of undecided targets' parts up to max_rounds while under budget seconds;
+#: warm/gloo launches per cell (*_slow: where workers import torch); payload: launches per result (peers:
+#: payload_peers) and samples per baseline; repeats: imports, 400 MB arguments, DDP commands, output runs;
+#: state: restore calls; peers_slow: also the peers' spawn cells.
+QUICK = dict(rounds=1, max_rounds=4, budget=480, warm=8, warm_slow=2, gloo=3, gloo_slow=0, payload=2, payload_peers=1,
+             repeats=1, state=200, peers_slow=False, cell_timeout=300)  # fmt: skip
+FULL = dict(rounds=3, max_rounds=6, budget=3600, warm=30, warm_slow=4, gloo=10, gloo_slow=2, payload=5, payload_peers=3,
+            repeats=5, state=2000, peers_slow=True, cell_timeout=900)  # fmt: skip
 
 
-def leftover_processes(group: int, wait: float = 3.0) -> int:
-    """Kill, by pid, the live processes still in process group ``group`` after ``wait`` seconds (fork servers
-    and resource trackers exit on their own shortly after their parent); return how many there were."""
-    import psutil
-
-    def members() -> list[psutil.Process]:
-        found = []
-        for process in psutil.process_iter(["status"]):
-            try:
-                if os.getpgid(process.pid) == group and process.info["status"] != psutil.STATUS_ZOMBIE:
-                    found.append(process)
-            except (OSError, psutil.Error):
-                continue
-        return found
-
-    deadline = time.monotonic() + wait
-    while (left := members()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for process in left:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    return len(left)
+def values(data: Round, path: str) -> list[float]:
+    """The samples at ``cell|key|...`` in one round; a last ``.field`` takes that field of each sample."""
+    cell, *keys = path.split("|")
+    field = keys.pop()[1:] if keys[-1].startswith(".") else None
+    value: Any = data.get(cell, {})
+    for key in keys:
+        value = value.get(key, {}) if isinstance(value, dict) else {}
+    value = value if isinstance(value, list) else [value] if isinstance(value, float) else []
+    return [sample[field] for sample in value] if field else value
 
 
-def run_cell(runner: str, method: str, plan: Plan, label: str, logs: Path) -> dict[str, Any]:
-    """Run one cell in a fresh process (its own session, so all its processes can be found) and return what
-    it measured, with its errors."""
+def med(data: Round, path: str) -> float | None:
+    return median(values(data, path))
+
+
+def pooled(rounds: list[Round], path: str) -> float | None:
+    return median(v for data in rounds for v in values(data, path))
+
+
+def div(top: float | None, bottom: float | None) -> float | None:
+    return None if top is None or not bottom else top / bottom
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """``top / bottom`` (paths of :func:`values`, or a number) per round, against ``limit``."""
+
+    text: str
+    limit: float
+    top: str
+    bottom: str | float
+    at_most: bool = True
+    unit: str = "x"
+
+    def value(self, data: Round) -> float | None:
+        return div(med(data, self.top), self.bottom if isinstance(self.bottom, float) else med(data, self.bottom))
+
+    def verdict(self, rounds: list[Round], final: bool) -> tuple[str | None, float | None, list[float]]:
+        """PASS/MISS/N/A (NOISY if ``final``, else None: rerun), the median of the last 3 values, all values."""
+        found = [v for v in map(self.value, rounds) if v is not None]
+        if not found:
+            return "N/A", None, found
+        last, value = found[-3:], median(found[-3:]) or 0.0
+        scores = [v / self.limit if self.at_most else self.limit / max(v, 1e-9) for v in last]
+        stable = len(last) == 3 and max(last) <= 1.15 * min(last)
+        clear = min(last) >= 0 and (all(s <= 1 / 1.15 for s in scores) or len(last) == 3 and min(scores) >= 1.15)
+        status = "PASS" if (value <= self.limit) == self.at_most else "MISS"
+        return (status if stable or clear else "NOISY" if final else None), value, found
+
+
+MP, LIST, BIG, ARRAY = "mplaunch/fork|", "list 10**6 ints", "512 MiB tensor", "400 MB NumPy array"
+TARGETS = [Target(*row) for row in (  # text, limit, top, bottom (a path or a number), at_most, unit
+    ("fork warm launch <= 1.5x raw fork", 1.5, "mplaunch/fork|launch", "raw/fork|launch"),
+    ("forkserver warm <= 1.3x raw preloaded", 1.3, "mplaunch/forkserver|launch", "raw/forkserver+preload|launch"),
+    ("forkserver warm >= 20x faster than spawn", 20, "mplaunch/spawn|launch", "mplaunch/forkserver|launch", False),
+    ("spawn warm launch <= 1.05x raw spawn", 1.05, "mplaunch/spawn|launch", "raw/spawn|launch"),
+    (f"{BIG} ready->result <= 1.3x one shm copy", 1.3, f"{MP}{BIG}|.ret", f"baselines|{BIG}"),
+    (f"{BIG} parent peak RSS increase <= 1.2x size", 1.2, f"{MP}{BIG}|.rss", 512.0 * 2**20),
+    ("list of 10**6 ints ready->result <= 1.3x pickle", 1.3, f"{MP}{LIST}|.ret", f"baselines|{LIST}"),
+    ("import mplaunch adds < 50 ms on top of torch", 50, "baselines|imports|mplaunch", 1e-3, True, "ms"),
+    ("GlobalState.capture().restore() < 5 ms", 5, "baselines|state", 1e-3, True, "ms"),
+    ("DDP script, DataLoader(num_workers=2), spawn <= 1.3x torchrun", 1.3, "ddp|wall|mplaunch", "ddp|wall|torchrun"),
+    (f"{ARRAY} result ready->result <= 1.3x one copy", 1.3, f"{MP}{ARRAY}|.ret", f"baselines|{ARRAY}"),
+    (f"{ARRAY} result parent peak RSS <= 1.1x data", 1.1, f"{MP}{ARRAY}|.rss", 400e6),
+    (f"{ARRAY} argument (spawn) adds <= 1.3 one-copies", 1.3, f"arguments|{ARRAY}|extra", f"baselines|{ARRAY}"),
+    (f"{ARRAY} argument (spawn) parent peak <= 1.1x data", 1.1, f"arguments|{ARRAY}|rss", 400e6),
+    ("fork, 4 MiB bytes argument <= 1.2x raw", 1.2, "arguments|4 MiB bytes|mplaunch", "arguments|4 MiB bytes|raw"),
+    (f"fork, {LIST} argument <= 1.2x raw", 1.2, f"arguments|{LIST}|mplaunch", f"arguments|{LIST}|raw"),
+)]  # fmt: skip
+
+
+def run_cell(name: str, parts: list[str], plan: dict[str, Any], label: str, logs: Path) -> dict[str, Any]:
+    """Run one cell in a fresh process and session; kill what it leaves behind (reported as an error)."""
     out = logs / f"{label}.json"
     out.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "benchmarks.cell", runner, method, plan.to_json(), str(out)]
-    killed = False
+    command = [sys.executable, "-m", "benchmarks.cells", name, json.dumps(plan), str(out), *parts]
     with open(logs / f"{label}.log", "w") as log:
-        process = subprocess.Popen(
-            command, cwd=logs, env=child_environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
         try:
-            process.wait(timeout=plan.cell_timeout)
+            process.wait(timeout=plan["cell_timeout"])
         except subprocess.TimeoutExpired:
-            killed = True
             process.kill()
             process.wait()
-    left = leftover_processes(process.pid)
-    result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
-    errors = result.setdefault("errors", {})
-    if killed:
-        errors["cell"] = f"ran past its limit of {plan.cell_timeout:g} s and was killed; see {logs / label}.log"
-    elif process.returncode:
-        errors["cell"] = f"exited with code {process.returncode}; see {logs / label}.log"
-    if left:
-        errors["leftovers"] = f"{left} process(es) still alive after the cell; killed"
+    result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"errors": {}}
+    if process.returncode:
+        result["errors"]["cell"] = f"exit code {process.returncode} (-9: killed at its time limit); see {label}.log"
+    for _ in range(30):  # fork servers and resource trackers exit on their own just after their parent
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return result
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGKILL)
+    result["errors"]["leftovers"] = "processes of the cell were alive 3 s after it ended; killed"
     return result
 
 
-def cells_of_round(plan: Plan, only: set[str] | None, notes: list[str]) -> list[tuple[str, str]]:
-    """``(runner, method)`` pairs in table order (methods outer), skipping peers that are not installed and,
-    unless the plan says otherwise, peers' slow methods."""
-    available = []
-    for runner in RUNNERS:
-        if runner.peer and only is not None and runner.key not in only:
+def run_rounds(plan: dict[str, Any], cells: list[str], logs: Path, notes: list[str]) -> list[Round]:
+    """``plan["rounds"]`` rounds of every cell, then rounds of the cells of targets not yet decided."""
+    started, rounds = time.perf_counter(), []
+    todo: dict[str, list[str]] = dict.fromkeys(cells, [])
+    while todo:
+        data = {}
+        for name, parts in todo.items():
+            data[name] = run_cell(name, parts, plan, f"r{len(rounds)}-{name.replace('/', '-')}", logs)
+            errors = "; ".join(f"{k}: {v}" for k, v in data[name]["errors"].items()) or "ok"
+            print(f"[{time.perf_counter() - started:4.0f} s] {len(rounds) + 1} {name} {parts}: {errors}", flush=True)
+        rounds.append(data)
+        if len(rounds) < plan["rounds"]:
             continue
-        reason = runner.missing()
-        if reason:
-            notes.append(f"skipped {runner.label}: {reason}")
-        else:
-            available.append(runner)
-    if not plan.peers_slow:
-        notes.append("peers' spawn cells are measured only without --quick")
-    return [
-        (r.key, m)
-        for m in METHOD_ORDER
-        for r in available
-        if m in r.methods and (plan.peers_slow or not r.peer or m not in r.slow_methods)
-    ]
+        todo = {}
+        if len(rounds) < plan["max_rounds"] and time.perf_counter() - started < plan["budget"]:
+            undecided = [t for t in TARGETS if t.verdict(rounds, final=False)[0] is None]
+            for path in (p for t in undecided for p in (t.top, t.bottom) if isinstance(p, str)):
+                cell, part, *_ = path.split("|")
+                todo[cell] = [*dict.fromkeys([*todo.get(cell, []), part])]
+    notes.append(f"{len(rounds)} round(s) in {time.perf_counter() - started:.0f} s")
+    return rounds
 
 
-def run_round(index: int, plan: Plan, cells: list[tuple[str, str]], logs: Path, started: float) -> dict[str, Any]:
-    data: dict[str, Any] = {"cells": {}}
-    for runner, method in [("baselines", "-"), *cells]:
-        cell_started = time.perf_counter()
-        result = run_cell(runner, method, plan, f"r{index}-{runner}-{method}", logs)
-        if runner == "baselines":
-            data["baselines"] = result
-        else:
-            data["cells"][f"{runner}/{method}"] = result
-        status = "; ".join(f"{k}: {v}" for k, v in result.get("errors", {}).items()) or "ok"
-        print(
-            f"[{time.perf_counter() - started:6.1f} s] round {index + 1}/{plan.rounds} {runner}/{method}: "
-            f"{time.perf_counter() - cell_started:.1f} s, {status}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return data
+def fmt(value: float | None, unit: str = "s") -> str:
+    if value is None:
+        return "-"
+    shown = {"s": f"{value:.3f}", "ms": f"{value:.1f} ms", "MiB": f"{value / 2**20:.0f}", "x": f"{value:.2f}x"}[unit]
+    return f"{value:.0f}x" if unit == "x" and value >= 100 else shown
 
 
-def cell_errors(rounds: list[dict[str, Any]]) -> list[str]:
-    """One note per distinct failure: ``runner/method part: error (rounds ...)``."""
-    seen: dict[str, list[int]] = {}
-    for index, data in enumerate(rounds):
-        for name, cell in {"baselines": data.get("baselines", {}), **data["cells"]}.items():
-            for part, error in cell.get("errors", {}).items():
-                seen.setdefault(f"{name} {part}: {error}", []).append(index + 1)
-    return [f"{text} (round {', '.join(map(str, indices))})" for text, indices in seen.items()]
+def latency_table(rounds: list[Round], part: str) -> list[str]:
+    lines = [f"  {'launcher':<16}{'method':<20}{'first s':>9}{'median s':>10}{'n':>4}{'x raw':>8}"]
+    for method in METHODS:
+        raw = "raw/forkserver+preload" if method == "forkserver" else f"raw/{method}"  # mplaunch preloads torch
+        for runner in RUNNERS:
+            cell = f"{runner.key}/{method}"
+            first = pooled(rounds, f"{cell}|first") if (part == "gloo") == runner.own_group else None
+            n = sum(len(values(data, f"{cell}|{part}")) for data in rounds)
+            ratio = median(div(med(data, f"{cell}|{part}"), med(data, f"{raw}|{part}")) for data in rounds)
+            if n or first is not None:
+                warm = fmt(pooled(rounds, f"{cell}|{part}"))
+                lines.append(f"  {runner.label:<16}{method:<20}{fmt(first):>9}{warm:>10}{n:>4}{fmt(ratio, 'x'):>8}")
+    return lines
 
 
-def measure_imports(plan: Plan, logs: Path) -> dict[str, Any]:
-    """Median seconds of ``import torch`` and of ``import mplaunch`` after it, in fresh interpreters.
-
-    mplaunch's bytecode is compiled first, as installing a wheel does: with PYTHONDONTWRITEBYTECODE set (as on
-    these machines) an editable checkout would otherwise be compiled from source at every import, while
-    torch's installed bytecode is not.
-    """
-    import compileall
-
-    compileall.compile_dir(str(ROOT / "mplaunch"), quiet=1)
-    torch_s, mplaunch_s, path = [], [], ""
-    for _ in range(plan.imports):
-        output = subprocess.run(
-            [sys.executable, "-c", IMPORT_PROBE],
-            cwd=logs,
-            env=child_environment(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout.split()
-        torch_s.append(float(output[0]))
-        mplaunch_s.append(float(output[1]))
-        path = output[2]
-    return {
-        "mplaunch_file": path,
-        "torch": statistics.median(torch_s),
-        "mplaunch_after_torch": statistics.median(mplaunch_s),
-        "n": plan.imports,
-        "samples_torch": torch_s,
-        "samples_mplaunch": mplaunch_s,
-    }
+def payload_table(rounds: list[Round]) -> list[str]:
+    lines = [f"  {'payload':<19}{'launcher':<24}{'ready->ret s':>13}{'x base':>8}{'touch s':>9}{'peak RSS+ MiB':>15}"]
+    for kind in PAYLOADS:
+        base, name = f"baselines|{kind}", "pickle round trip" if kind in ("int", LIST) else "one shm copy"
+        lines.append(f"  {kind:<19}{name:<24}{fmt(pooled(rounds, base)):>13}")
+        for runner in (r for r in RUNNERS if r.payloads):
+            at = f"{runner.key}/{runner.payloads}|{kind}|."
+            ratio = median(div(med(data, at + "ret"), med(data, base)) for data in rounds)
+            if pooled(rounds, at + "ret") is not None:
+                time_, touch, rss = (pooled(rounds, at + field) for field in ("ret", "touch", "rss"))
+                lines.append(f"  {'':<19}{f'{runner.label} ({runner.payloads})':<24}{fmt(time_):>13}"
+                             f"{fmt(ratio, 'x'):>8}{fmt(touch):>9}{fmt(rss, 'MiB'):>15}")  # fmt: skip
+    return lines
 
 
-def describe_environment() -> dict[str, Any]:
-    versions: dict[str, str | None] = {}
-    for package in PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "load_average_at_start": os.getloadavg(),
-        "versions": versions,
-        "git": commit.stdout.strip() or None,
-    }
+DETAILS = (  # the lines of (d): a label, then the paths of the seconds it shows
+    ("fork, 4 MiB bytes argument: mplaunch / raw", "arguments|4 MiB bytes|mplaunch", "arguments|4 MiB bytes|raw"),
+    (f"fork, {LIST} argument: mplaunch / raw", f"arguments|{LIST}|mplaunch", f"arguments|{LIST}|raw"),
+    ("spawn, a 1-byte NumPy argument / what 400 MB add", f"arguments|{ARRAY}|small", f"arguments|{ARRAY}|extra"),
+    ("DDP script, whole command: @parallel spawn / torchrun", "ddp|wall|mplaunch", "ddp|wall|torchrun"),
+    ("a rank printing 100 MB: routing off / on (prefix_output)", "output|off|write", "output|on|write"),
+    ("its launch: routing off / on", "output|off|launch", "output|on|launch"),
+    ("import torch / then import mplaunch", "baselines|imports|torch", "baselines|imports|mplaunch"),
+)  # fmt: skip
 
 
-def save(results: dict[str, Any], directory: Path, publish: bool) -> str | None:
-    """Write ``latest.json`` and ``chart.png`` to ``directory``; with ``publish``, copy the chart to
-    ``benchmarks/chart.png``. Return a note when no chart could be drawn."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "latest.json").write_text(json.dumps(results, indent=1))
-    env = results["environment"]
-    title = (
-        f"mplaunch benchmarks ({results['plan']['name']}, {env['usable_cpus']} CPUs, torch "
-        f"{env['versions']['torch']}, mplaunch {env['git']})"
-    )
-    try:
-        report.draw_chart(results["summary"], str(directory / "chart.png"), title)
-    except ImportError:
-        return "no chart: matplotlib is not installed (pip install -e '.[bench]')"
-    if publish:
-        shutil.copyfile(directory / "chart.png", ROOT / "benchmarks" / "chart.png")
-    return None
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and one round (< 3 minutes on 2 cores)")
-    parser.add_argument(
-        "--only",
-        nargs="*",
-        metavar="RUNNER",
-        choices=[r.key for r in RUNNERS],
-        help="measure only these peers, none if no name is given (raw torch and mplaunch are always measured)",
-    )
-    parser.add_argument(
-        "--results",
-        type=Path,
-        help=f"write results here instead of {RESULTS.relative_to(ROOT)} (and leave benchmarks/chart.png alone)",
-    )
-    return parser.parse_args(argv)
+def report(rounds: list[Round], verdicts: list[dict[str, Any]], notes: list[str]) -> str:
+    lines = ["", "(a) launch latency, trivial function, nprocs=2; x raw: warm median / raw torch.mp's, same round"]
+    lines += latency_table(rounds, "launch")
+    lines += ["", "(b) result from rank 0: ready->ret = value ready in rank 0 -> call returned; x base: vs the "
+              "in-process baseline; touch: reading every page; peak RSS+: the parent's, result touched"]  # fmt: skip
+    lines += payload_table(rounds)
+    lines += ["", "(c) launch that sets up and tears down a gloo group (Fabric and ignite always do)"]
+    lines += latency_table(rounds, "gloo")
+    lines += ["", "(d) arguments, a DDP script, output routing, imports (medians)"]
+    lines += [f"  {label:<60}{' / '.join(fmt(pooled(rounds, p)) for p in paths)} s" for label, *paths in DETAILS]
+    lines += ["", "targets (median of the last 3 rounds; NOISY: never stable within 15%)"]
+    for v in verdicts:
+        shown = " ".join(fmt(x, v["unit"]) for x in v["values"])
+        lines.append(f"  {v['status']:<6}{v['target']:<64}{fmt(v['value'], v['unit']):>7}   per round: {shown}")
+    return "\n".join(lines + [""] + [f"note: {note}" for note in notes])
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    started = time.perf_counter()
-    directory = (args.results or RESULTS).resolve()
-    logs = directory / "logs"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one round, fewer repeats, reruns of noisy cells only")
+    parser.add_argument("--only", nargs="*", metavar="PEER", choices=[r.key for r in RUNNERS if r.peer],
+                        help="measure only these peers (none if no name is given)")  # fmt: skip
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    plan, notes = QUICK if args.quick else FULL, []
+    runners = [r for r in RUNNERS if not (r.peer and args.only is not None and r.key not in args.only)]
+    notes += [f"skipped {r.label}: {r.missing()}" for r in runners if r.missing()]
+    cells = [f"{r.key}/{m}" for m in METHODS for r in runners if m in r.methods.split() and not r.missing()
+             and (plan["peers_slow"] or not r.peer or m not in r.slow.split())]  # fmt: skip
+    if os.getloadavg()[0] > 0.5:
+        notes.append(f"the machine was busy at the start (load average {os.getloadavg()[0]:.1f})")
+    logs = args.results.resolve() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    notes: list[str] = []
-    cells = cells_of_round(plan, None if args.only is None else set(args.only), notes)
-    environment = describe_environment()
-    if environment["load_average_at_start"][0] > 0.5:
-        notes.append(
-            f"the machine was busy at the start (load average {environment['load_average_at_start'][0]:.1f}"
-            "); timings may be noisy"
-        )
-    imports = measure_imports(plan, logs)
-    rounds = [run_round(index, plan, cells, logs, started) for index in range(plan.rounds)]
-    environment["load_average_at_end"] = os.getloadavg()
-    notes += cell_errors(rounds)
-    summary = report.summarize(rounds, imports)
-    notes.append(f"total {time.perf_counter() - started:.0f} s; samples and logs in {directory}")
-    results = {
-        "plan": json.loads(plan.to_json()),
-        "environment": environment,
-        "imports": imports,
-        "rounds": rounds,
-        "summary": summary,
-        "notes": notes,
-    }
-    chart_note = save(results, directory, publish=args.results is None)
-    if chart_note:
-        notes.append(chart_note)
-    print(report.format_report(summary, notes))
+    rounds = run_rounds(plan, [*cells, "baselines", "arguments", "ddp", "output"], logs, notes)
+    verdicts = []
+    for target in TARGETS:
+        status, value, found = target.verdict(rounds, final=True)
+        verdicts.append({"target": target.text, "status": status, "value": value, "values": found, "unit": target.unit})
+    for index, data in enumerate(rounds):
+        notes += [f"round {index + 1} {cell} {part}: {e}" for cell in data for part, e in data[cell]["errors"].items()]
+    versions = {d.name: d.version for d in metadata.distributions() if d.name in PACKAGES}
+    results = {"plan": plan, "versions": versions, "rounds": rounds, "targets": verdicts}
+    (args.results / "latest.json").write_text(json.dumps({**results, "notes": notes}, indent=1))
+    print(report(rounds, verdicts, notes + [f"samples and logs in {args.results}"]))
     return 0
 
 
