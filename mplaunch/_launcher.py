@@ -31,6 +31,7 @@ from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec, outcome_name
 from mplaunch._pump import Pump, routed, worker_fds
 from mplaunch._pystate import warn_not_carried
 from mplaunch._restarts import run_attempts
+from mplaunch._sharing import fork_needs_unshare
 from mplaunch._signals import parent_signals, signals_blocked
 from mplaunch._state import GlobalState
 from mplaunch._store import rendezvous
@@ -149,10 +150,11 @@ def _launch(
             f"console_ranks={sorted(config.console_ranks)} names no rank of this launch (ranks 0 to "
             f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
         )
-    state = control.state if control.state is not None else GlobalState.capture()
+    inherited = start_method == "fork" and nodes is None  # forked workers inherit Python's configuration as it is
+    state = control.state if control.state is not None else GlobalState.capture(python=not inherited)
     payload = Payload(_function_reference(function, imports), args, kwargs, state)
-    if start_method != "fork":
-        warn_not_carried(payload.state.python)
+    if state.python is not None and not inherited:
+        warn_not_carried(state.python)
     with launch_directory() as directory:
         spec = WorkerSpec(
             directory=directory,
@@ -168,6 +170,7 @@ def _launch(
             log_dir=config.log_dir,
             grace_period=config.grace_period,
             mp_start_method=multiprocessing.get_start_method(allow_none=True),
+            unshare=start_method != "fork" or fork_needs_unshare((args, kwargs)),
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")

@@ -66,6 +66,7 @@ class WorkerSpec:
             (the platform's default, as in a process that torchrun starts).
         restart_count, max_restarts: this attempt's ``TORCHELASTIC_RESTART_COUNT`` and the launch's
             ``TORCHELASTIC_MAX_RESTARTS``.
+        unshare: forked workers must look for arguments in shared memory (see ``fork_needs_unshare``).
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output`).
     """
@@ -86,6 +87,7 @@ class WorkerSpec:
     log_dir: str | None = None
     grace_period: float = 5.0
     mp_start_method: str | None = None
+    unshare: bool = True
     restart_count: int = 0
     max_restarts: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)

@@ -81,11 +81,16 @@ class GlobalState:
     torch_rng: torch.Tensor
     cuda_rng: tuple[torch.Tensor, ...] | None
     extra: tuple[tuple[Callable[[Any], None], Any], ...]
-    python: PythonState
+    python: PythonState | None
 
     @classmethod
-    def capture(cls) -> GlobalState:
-        """Capture the calling process's state. Reads only; never initialises CUDA."""
+    def capture(cls, *, python: bool = True) -> GlobalState:
+        """Capture the calling process's state. Reads only; never initialises CUDA.
+
+        Args:
+            python: also capture the Python-level configuration (warning filters, logging, umask, limits);
+                mplaunch skips it for ``fork`` workers, which inherit it exactly (``python`` is then ``None``).
+        """
         numpy = sys.modules.get("numpy") if "numpy.random" in sys.modules else None  # unused: nothing to carry
         return cls(
             deterministic=torch.are_deterministic_algorithms_enabled(),
@@ -101,7 +106,7 @@ class GlobalState:
             torch_rng=torch.get_rng_state(),
             cuda_rng=tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None,
             extra=tuple((restore, capture()) for capture, restore in _HOOKS),
-            python=PythonState.capture(),
+            python=PythonState.capture() if python else None,
         )
 
     def restore(self) -> None:
@@ -110,7 +115,8 @@ class GlobalState:
         CUDA generators are set lazily (applied when CUDA is first initialised here), for the devices this
         process can see.
         """
-        self.python.restore()  # first: the parent's warning filters apply to what follows
+        if self.python is not None:
+            self.python.restore()  # first: the parent's warning filters apply to what follows
         if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
             self.deterministic,
             self.deterministic_warn_only,

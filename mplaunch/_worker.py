@@ -140,7 +140,7 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
-        if spec.start_method == "fork":  # inherited: shared memory stays shared; else mapped private already
+        if spec.start_method == "fork" and spec.unshare:  # inherited: shared memory stays shared
             args, kwargs = unshare((args, kwargs))
         with process_group(spec.backend, local_rank):
             value = function(*args, **kwargs)
