@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
