@@ -70,7 +70,7 @@ def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: 
     private.write_text("7f00-7f01 r-xp 00000000 fd:00 1 /usr/lib/libc.so.6\n7f01-7f02 rw-p 00000000 00:00 0 \n")
     shared = tmp_path / "shared"
     shared.write_text(private.read_text() + "7f02-7f03 rw-s 00000000 00:1a 9 /dev/shm/torch_1_2_3 (deleted)\n")
-    big = ([], {"values": list(range(10**5))})
+    big: tuple[object, ...] = ([], {"values": list(range(10**5))})
     assert not _sharing.fork_needs_unshare(big, str(private))
     assert _sharing.fork_needs_unshare(big, str(shared))
     many_small = ([list(range(100)) for _ in range(200)],)  # 20,000 objects in all: large too
