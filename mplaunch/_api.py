@@ -15,7 +15,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import ParamSpec
 
-from mplaunch import _future, _launcher
+from mplaunch import _future, _inprocess, _launcher
 from mplaunch._config import LaunchConfig, StartMethod, make_config
 from mplaunch._control import LaunchControl
 from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
@@ -100,7 +100,7 @@ class ParallelFunction(Generic[P, T]):
             BaseException: whatever the function raises, unchanged.
             TypeError: the arguments do not fit the function's signature.
         """
-        return _launcher.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
+        return _inprocess.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
 
     def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.

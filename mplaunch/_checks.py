@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import multiprocessing
 import os
@@ -215,3 +216,17 @@ def check_log_dir(log_dir: str | None) -> None:
         raise InvalidOptionError(
             f"log_dir={log_dir!r} is not writable by this user: pass a directory you can write to, or None."
         )
+
+
+def check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise the ``TypeError`` a plain call would raise for wrong arguments, here, before any worker starts."""
+    target = function._mplaunch_target
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # builtins and other callables without a signature
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        name = getattr(target, "__qualname__", repr(target))
+        raise TypeError(f"{name}(): {error} (checked before launching any worker)") from None

@@ -4,15 +4,11 @@ their processes here; multi-node launches hand that to torch elastic (:mod:`mpla
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import inspect
 import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
-from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -23,46 +19,21 @@ from mplaunch import _checks, _threads, _transport
 from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs
 from mplaunch._control import LaunchControl
 from mplaunch._directory import launch_directory, space_hint
-from mplaunch._env import NodeSetup, apply_environment, node_setup, outer_launcher, rank_environment
+from mplaunch._env import NodeSetup, node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
-from mplaunch._group import process_group
 from mplaunch._importable import WorkerImports, worker_imports
+from mplaunch._inprocess import run_in_process
 from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec, outcome_name
 from mplaunch._pump import Pump, routed, worker_fds
 from mplaunch._pystate import warn_not_carried
 from mplaunch._restarts import run_attempts
 from mplaunch._sharing import fork_needs_unshare
 from mplaunch._signals import parent_signals, signals_blocked
+from mplaunch._spawning import main_prepared, spawn_hash_seed
 from mplaunch._state import GlobalState
 from mplaunch._store import rendezvous
 from mplaunch._supervisor import Supervisor
 from mplaunch._worker import run
-
-
-@contextlib.contextmanager
-def _main_without_file() -> Iterator[None]:
-    """Hide a ``__main__.__file__`` that is no real file (``python -`` sets ``<stdin>``): multiprocessing's
-    spawn would try to run it in the child and fail before our code runs. A ``__main__`` without
-    ``__spec__`` (``python -m pdb`` clears its namespace for the script) gets ``None``, as a script has:
-    multiprocessing reads it."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    path = getattr(main, "__file__", None)
-    hide = path is not None and not os.path.isfile(path)
-    add_spec = "__spec__" not in vars(main)
-    if hide:
-        del main.__file__
-    if add_spec:
-        main.__spec__ = None
-    try:
-        yield
-    finally:
-        if hide:
-            main.__file__ = path
-        if add_spec:
-            vars(main).pop("__spec__", None)
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
@@ -90,7 +61,7 @@ def launch(
     except ValueError as error:
         raise InvalidOptionError(str(error)) from None
     if outer is not None:
-        return _run_in_process(function, args, kwargs, config)
+        return run_in_process(function, args, kwargs, config)
     with parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
         return _launch(function, args, kwargs, config, frame, control or LaunchControl())
 
@@ -104,7 +75,7 @@ def check_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
             return False
     except ValueError as error:
         raise InvalidOptionError(str(error)) from None
-    _check_arguments(function, args, kwargs)
+    _checks.check_arguments(function, args, kwargs)
     _checks.check_main_guard(config.start_method or _checks.default_start_method(), frame, _name(function))
     return True
 
@@ -112,20 +83,6 @@ def check_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], con
 def _name(function: Any) -> str:
     """The decorated function's name, for messages."""
     return str(getattr(function, "__name__", "the function"))
-
-
-def _check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise the ``TypeError`` a plain call would raise for wrong arguments, here, before any worker starts."""
-    target = function._mplaunch_target
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):  # builtins and other callables without a signature
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as error:
-        name = getattr(target, "__qualname__", repr(target))
-        raise TypeError(f"{name}(): {error} (checked before launching any worker)") from None
 
 
 def _launch(
@@ -136,7 +93,7 @@ def _launch(
     frame: Any,
     control: LaunchControl,
 ) -> Any:
-    _check_arguments(function, args, kwargs)
+    _checks.check_arguments(function, args, kwargs)
     _checks.check_log_dir(config.log_dir)
     nprocs = resolve_nprocs(config.nprocs)
     nodes = _nodes(config)
@@ -241,33 +198,6 @@ def _nodes(config: LaunchConfig) -> NodeSetup | None:
         raise InvalidOptionError(str(error)) from None
 
 
-def _run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:
-    """Already one rank of an outer launcher's job (torchrun, SLURM, MPI, or an mplaunch worker calling a
-    parallel function): run the function here, as that rank, and return its value (a one-element list with
-    ``return_all``); nothing is launched. With ``backend=``, an existing process group is reused."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    with process_group(resolve_backend(config.backend, world_size), int(os.environ.get("LOCAL_RANK", "0"))):
-        value = function._mplaunch_target(*args, **kwargs)
-    return [value] if config.return_all else value
-
-
-def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:
-    """Run ``function`` (a ``ParallelFunction``) in this process as rank 0 of a world of 1, set up as a worker
-    is: torchrun's environment (put back as it was afterwards), a store hosted here for ``MASTER_PORT``, and
-    the process group when ``backend=`` is set. For debuggers and profilers."""
-    _check_arguments(function, args, kwargs)
-    _checks.check_log_dir(config.log_dir)
-    saved = dict(os.environ)
-    with rendezvous() as (addr, port, agent_store):
-        try:
-            apply_environment(os.environ, rank_environment(0, 1, addr, port, agent_store=agent_store))
-            return _run_in_process(function, args, kwargs, config)
-        finally:
-            if dict(os.environ) != saved:
-                os.environ.clear()
-                os.environ.update(saved)
-
-
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
     """Modules the fork server imports once, when it starts, so that its workers do not: torch, NumPy's
     random module when this process uses NumPy (restoring its state imports it), mplaunch's worker side, and
@@ -285,36 +215,6 @@ def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
     return modules
 
 
-@functools.lru_cache(maxsize=1)
-def _hash_seed() -> str:
-    """This process's seed for the string hashing of its spawn workers, drawn once."""
-    return str(int.from_bytes(os.urandom(4), "little") or 1)
-
-
-@contextlib.contextmanager
-def _spawn_hash_seed(start_method: str) -> Iterator[None]:
-    """Give spawn workers one ``PYTHONHASHSEED`` (unless the user set one), so that every rank hashes strings
-    alike, as forked ranks (the parent's hashing) and forkserver ranks (the server's) do.
-
-    The seed must be in the environment a spawned interpreter starts with, and multiprocessing execs it with
-    this process's environment: it is set only while the workers start, with SIGINT and SIGTERM blocked (so
-    no handler of ours runs in between), and removed at once. The same seed serves every launch of this
-    process, so ranks of successive launches agree too.
-    """
-    previous = os.environ.get("PYTHONHASHSEED")
-    if start_method != "spawn" or previous not in (None, "", "random"):
-        yield
-        return
-    os.environ["PYTHONHASHSEED"] = _hash_seed()
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["PYTHONHASHSEED"]
-        else:
-            os.environ["PYTHONHASHSEED"] = previous
-
-
 def _run_workers(
     spec: WorkerSpec,
     payload: Payload | None,
@@ -327,11 +227,11 @@ def _run_workers(
     processes: list[BaseProcess] = []
     supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control)
     try:
-        with _main_without_file():
+        with main_prepared():
             if spec.start_method == "forkserver":
                 context.set_forkserver_preload(preload)
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-            with signals_blocked(), _spawn_hash_seed(spec.start_method):
+            with signals_blocked(), spawn_hash_seed(spec.start_method):
                 for rank in range(spec.nprocs):
                     process = context.Process(  # type: ignore[attr-defined]
                         target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False

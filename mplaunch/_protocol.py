@@ -42,7 +42,7 @@ def outcome_rank(filename: str) -> int | None:
     """The rank whose complete outcome ``filename`` (an entry of the launch directory) is, else ``None``."""
     stem, dot, extension = filename.partition(".")
     number = stem[len(_RANK_PREFIX) :]
-    if stem.startswith(_RANK_PREFIX) and number.isdigit() and dot and extension == "pkl":
+    if stem.startswith(_RANK_PREFIX) and number.isascii() and number.isdigit() and dot and extension == "pkl":
         return int(number)
     return None
 

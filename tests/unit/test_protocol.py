@@ -239,11 +239,6 @@ def test_other_entries_of_the_launch_directory_are_no_outcome(filename: str) -> 
     assert outcome_rank(filename) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="outcome_rank uses str.isdigit, which accepts superscript digits that int() rejects (ValueError)",
-)
 def test_a_name_with_a_superscript_digit_is_no_outcome() -> None:
     assert outcome_rank("rank\u00b2.pkl") is None
 

@@ -231,7 +231,7 @@ def test_a_real_call_warns_at_the_callers_line(test_logger: logging.Logger, monk
 
 
 def test_spawn_workers_get_one_hash_seed_unless_the_user_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mplaunch._launcher import _spawn_hash_seed
+    from mplaunch._spawning import spawn_hash_seed as _spawn_hash_seed
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     seeds = []

@@ -1,0 +1,40 @@
+"""Running the function in this process as one rank: under an outer launcher (torchrun, SLURM, MPI, a
+nested call in an mplaunch worker), or as rank 0 of a world of 1 for a debugger (``ParallelFunction.debug``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mplaunch._checks import check_arguments, check_log_dir
+from mplaunch._config import LaunchConfig, resolve_backend
+from mplaunch._env import apply_environment, rank_environment
+from mplaunch._group import process_group
+from mplaunch._store import rendezvous
+
+
+def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:
+    """Already one rank of an outer launcher's job (torchrun, SLURM, MPI, or an mplaunch worker calling a
+    parallel function): run the function here, as that rank, and return its value (a one-element list with
+    ``return_all``); nothing is launched. With ``backend=``, an existing process group is reused."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    with process_group(resolve_backend(config.backend, world_size), int(os.environ.get("LOCAL_RANK", "0"))):
+        value = function._mplaunch_target(*args, **kwargs)
+    return [value] if config.return_all else value
+
+
+def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:
+    """Run ``function`` (a ``ParallelFunction``) in this process as rank 0 of a world of 1, set up as a worker
+    is: torchrun's environment (put back as it was afterwards), a store hosted here for ``MASTER_PORT``, and
+    the process group when ``backend=`` is set. For debuggers and profilers."""
+    check_arguments(function, args, kwargs)
+    check_log_dir(config.log_dir)
+    saved = dict(os.environ)
+    with rendezvous() as (addr, port, agent_store):
+        try:
+            apply_environment(os.environ, rank_environment(0, 1, addr, port, agent_store=agent_store))
+            return run_in_process(function, args, kwargs, config)
+        finally:
+            if dict(os.environ) != saved:
+                os.environ.clear()
+                os.environ.update(saved)
