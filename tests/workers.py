@@ -450,3 +450,14 @@ def dataloader_forever(seconds: float) -> None:
         for _ in loader:
             if worker_info().rank == 1 and time.monotonic() > deadline:
                 raise RuntimeError("peer failed")
+
+
+def tied_result(device: str) -> dict[str, Any]:
+    """Issue 11: tensors sharing one storage (a view, tied embedding weights), on ``device``."""
+    if device == "cuda":
+        device = f"cuda:{worker_info().local_rank % torch.cuda.device_count()}"
+    base = torch.arange(1 << 16, dtype=torch.float32, device=device)
+    embedding = torch.nn.Embedding(10, 4).to(device)
+    head = torch.nn.Linear(4, 10, bias=False).to(device)
+    head.weight = embedding.weight  # tied
+    return {"base": base, "view": base[100:200], "embedding": embedding, "head": head}

@@ -51,3 +51,14 @@ def test_fork_after_cuda_is_refused_with_where(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "CUDA was first initialised here" in done.stdout
     assert 'x = torch.ones(1, device="cuda")' in done.stdout
+
+
+def test_cuda_results_keep_their_storage_sharing() -> None:
+    """Issue 11: tensors that share one CUDA storage came back as separate copies (one device-to-host copy per
+    tensor); each storage is now copied once, and views and tied weights share it in the parent."""
+    result = parallel(nprocs=1, start_method="spawn", timeout=120)(workers.tied_result)("cuda")
+    base, view = result["base"], result["view"]
+    assert base.device.type == "cpu" and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    assert result["head"].weight is result["embedding"].weight or (
+        result["head"].weight.data_ptr() == result["embedding"].weight.data_ptr()
+    )
