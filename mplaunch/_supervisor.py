@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
+import platform
 import signal
+import sys
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -153,4 +157,28 @@ def _signal(process: BaseProcess, signum: int, *, group: bool, group_only: bool 
         elif group and os.getpgid(pid) == pid:
             os.killpg(pid, signum)
         else:
-            os.kill(pid, signum)
+            _to_main_thread(pid, signum)
+
+
+#: tgkill's system call number by machine (Linux has no libc wrapper before glibc 2.30).
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131, "riscv64": 131, "ppc64le": 250, "s390x": 241}
+
+
+@functools.lru_cache(maxsize=1)
+def _tgkill() -> Any:
+    if not sys.platform.startswith("linux") or platform.machine() not in _SYS_TGKILL:
+        return None
+    return functools.partial(ctypes.CDLL(None, use_errno=True).syscall, _SYS_TGKILL[platform.machine()])
+
+
+def _to_main_thread(pid: int, signum: int) -> None:
+    """Send ``signum`` to the main thread of process ``pid`` (``tgkill``), else to the process.
+
+    A signal sent to a process goes to any of its threads that does not block it. Python runs its handlers in
+    the main thread, but a main thread blocked in a system call (a DataLoader waiting for a batch) is woken
+    only by a signal delivered to it; otherwise the worker would sit until SIGKILL. A thread-directed signal
+    interrupts that call, so the handler runs at once.
+    """
+    tgkill = _tgkill()
+    if tgkill is None or tgkill(pid, pid, signum) != 0:
+        os.kill(pid, signum)

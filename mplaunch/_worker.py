@@ -95,7 +95,20 @@ def _on_signal(signum: int, frame: object) -> None:
         _signal_received = signum
     if first and not _outcome_decided:
         _terminate_children()  # before unwinding: e.g. DataLoader workers would print about a vanished rank
+        _quiet_consequences()
         raise Terminated(128 + signum) if signum == signal.SIGTERM else Interrupted()
+
+
+def _quiet_consequences() -> None:
+    """A stop prints nothing: errors that unwinding causes where nobody can catch them (a ``__del__``, e.g. of
+    a DataLoader iterator interrupted in its ``__init__``, or a thread of the rank) are dropped, not printed.
+    What the function itself prints while it unwinds (``finally`` blocks) still appears."""
+    sys.unraisablehook = _ignore
+    threading.excepthook = _ignore
+
+
+def _ignore(*args: object) -> None:
+    """Swallow an unraisable or thread exception (see :func:`_quiet_consequences`)."""
 
 
 def _terminate_children() -> None:
