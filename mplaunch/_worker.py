@@ -121,6 +121,20 @@ def _terminate_children() -> None:
     with contextlib.suppress(OSError):
         if os.getpgid(0) == os.getpid():
             os.killpg(0, signal.SIGTERM)
+    # and let them die before this worker unwinds and closes its connections to them (a DataLoader worker
+    # that sees its rank hang up mid-transfer prints a traceback); a moment at most, they are not waited for
+    deadline = time.monotonic() + 0.25
+    while any(_running(pid) for pid in _children()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _running(pid: int) -> bool:
+    """Whether child ``pid`` still runs (a zombie has ended; it is left for its owner to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _default_signals() -> None:
