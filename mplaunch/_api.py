@@ -330,10 +330,10 @@ def parallel(function: Callable[..., Any] | None = None, /, **options: Any) -> A
 
 
 def _ours(error: BaseException) -> bool:
-    """Whether ``error`` is one mplaunch raises by design: its own errors, and workers' exceptions rebuilt in
-    the parent (they carry the worker's traceback as ``RemoteTraceback`` cause). Anything else (a bug of
-    mplaunch, an interrupt) keeps its full traceback."""
-    return isinstance(error, MplaunchError) or isinstance(error.__cause__, RemoteTraceback)
+    """Whether ``error`` is one mplaunch raises by design: its own errors, workers' exceptions rebuilt in the
+    parent (they carry the worker's traceback as ``RemoteTraceback`` cause), and Ctrl-C while waiting.
+    Anything else (a bug of mplaunch) keeps its full traceback."""
+    return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
 
 
 def _wrap(function: Any, config: LaunchConfig) -> ParallelFunction[Any, Any]:

@@ -80,8 +80,14 @@ class LaunchConfig:
             raise InvalidOptionError(
                 f"rdzv_endpoint={self.rdzv_endpoint!r} is not valid: pass 'host:port', e.g. 'node0:29400'."
             )
-        if self.log_dir is not None and not isinstance(self.log_dir, (str, os.PathLike)):
+        if self.log_dir is not None and (
+            not isinstance(self.log_dir, (str, os.PathLike)) or not os.fspath(self.log_dir)
+        ):
             raise InvalidOptionError(f"log_dir={self.log_dir!r} is not valid: pass a directory path, or None.")
+        if self.nnodes is not None and self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise InvalidOptionError(
+                f"node_rank={self.node_rank!r} is not valid with nnodes={self.nnodes}: pass 0 to {self.nnodes - 1}."
+            )
         normalised = {
             "console_ranks": None if self.console_ranks is None else _check_ranks(self.console_ranks),
             "log_dir": None if self.log_dir is None else os.path.abspath(os.fspath(self.log_dir)),

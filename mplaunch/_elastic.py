@@ -96,15 +96,15 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig) -> li
 
 
 def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig) -> list[Any]:
-    """Raise this node's first real failure (lowest rank; a rank ended by elastic's own stop only when no rank
-    raised), else rank 0's (fetched from node 0); else return the values."""
+    """Raise this node's first real failure (the first raised in time; a rank ended by elastic's own stop, lowest
+    rank first, only when no rank raised), else rank 0's (fetched from node 0); else return the values."""
     ranks = sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None)
     outcomes: dict[int, Outcome] = {
         rank: _transport.load(spec.directory, outcome_name(rank), private=False, remove=True) for rank in ranks
     }
-    raised = sorted(rank for rank, outcome in outcomes.items() if isinstance(outcome, Raised))
+    raised = sorted((o.when, rank) for rank, o in outcomes.items() if isinstance(o, Raised))  # first in time
     others = sorted(set(failed) | {rank for rank, o in outcomes.items() if not isinstance(o, Returned)})
-    for rank in raised or others:
+    for rank in [rank for _, rank in raised] or others:
         outcome = outcomes.get(rank)
         state = rank_state(rank, outcome, None, None, stopped=False)
         if outcome is None:

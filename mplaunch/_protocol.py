@@ -15,6 +15,7 @@ import dataclasses
 import os
 import pickle
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -118,6 +119,8 @@ class Raised:
     Attributes:
         exit_code: for ``SystemExit`` (and ``KeyboardInterrupt``), the process exit code CPython would use,
             else ``None``.
+        when: ``time.monotonic()`` when it was raised, so that the first failure of a launch is known whatever
+            order the processes end in (a rank's error often makes its peers fail in a collective).
     """
 
     pid: int
@@ -126,10 +129,12 @@ class Raised:
     message: str
     text: str  # the formatted traceback
     exit_code: int | None = None
+    when: float = 0.0  # time.monotonic() when it was raised (one clock for the processes of a machine)
 
     @classmethod
-    def of(cls, error: BaseException) -> Raised:
-        """The record of ``error``, raised in this process; never raises itself."""
+    def of(cls, error: BaseException, when: float | None = None) -> Raised:
+        """The record of ``error``, raised in this process at ``when`` (``time.monotonic()``; default now);
+        never raises itself."""
         tb = error.__traceback__
         while tb is not None and tb.tb_next is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
             tb = tb.tb_next  # the worker's own frames (mplaunch's) above the user's function tell nothing
@@ -151,6 +156,7 @@ class Raised:
             message=_safely(str, error) if exit_code is None else _safely(repr, error),
             text=text,
             exit_code=exit_code,
+            when=time.monotonic() if when is None else when,
         )
 
 

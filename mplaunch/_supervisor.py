@@ -17,7 +17,7 @@ from typing import Any
 from mplaunch import _transport
 from mplaunch._control import LaunchControl, LaunchStopped
 from mplaunch._errors import LaunchTimeoutError, RemoteError
-from mplaunch._protocol import Outcome, RankState, Returned, WorkerSpec, outcome_name, rank_state, set_attribute
+from mplaunch._protocol import Outcome, Raised, RankState, Returned, WorkerSpec, outcome_name, rank_state, set_attribute
 
 
 class Supervisor:
@@ -46,6 +46,7 @@ class Supervisor:
         self.grace_period = grace_period
         self.states: dict[int, RankState] = {}
         self.stopped: set[int] = set()
+        self.failed_at: dict[int, float] = {}  # when each rank failed (raised, or was seen to end)
 
     def wait(self) -> list[Any]:
         """Wait for every worker; return the reporting ranks' values in rank order (``None`` for others).
@@ -94,19 +95,24 @@ class Supervisor:
                 return failure
         state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped)
         self.states[rank] = state
+        self.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()
         return state
 
     def _raise_failure(self, failure: BaseException, rank: int) -> None:
-        """Stop the others, keep their own failures (never the stop itself) on ``failure``, raise it."""
+        """Stop the others and raise the first failure in time (the root cause: a rank's error often makes its
+        peers fail in a collective, and they may end first), with the others' own failures (never the stop
+        itself) on its ``failures`` attribute."""
         self.stop()
-        others = []
+        failed = {}
         for other in range(self.spec.nprocs):
             state = self.states.get(other)
             if state is None:
                 state = self._collect(other)
-            if other != rank and isinstance(state, BaseException):
-                others.append(state)
-        set_attribute(failure, "failures", tuple(others))
+            if isinstance(state, BaseException):
+                failed[other] = state
+        rank = min(failed, key=lambda r: (self.failed_at.get(r, float("inf")), r))
+        failure = failed.pop(rank)
+        set_attribute(failure, "failures", tuple(failed[r] for r in sorted(failed)))
         self.control.failure = failure
         raise failure from failure.__cause__
 

@@ -45,6 +45,7 @@ from mplaunch._sharing import unshare
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
 _outcome_decided = False  # after this, signals are noted and ignored
+_worker_pid = -1  # this worker's pid, set at start (a process the function forks is not the worker)
 
 
 def _die_with_parent(parent_pid: int, start_method: str) -> None:
@@ -150,7 +151,13 @@ def _set_threads(num_threads: int) -> None:
 
 
 def _decide(outcome: Outcome) -> Outcome:
-    """Freeze the outcome: from now on signals no longer raise. A signal that came first wins."""
+    """Freeze the outcome: from now on signals no longer raise. A signal that came first wins.
+
+    A process the function forked (``os.fork()``) that returns or raises instead of exiting comes here too:
+    it is not the worker, so it leaves at once, quietly, and never writes the rank's outcome.
+    """
+    if os.getpid() != _worker_pid:
+        os._exit(0 if isinstance(outcome, Returned) else 1)
     global _outcome_decided
     _outcome_decided = True
     if _signal_received is not None and not isinstance(outcome, Returned):
@@ -160,6 +167,7 @@ def _decide(outcome: Outcome) -> Outcome:
 
 def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Outcome:
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
+    raised_at = None  # when the function raised: before the process group's teardown makes peers fail too
     try:
         _set_threads(spec.num_threads)
         if payload is None:
@@ -170,10 +178,14 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         if spec.start_method == "fork" and spec.unshare:  # inherited: shared memory stays shared
             args, kwargs = unshare((args, kwargs))
         with process_group(spec.backend, local_rank):
-            value = function(*args, **kwargs)
+            try:
+                value = function(*args, **kwargs)
+            except BaseException:
+                raised_at = time.monotonic()
+                raise
         return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
-        return _decide(Raised.of(error))
+        return _decide(Raised.of(error, when=raised_at))
 
 
 def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
@@ -270,6 +282,8 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
 
 def _start(spec: WorkerSpec) -> None:
     """Signals, parent-death and exit handlers: the first things a worker does."""
+    global _worker_pid
+    _worker_pid = os.getpid()
     for signum in _STOP_SIGNALS:
         signal.signal(signum, _on_signal)
     os.register_at_fork(after_in_child=_default_signals)  # the worker's children (DataLoader's...) get Python's

@@ -461,3 +461,23 @@ def tied_result(device: str) -> dict[str, Any]:
     head = torch.nn.Linear(4, 10, bias=False).to(device)
     head.weight = embedding.weight  # tied
     return {"base": base, "view": base[100:200], "embedding": embedding, "head": head}
+
+
+def fail_while_peer_in_collective() -> None:
+    """Rank 1 raises ValueError while rank 0 waits in all_reduce, which then fails too (gloo: connection
+    closed by peer): the root cause is rank 1's ValueError."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if worker_info().rank == 1:
+        time.sleep(0.2)
+        raise ValueError("the root cause")
+    dist.all_reduce(torch.ones(1))
+
+
+def fork_and_fall_through(seconds: float) -> tuple[str, int]:
+    """The function forks and the child returns instead of calling os._exit (a user's mistake)."""
+    if os.fork() == 0:
+        time.sleep(seconds)
+        return ("child", os.getpid())
+    return ("parent", os.getpid())

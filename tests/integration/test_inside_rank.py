@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
+import time
 
 import pytest
 import torch
@@ -62,8 +64,20 @@ def test_debug_runs_here_as_rank_0_of_1_with_the_workers_setup() -> None:
             "port": os.environ["MASTER_PORT"],
         }
 
-    before = dict(os.environ)
+    before, hook = dict(os.environ), sys.excepthook
     result = train.debug(5)
+    assert sys.excepthook is hook  # torch's "[rank0]:" hook goes with the process group
     assert result["value"] == 5.0 and result["world"] == 1 and result["rank"] == "0"
     assert result["pid"] == os.getpid() == result["nested"]
     assert not dist.is_initialized() and dict(os.environ) == before
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_process_the_function_forks_never_replaces_the_result(start_method: StartMethod) -> None:
+    """A child of os.fork() that returned instead of exiting went on as the worker: its value could replace
+    the rank's, and the call waited for it. It now leaves at once and the worker's value is the rank's."""
+    launch = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT, return_all=True)
+    start = time.monotonic()
+    results = launch(workers.fork_and_fall_through)(30.0)
+    assert [kind for kind, _ in results] == ["parent", "parent"]
+    assert time.monotonic() - start < 20  # the call did not wait for the children's 30 s

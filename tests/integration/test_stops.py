@@ -137,3 +137,14 @@ def test_a_log_dir_that_is_a_file_is_refused_before_launching(tmp_path: Path) ->
     made = tmp_path / "new" / "logs"
     launch(workers.sleep, log_dir=made)(0.0)
     assert sorted(p.name for p in made.iterdir()) == ["rank0.log", "rank1.log"]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_the_root_cause_is_raised_not_a_peers_consequence(start_method: StartMethod) -> None:
+    """Rank 1 raised ValueError while rank 0 waited in all_reduce; rank 0 then failed with gloo's 'connection
+    closed' and, ending first, was raised: `except ValueError` missed. The first failure in time is raised."""
+    for _ in range(3 if start_method == "fork" else 1):
+        with pytest.raises(ValueError, match="the root cause") as caught:
+            launch(workers.fail_while_peer_in_collective, start_method, backend="gloo")()
+        assert caught.value.rank == 1  # type: ignore[attr-defined]
+        assert all(f.rank == 0 for f in caught.value.failures)  # type: ignore[attr-defined]

@@ -178,3 +178,13 @@ def test_options_merge_into_a_new_function() -> None:
 def test_max_restarts_error_says_what_it_counts() -> None:
     with pytest.raises(InvalidOptionError, match=r"max_restarts=-1 is not valid: .*restarts after a worker failure"):
         parallel(max_restarts=-1)
+
+
+@pytest.mark.parametrize(
+    ("options", "name"), [({"log_dir": ""}, "log_dir"), ({"nnodes": 2, "node_rank": 5}, "node_rank")]
+)
+def test_values_that_cannot_work_are_refused_when_decorating(options: dict[str, object], name: str) -> None:
+    """An empty log_dir wrote rank0.log into the working directory; node_rank >= nnodes ended in a rendezvous
+    timeout at call time."""
+    with pytest.raises(InvalidOptionError, match=name):
+        parallel(**options)  # type: ignore[call-overload]

@@ -3,6 +3,7 @@ process: the records are written as workers write them, and torch elastic's fail
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -59,14 +60,15 @@ def test_a_rank_that_raised_wins_over_a_lower_rank_that_elastic_saw_die(tmp_path
     assert caught.value.rank == 1  # type: ignore[attr-defined]
 
 
-def test_the_lowest_rank_that_raised_comes_first(tmp_path: Path) -> None:
-    write(
-        tmp_path,
-        {0: Returned(100, 0), 1: Signalled(101, signal.SIGTERM), 3: raised(KeyError("3")), 2: raised(KeyError("2"))},
-    )
+def test_the_rank_that_raised_first_comes_first(tmp_path: Path) -> None:
+    """The first exception in time is the root cause (a peer of a failed rank fails in a collective after it),
+    whatever the ranks' numbers; a rank elastic stopped (signalled) never wins over one that raised."""
+    late, early = raised(KeyError("2")), raised(KeyError("3"))
+    early = dataclasses.replace(early, when=late.when - 1.0)
+    write(tmp_path, {0: Returned(100, 0), 1: Signalled(101, signal.SIGTERM), 2: late, 3: early})
     with pytest.raises(KeyError) as caught:
         collect(tmp_path)
-    assert caught.value.rank == 2 and caught.value.args == ("2",)  # type: ignore[attr-defined]
+    assert caught.value.rank == 3 and caught.value.args == ("3",)  # type: ignore[attr-defined]
 
 
 def test_without_an_exception_the_lowest_failed_rank_is_reported(tmp_path: Path) -> None:
