@@ -34,9 +34,9 @@ def to_cpu(obj: T) -> T:
     dataclasses (``lightning_utilities.apply_to_collection``).
 
     Runs in the calling process. Tensors already on the CPU are returned as they are (no copy); other
-    tensors are copied. An ``nn.Module`` is moved in place with ``Module.cpu()``. mplaunch applies it to a
-    worker's return value when CUDA is initialised there; tensors held by other objects are copied to the
-    CPU when the result is serialised, so they arrive on the CPU too.
+    tensors are copied, one copy per tensor (tensors that shared a storage no longer do). An ``nn.Module`` is
+    moved in place with ``Module.cpu()``. mplaunch itself does not need it for results: the transport copies
+    each storage of a result to the CPU once, whatever object holds it, so views and tied weights stay tied.
 
     Args:
         obj: any object; typically a ``state_dict`` or a nested collection of tensors.
