@@ -10,6 +10,7 @@ from __future__ import annotations
 import _io
 import gc
 import io
+import os
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ _IN_MEMORY = (io.BytesIO, io.StringIO)
 _ORDER: dict[type, int] = {io.TextIOWrapper: 1, io.BufferedWriter: 2, io.BufferedRandom: 2, io.BufferedRWPair: 2}
 
 
+_INHERITED_HANDLERS: list[Any] = []  # in a forked worker: [reference to the last handler it inherited, or None]
 _SERVER_FILES: list[Any] = []  # the fork server's open files: its workers inherit them, frozen, and close them
 
 
@@ -33,19 +35,26 @@ def freeze_fork_server() -> None:
 def keep_inherited() -> None:
     """Mark every object that exists now as inherited (``gc.freeze``): :func:`close_files` will leave it alone.
 
-    Called first thing in a forked worker: the file objects it inherits are the parent's, and closing them
-    would write what the parent still buffers a second time. It also keeps the worker's garbage collector
-    off the parent's objects, so their memory pages stay shared (the ``gc.freeze`` use the Python docs give).
+    Called first thing in a forked worker: the file objects and logging handlers it inherits are the
+    parent's, and closing them would write what the parent still buffers a second time (a file's buffer, a
+    ``MemoryHandler``'s records). It also keeps the worker's garbage collector off the parent's objects, so
+    their memory pages stay shared (the ``gc.freeze`` use the Python docs give).
     """
     gc.freeze()
+    references = getattr(sys.modules.get("logging"), "_handlerList", None)  # what logging.shutdown walks
+    _INHERITED_HANDLERS[:] = [references[-1] if references else None]
 
 
 def close_files() -> None:
-    """Run ``logging.shutdown`` and flush and close every open, writable file object this process created
-    (not the standard streams, not in-memory buffers), wrappers before what they wrap."""
-    if "logging" in sys.modules:
+    """Run ``logging.shutdown`` for the handlers this process created, and flush and close every open,
+    writable file object it created (not the standard streams, not in-memory buffers), wrappers before what
+    they wrap."""
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        inherited, own = _split_handlers(logging._handlerList)
         try:
-            sys.modules["logging"].shutdown()
+            _flush_own_records(inherited)
+            logging.shutdown(own)
         except Exception:  # noqa: BLE001 - a broken handler must not stop the rest
             pass
     for item in sorted(_open_files(gc.get_objects()) + _SERVER_FILES, key=_layer):
@@ -54,6 +63,35 @@ def close_files() -> None:
                 item.close()
         except Exception:  # noqa: BLE001 - as at interpreter exit, a file that fails to close is skipped
             pass
+
+
+def _split_handlers(references: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Split the references to logging handlers (oldest first) into those inherited at fork and those this
+    process created: logging appends a handler's reference when the handler is created and removes it when
+    the handler is freed, so the created ones follow the last inherited one. All are this process's when
+    nothing was inherited, or when that handler has been freed since."""
+    last = _INHERITED_HANDLERS[0] if _INHERITED_HANDLERS else None
+    if last is not None:
+        for index in range(len(references) - 1, -1, -1):
+            if references[index] is last:
+                return references[: index + 1], references[index + 1 :]
+    return [], references
+
+
+def _flush_own_records(inherited: list[Any]) -> None:
+    """Flush, from the buffering handlers (``MemoryHandler``...) inherited at fork, the records this process
+    logged; the parent's records in them are the parent's to flush (written here too, they would appear
+    twice)."""
+    handlers = sys.modules.get("logging.handlers")  # not imported: no buffering handler exists
+    if handlers is None:
+        return
+    pid = os.getpid()
+    for reference in inherited:
+        handler = reference()
+        if isinstance(handler, handlers.BufferingHandler):
+            with handler.lock:
+                handler.buffer = [record for record in handler.buffer if record.process == pid]
+            handler.flush()
 
 
 def _open_files(objects: list[Any]) -> list[Any]:

@@ -481,3 +481,33 @@ def fork_and_fall_through(seconds: float) -> tuple[str, int]:
         time.sleep(seconds)
         return ("child", os.getpid())
     return ("parent", os.getpid())
+
+
+def plain_store_client() -> list[str]:
+    """Meet the other ranks through the launch's store as a bare c10d client (no process group)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    info = worker_info()
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=60))
+    store.set(f"rank{info.rank}", str(os.getpid()))
+    keys = [f"rank{rank}" for rank in range(info.world_size)]
+    store.wait(keys)
+    return [store.get(key).decode() for key in keys]
+
+
+def log_through_memory_handlers(inherited_name: str, own_path: str) -> None:
+    """Log a record through the parent's MemoryHandler (on logger ``inherited_name``) and one through a
+    MemoryHandler made here (to ``own_path.<rank>``); neither is flushed before the worker exits."""
+    import logging
+    import logging.handlers
+
+    rank = worker_info().rank
+    logging.getLogger(inherited_name).warning("rank %d, through the parent's handler", rank)
+    target = logging.FileHandler(f"{own_path}.{rank}")
+    own = logging.handlers.MemoryHandler(100, flushLevel=logging.CRITICAL + 1, target=target)
+    logger = logging.getLogger(f"{inherited_name}.own")
+    logger.propagate = False
+    logger.addHandler(own)
+    logger.warning("rank %d, through its own handler", rank)

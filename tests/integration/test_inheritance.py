@@ -112,6 +112,39 @@ def test_workers_start_from_the_parent_as_it_is_at_call_time(parent: dict[str, A
     assert sorted(rows) == ["row from rank 0", "row from rank 1"]  # written, never closed: flushed at exit
 
 
+def test_a_forked_worker_flushes_its_own_buffered_records_never_the_parents(tmp_path: Path) -> None:
+    """A buffering handler (MemoryHandler) that the parent made and a fork worker inherits holds the parent's
+    records too: the worker flushes only the records it logged (it wrote the parent's a second time), and a
+    handler the worker made itself is flushed and closed as at a normal exit."""
+    import logging.handlers
+
+    from tests import workers
+
+    name = f"{LOGGER}.buffered"
+    target = logging.FileHandler(tmp_path / "inherited.log")
+    target.setFormatter(logging.Formatter("%(message)s"))
+    buffered = logging.handlers.MemoryHandler(100, flushLevel=logging.CRITICAL + 1, target=target)
+    logger = logging.getLogger(name)
+    logger.propagate = False
+    logger.addHandler(buffered)
+    try:
+        logger.warning("the parent's record")
+        run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.log_through_memory_handlers)
+        run(name, str(tmp_path / "own.log"))
+        inherited = (tmp_path / "inherited.log").read_text(encoding="utf-8").splitlines()
+        assert sorted(inherited) == [f"rank {rank}, through the parent's handler" for rank in range(2)]
+        for rank in range(2):
+            own = (tmp_path / f"own.log.{rank}").read_text(encoding="utf-8")
+            assert own == f"rank {rank}, through its own handler\n"
+        buffered.flush()
+        assert (tmp_path / "inherited.log").read_text(encoding="utf-8").count("the parent's record") == 1
+    finally:
+        logger.removeHandler(buffered)
+        buffered.close()
+        target.close()
+        logging.getLogger(f"{name}.own").handlers.clear()
+
+
 _SCRIPT = """
 import logging
 from mplaunch import parallel
