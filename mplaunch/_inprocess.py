@@ -30,9 +30,10 @@ def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], confi
     check_arguments(function, args, kwargs)
     check_log_dir(config.log_dir)
     saved = dict(os.environ)
-    with rendezvous() as (addr, port, agent_store):
+    with rendezvous(lazy=False) as store:  # the function runs in this thread: nobody else could serve it
         try:
-            apply_environment(os.environ, rank_environment(0, 1, addr, port, agent_store=agent_store))
+            environment = rank_environment(0, 1, store.addr, store.port, agent_store=store.agent_store)
+            apply_environment(os.environ, environment)
             return run_in_process(function, args, kwargs, config)
         finally:
             if dict(os.environ) != saved:

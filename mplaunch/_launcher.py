@@ -30,8 +30,8 @@ from mplaunch._restarts import run_attempts
 from mplaunch._sharing import fork_needs_unshare
 from mplaunch._signals import parent_signals, signals_blocked
 from mplaunch._spawning import main_prepared, spawn_hash_seed
-from mplaunch._state import GlobalState
-from mplaunch._store import rendezvous
+from mplaunch._state import ForkState, GlobalState
+from mplaunch._store import Rendezvous, rendezvous
 from mplaunch._supervisor import Supervisor
 from mplaunch._worker import run
 
@@ -107,10 +107,16 @@ def _launch(
             f"console_ranks={sorted(config.console_ranks)} names no rank of this launch (ranks 0 to "
             f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
         )
-    inherited = start_method == "fork" and nodes is None  # forked workers inherit Python's configuration as it is
-    state = control.state if control.state is not None else GlobalState.capture(python=not inherited)
+    inherited = start_method == "fork" and nodes is None  # forked workers inherit the state as it is now
+    state: GlobalState | ForkState
+    if control.state is not None:  # captured when the launch was submitted
+        state = control.state
+    elif inherited:
+        state = ForkState.capture()
+    else:
+        state = GlobalState.capture()
     payload = Payload(_function_reference(function, imports), args, kwargs, state)
-    if state.python is not None and not inherited:
+    if isinstance(state, GlobalState) and state.python is not None and not inherited:
         warn_not_carried(state.python)
     with launch_directory() as directory:
         spec = WorkerSpec(
@@ -157,20 +163,20 @@ def _attempt(
     restart: int,
 ) -> list[Any]:
     """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt."""
-    for rank in range(spec.nprocs):
+    for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
         _transport.remove(spec.directory, outcome_name(rank))
-    with rendezvous() as (addr, port, agent_store):
+    with rendezvous() as store:
         spec = dataclasses.replace(
             spec,
-            master_addr=addr,
-            master_port=port,
-            agent_store=agent_store,
+            master_addr=store.addr,
+            master_port=store.port,
+            agent_store=store.agent_store,
             restart_count=restart,
             max_restarts=config.max_restarts,
         )
         with routed(list(range(spec.nprocs)), spec) as pump:
             spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
-            return _run_workers(spec, payload, config, preload, pump, control)
+            return _run_workers(spec, payload, config, preload, pump, control, store)
 
 
 def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> None:
@@ -222,10 +228,11 @@ def _run_workers(
     preload: list[str],
     pump: Pump | None,
     control: LaunchControl,
+    store: Rendezvous,
 ) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
-    supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control)
+    supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control, store)
     try:
         with main_prepared():
             if spec.start_method == "forkserver":

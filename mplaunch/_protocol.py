@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mplaunch._errors import RemoteError, RemoteTraceback, WorkerExitedError, WorkerFailedError
-from mplaunch._state import GlobalState
+from mplaunch._state import ForkState, GlobalState
 
 if TYPE_CHECKING:
     from mplaunch._output import RankFds
@@ -96,12 +96,13 @@ class WorkerSpec:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Payload:
-    """The function, its arguments and the parent's state; under fork it is inherited, else read from a file."""
+    """The function, its arguments and the parent's state (what a forked worker does not inherit as it is,
+    when the launch forks at once); under fork it is inherited, else read from a file."""
 
     function: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    state: GlobalState
+    state: GlobalState | ForkState
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -144,3 +144,26 @@ class GlobalState:
                 torch.cuda.set_rng_state(state, device)
         for restore, value in self.extra:
             restore(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkState:
+    """What a *forked* worker does not inherit as the parent had it when the launch forked it: Python's
+    ``random`` state (CPython reseeds it in every forked child) and the states added with
+    :func:`register_state` (a library may reset its own at fork). Everything else :class:`GlobalState` covers
+    is inherited exactly by ``fork``, so restoring it would cost the worker time for nothing.
+    """
+
+    python_rng: Any
+    extra: tuple[tuple[Callable[[Any], None], Any], ...]
+
+    @classmethod
+    def capture(cls) -> ForkState:
+        """Capture it in the parent, right before forking."""
+        return cls(random.getstate(), tuple((restore, capture()) for capture, restore in _HOOKS))
+
+    def restore(self) -> None:
+        """Restore it in the forked worker."""
+        random.setstate(self.python_rng)
+        for restore, value in self.extra:
+            restore(value)

@@ -1,25 +1,82 @@
-"""The rendezvous store a single-node launch hosts for its workers (``MASTER_ADDR``/``MASTER_PORT``)."""
+"""The rendezvous store a single-node launch hosts for its workers (``MASTER_ADDR``/``MASTER_PORT``).
+
+The parent listens on a port the OS assigns (port 0) and holds it for the whole launch, as torchrun's agent
+does: no "free port" is picked and released, so concurrent launches cannot collide. It starts the c10d
+``TCPStore`` on that socket (``master_listen_fd``) only when a worker connects: a launch whose function
+never sets up a process group pays for no store (its threads, its start-up, torch's reverse lookup of the
+store's own address), and one that does starts it while its workers start, not before them. Connections
+made meanwhile wait in the socket's backlog; the store accepts them when it starts.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
+import socket
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from mplaunch._env import DEFAULT_MASTER_ADDR, OWN_PORT_VARIABLE
 from mplaunch._errors import LaunchRefusedError
 
+#: How long the hosted store waits for a client's request before giving up on it.
+STORE_TIMEOUT = timedelta(seconds=60)
+
+
+class Rendezvous:
+    """Where the workers of one launch meet: ``addr`` and ``port`` (``MASTER_ADDR``/``MASTER_PORT``), and,
+    when ``agent_store`` is true, the store this process hosts there for them.
+
+    While the store is not started, :meth:`fileno` is the listening socket, readable when a worker has
+    connected; :meth:`serve` then starts the store on it. Without a socket (the user's ``MASTER_PORT``, a
+    store started at once, no ``torch.distributed``), there is nothing to watch.
+    """
+
+    def __init__(self, addr: str, port: int, agent_store: bool, listener: socket.socket | None = None) -> None:
+        self.addr = addr
+        self.port = port
+        self.agent_store = agent_store
+        self._listener = listener
+        self._store: Any = None
+
+    def fileno(self) -> int | None:
+        """The listening socket to watch for a first connection, or ``None`` once served (or none hosted)."""
+        return None if self._listener is None else self._listener.fileno()
+
+    def serve(self) -> None:
+        """Start the c10d ``TCPStore`` on the listening socket, which it takes over; does nothing if started.
+
+        Raises:
+            LaunchRefusedError: torch cannot host a store on the socket.
+        """
+        if self._listener is None:
+            return
+        listener, self._listener = self._listener, None
+        self._store = _host(self.addr, self.port, listener.detach())
+
+    def close(self) -> None:
+        """Stop the store and close the socket (a worker still connecting is refused from now on)."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._store = None
+
 
 @contextlib.contextmanager
-def rendezvous() -> Iterator[tuple[str, int, bool]]:
-    """Yield ``(MASTER_ADDR, MASTER_PORT, agent_store)``.
+def rendezvous(*, lazy: bool = True) -> Iterator[Rendezvous]:
+    """Yield the launch's :class:`Rendezvous`: the user's ``MASTER_ADDR``/``MASTER_PORT`` when the user set
+    the port (a worker then hosts the store, as under ``torch.multiprocessing.spawn``), else a store hosted
+    here on a port the OS assigns. With ``lazy``, the store starts when :meth:`Rendezvous.serve` is called
+    on the first connection (the caller watches :meth:`Rendezvous.fileno`); without, it starts now (for a
+    function run in this very thread). ``MASTER_ADDR`` given as a host name is resolved by torch, so its
+    store starts at once.
 
-    Unless the user set ``MASTER_PORT``, the parent hosts the c10d TCPStore itself on a port the OS assigns
-    (port 0) and holds it for the whole launch, as torchrun's agent does: no "free port" is picked and
-    released, so concurrent launches cannot collide.
+    Raises:
+        LaunchRefusedError: ``MASTER_PORT`` is not a port, or no store can be hosted at ``MASTER_ADDR``.
     """
     own_port = os.environ.get(OWN_PORT_VARIABLE)
     port = os.environ.get("MASTER_PORT")
@@ -29,26 +86,51 @@ def rendezvous() -> Iterator[tuple[str, int, bool]]:
     if port:
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise LaunchRefusedError(f"MASTER_PORT={port!r} is not a TCP port: set it to 1-65535, or unset it.")
-        yield addr, int(port), False
+        yield Rendezvous(addr, int(port), agent_store=False)
         return
     if not torch.distributed.is_available():
-        import socket
-
         with socket.socket() as sock:
             sock.bind((addr, 0))
             free_port = sock.getsockname()[1]
-        yield addr, free_port, False
+        yield Rendezvous(addr, free_port, agent_store=False)
         return
+    listener = _listen(addr) if lazy else None
+    if listener is None:
+        store = _host(addr, 0, None)
+        hosted = Rendezvous(addr, store.port, agent_store=True)
+        hosted._store = store
+    else:
+        hosted = Rendezvous(addr, listener.getsockname()[1], agent_store=True, listener=listener)
+    try:
+        yield hosted
+    finally:
+        hosted.close()
+
+
+def _listen(addr: str) -> socket.socket | None:
+    """A socket listening on ``addr`` (an IP address) at a port the OS assigns; ``None`` for a host name."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(addr).version == 6 else socket.AF_INET
+    except ValueError:
+        return None
+    try:
+        return socket.create_server((addr, 0), family=family, backlog=socket.SOMAXCONN)
+    except OSError as error:
+        raise _refused(addr, error) from error
+
+
+def _host(addr: str, port: int, fd: int | None) -> Any:
+    """Start the c10d ``TCPStore`` server at ``addr:port``, on listening socket ``fd`` when given."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     try:
-        store = TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    except RuntimeError as error:  # DistNetworkError and friends
-        raise LaunchRefusedError(
-            f"cannot host the rendezvous store for MASTER_ADDR={addr!r}: {error}. Set MASTER_ADDR to an address "
-            "of this machine (127.0.0.1 by default), or unset it."
-        ) from error
-    try:
-        yield addr, store.port, True
-    finally:
-        del store
+        return TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT, master_listen_fd=fd)
+    except RuntimeError as error:  # DistNetworkError and friends (the socket, if given, is the store's now)
+        raise _refused(addr, error) from error
+
+
+def _refused(addr: str, error: Exception) -> LaunchRefusedError:
+    return LaunchRefusedError(
+        f"cannot host the rendezvous store for MASTER_ADDR={addr!r}: {error}. Set MASTER_ADDR to an address "
+        "of this machine (127.0.0.1 by default), or unset it."
+    )

@@ -18,6 +18,7 @@ from mplaunch import _transport
 from mplaunch._control import LaunchControl, LaunchStopped
 from mplaunch._errors import LaunchTimeoutError, RemoteError
 from mplaunch._protocol import Outcome, Raised, RankState, Returned, WorkerSpec, outcome_name, rank_state, set_attribute
+from mplaunch._store import Rendezvous
 
 
 class Supervisor:
@@ -29,6 +30,7 @@ class Supervisor:
         timeout: seconds the whole launch may take, or ``None``.
         grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
         control: the launch's deadline (shared by all its attempts) and stop request.
+        store: the launch's rendezvous; its store is started when a worker first connects.
     """
 
     def __init__(
@@ -38,8 +40,10 @@ class Supervisor:
         timeout: float | None,
         grace_period: float,
         control: LaunchControl | None = None,
+        store: Rendezvous | None = None,
     ) -> None:
         self.spec = spec
+        self.store = store
         self.control = control or LaunchControl()
         self.processes = processes
         self.timeout = timeout
@@ -59,14 +63,19 @@ class Supervisor:
         """
         self.control.start_clock(self.timeout)  # one deadline for every attempt of the launch
         stop = self.control.fileno()
+        listener = None if self.store is None else self.store.fileno()
         pending: dict[Any, int] = {process.sentinel: rank for rank, process in enumerate(self.processes)}
         while pending:
-            ready = wait([*pending, *([] if stop is None else [stop])], timeout=self.control.remaining())
+            watched = [*pending, *(fd for fd in (stop, listener) if fd is not None)]
+            ready = wait(watched, timeout=self.control.remaining())
             if not ready:
                 self._raise_timeout(sorted(pending.values()))
             if stop in ready:
                 raise LaunchStopped()  # the caller's clean-up stops the workers
-            for sentinel in ready:
+            if listener in ready and self.store is not None:
+                self.store.serve()  # a worker connected: start the store it waits for
+                listener = None
+            for sentinel in (fd for fd in ready if fd in pending):
                 rank = pending.pop(sentinel)
                 state = self._collect(rank)
                 if isinstance(state, BaseException):
@@ -77,22 +86,21 @@ class Supervisor:
         """Read the outcome of a finished worker and decide its state."""
         process = self.processes[rank]
         process.join()
-        outcome: Outcome | None = None
-        name = outcome_name(rank)
-        if _transport.exists(self.spec.directory, name):
-            try:
-                outcome = _transport.load(self.spec.directory, name, private=False, remove=True)
-            except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
-                failure = RemoteError(
-                    f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
-                    f"{type(error).__name__}: {error}",
-                    rank,
-                    process.pid,
-                    type(error).__qualname__,
-                )
-                failure.__cause__ = error
-                self.states[rank] = failure
-                return failure
+        try:
+            outcome: Outcome | None = _transport.load(
+                self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True
+            )
+        except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
+            failure = RemoteError(
+                f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
+                f"{type(error).__name__}: {error}",
+                rank,
+                process.pid,
+                type(error).__qualname__,
+            )
+            failure.__cause__ = error
+            self.states[rank] = failure
+            return failure
         state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped)
         self.states[rank] = state
         self.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()

@@ -335,7 +335,7 @@ def _rebuild_storage(kind: str, index: int, dtype: torch.dtype | None, data: Any
     return reader.storage(kind, index, dtype, data)
 
 
-def load(directory: str, name: str, *, private: bool, remove: bool) -> Any:
+def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: bool = False) -> Any:
     """Read the object ``name`` written by :func:`dump`.
 
     Args:
@@ -344,20 +344,30 @@ def load(directory: str, name: str, *, private: bool, remove: bool) -> Any:
         private: map storages and buffers copy-on-write (each reader gets its own copy of what it changes)
             instead of shared with the file.
         remove: unlink its files once mapped (the data lives on in the mappings until they are freed).
+        missing_ok: return ``None`` when no complete object ``name`` was written, instead of raising.
 
     Raises:
+        FileNotFoundError: nothing complete was written as ``name`` (and not ``missing_ok``).
         Exception: whatever unpickling raises (a class missing in this process, a corrupt file).
     """
     path, data_path = os.path.join(directory, f"{name}.pkl"), os.path.join(directory, f"{name}.bin")
     try:
-        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        file = open(path, "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        if missing_ok:  # (a data file that a stopped writer left is removed with the directory)
+            return None
+        raise
+    has_data = True  # until the header says otherwise
+    try:
+        with file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
             (count,) = _HEADER.unpack_from(view, 0)
             extents = [_EXTENT.unpack_from(view, _HEADER.size + i * _EXTENT.size) for i in range(count)]
             start = _HEADER.size + count * _EXTENT.size
             (table_size,) = _HEADER.unpack_from(view, start)
             start += _HEADER.size
             offsets = pickle.loads(view[start : start + table_size])
-            fd = os.open(data_path, os.O_RDWR) if offsets or extents else -1
+            has_data = bool(offsets or extents)
+            fd = os.open(data_path, os.O_RDWR) if has_data else -1
             try:
                 reader = _Reader(fd, private, offsets)
                 with memoryview(view) as pickled:
@@ -367,6 +377,6 @@ def load(directory: str, name: str, *, private: bool, remove: bool) -> Any:
                     os.close(fd)
     finally:
         if remove:
-            for leftover in (path, data_path):
+            for leftover in (path, data_path) if has_data else (path,):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)

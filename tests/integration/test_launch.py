@@ -43,6 +43,44 @@ def test_gloo_process_group_works_with_env_init(start_method: StartMethod) -> No
     assert run().item() == 3.0  # 1 + 2
 
 
+def test_the_store_starts_when_a_worker_first_connects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent holds the port from the start, but starts the c10d store only for a launch whose workers
+    connect to it: a bare store client and a process group are served; a launch that never connects starts
+    no store (no threads, no start-up, no reverse lookup of the store's address)."""
+    from mplaunch import _store
+
+    started: list[int] = []
+    host = _store._host
+
+    def counted(addr: str, port: int, fd: int | None) -> object:
+        started.append(port)
+        return host(addr, port, fd)
+
+    monkeypatch.setattr(_store, "_host", counted)
+    quiet = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()
+    assert int(quiet["env"]["MASTER_PORT"]) > 0 and started == []
+    clients = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(workers.plain_store_client)()
+    assert clients[0] == clients[1] and len(set(clients[0])) == 2 and len(started) == 1
+    assert parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.all_reduce_rank)().item() == 3.0
+    assert len(started) == 2
+
+
+@pytest.mark.parametrize("addr", ["localhost", "::1"])
+def test_the_users_master_addr_hosts_the_store(addr: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host name (resolved by torch: the store starts at once) or an IPv6 address (listened on here)."""
+    import socket
+
+    if addr == "::1":
+        try:
+            socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+        except OSError:
+            pytest.skip("no IPv6 loopback on this machine")
+    monkeypatch.setenv("MASTER_ADDR", addr)
+    result = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()
+    assert result["env"]["MASTER_ADDR"] == addr
+    assert parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.all_reduce_rank)().item() == 3.0
+
+
 def test_user_master_addr_and_port_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 

@@ -91,6 +91,20 @@ def test_the_object_appears_only_when_complete(tmp_path: Path) -> None:
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
+def test_loading_what_was_never_written_and_removing_what_was(tmp_path: Path) -> None:
+    """A rank that wrote no outcome: ``missing_ok`` says so with None, else FileNotFoundError. A loaded
+    object's files are removed, the data file with them, so the launch directory ends empty."""
+    assert _transport.load(str(tmp_path), "x", private=False, remove=True, missing_ok=True) is None
+    with pytest.raises(FileNotFoundError):
+        _transport.load(str(tmp_path), "x", private=False, remove=True)
+    _transport.dump({"small": 1}, str(tmp_path), "small")
+    _transport.dump({"big": torch.ones(1 << 16)}, str(tmp_path), "big")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.bin", "big.pkl", "small.pkl"]
+    assert _transport.load(str(tmp_path), "small", private=False, remove=True) == {"small": 1}
+    assert _transport.load(str(tmp_path), "big", private=False, remove=True)["big"].sum() == 1 << 16
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_mapped_tensors_are_ordinary_tensors(tmp_path: Path) -> None:
     """Issue 10: a mapped argument reported is_shared(), so torch's fd sharing (DataLoader workers, queues)
     sent a descriptor that did not exist. Mapped storages are ordinary CPU storages now."""
