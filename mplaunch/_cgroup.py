@@ -11,6 +11,7 @@ to the root of each mounted hierarchy, is the one that applies (cgroup v1 ``cpu.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -90,17 +91,32 @@ def cpu_limit(root: str = "/") -> float | None:
 
     The smallest limit along the process's cgroup path (its own cgroup and every ancestor visible in the
     mount) over the cgroup v2 hierarchy and the v1 hierarchy with the ``cpu`` controller. Never raises:
-    anything unreadable counts as no limit.
+    anything unreadable counts as no limit. The limit files are read at every call (a quota can change while
+    the process runs, e.g. ``docker update --cpus``); where they are is worked out once per cgroup path.
 
     Args:
         root: the directory that stands for ``/`` (``proc/self/...`` and the mount points are read below
             it); tests pass a fake tree.
     """
     cgroup = _read(os.path.join(root, "proc/self/cgroup"))
-    mountinfo = _read(os.path.join(root, "proc/self/mountinfo"))
-    if cgroup is None or mountinfo is None:
+    if cgroup is None:
         return None
-    limits: list[float] = []
+    limits = [
+        quota
+        for directory, version in _limit_directories(root, cgroup)
+        if (quota := _quota(directory, version)) is not None
+    ]
+    return min(limits) if limits else None
+
+
+@functools.lru_cache(maxsize=16)
+def _limit_directories(root: str, cgroup: str) -> tuple[tuple[str, int], ...]:
+    """``(directory, cgroup version)`` of every cgroup whose CPU limit applies to a process in ``cgroup`` (the
+    text of ``/proc/self/cgroup``), deepest first per hierarchy; remembered, as the mounts do not move."""
+    mountinfo = _read(os.path.join(root, "proc/self/mountinfo"))
+    if mountinfo is None:
+        return ()
+    found: list[tuple[str, int]] = []
     mounts = _mounts(mountinfo)
     for controllers, path in _memberships(cgroup):
         version = 1 if controllers else 2
@@ -109,9 +125,6 @@ def cpu_limit(root: str = "/") -> float | None:
         for fstype, mount_root, mount_point, options in mounts:
             if (version == 2) != (fstype == "cgroup2") or (version == 1 and "cpu" not in options):
                 continue
-            for directory in _directories(mount_root, mount_point, path, root):
-                quota = _quota(directory, version)
-                if quota is not None:
-                    limits.append(quota)
+            found.extend((directory, version) for directory in _directories(mount_root, mount_point, path, root))
             break
-    return min(limits) if limits else None
+    return tuple(found)

@@ -6,7 +6,8 @@ SIGTERM ends the parent. A parent that dies abruptly (SIGKILL, SIGHUP, SIGQUIT, 
 the first launch of a process starts a *reaper*: a tiny Python process (no torch) that holds the read end of a
 pipe whose write end only this process keeps, and removes this process's launch directories when the pipe
 closes, i.e. within moments of the parent's death, however it died. It is the approach of CPython's
-``multiprocessing.resource_tracker``, which cannot remove directories.
+``multiprocessing.resource_tracker``, which cannot remove directories. Before starting it, that first launch
+also removes the directories of dead parents of this pid namespace that had none (a reaper killed too).
 """
 
 from __future__ import annotations
@@ -83,12 +84,14 @@ def reaper_pids() -> list[int]:
 
 
 def _ensure_reaper(root: str) -> None:
-    """Start this process's reaper for ``root`` unless it runs (see the module docstring)."""
+    """Start this process's reaper for ``root`` unless it runs (see the module docstring); when starting it,
+    remove first what parents that died without one left there."""
     key = (os.getpid(), root)
     if key in _reapers:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(_reapers[key], os.WNOHANG) == (0, 0):
                 return  # still running
+    remove_stale_directories(root)
     read_end, write_end = os.pipe()
     try:
         reaper = os.posix_spawn(
@@ -121,13 +124,15 @@ def _close_quietly(fd: int) -> None:
 def launch_directory() -> Iterator[str]:
     """Create this launch's directory, yield its path, and remove it (with whatever is left in it) after."""
     root = shm_root()
-    remove_stale_directories(root)
     _ensure_reaper(root)
     directory = tempfile.mkdtemp(prefix=own_prefix(), dir=root)
     try:
         yield directory
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        try:
+            os.rmdir(directory)  # what a launch wrote, it has read and removed: the directory is empty
+        except OSError:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def space_hint(directory: str) -> str:

@@ -88,9 +88,11 @@ def rank_environment(
 
 
 def apply_environment(environ: os._Environ[str], env: Mapping[str, str]) -> None:
-    """In a worker: drop the parent's rank variables from ``environ``, then set ``env``."""
+    """In a worker: drop the parent's rank variables from ``environ`` (those ``env`` does not set), then set
+    ``env``."""
     for name in RANK_VARIABLES:
-        environ.pop(name, None)
+        if name not in env:
+            environ.pop(name, None)
     environ.update(env)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import itertools
-import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -138,10 +137,12 @@ def fork_needs_unshare(obj: Any, maps: str = "/proc/self/maps") -> bool:
 def _shared_mappings(maps: str) -> bool:
     """Whether this process maps any memory shared and writable (``rw-s``); True when it cannot tell."""
     try:
-        with open(maps) as file:
-            return re.search(r"^\S+ rw.s ", file.read(), re.MULTILINE) is not None
+        with open(maps, "rb") as file:
+            text = file.read()
     except OSError:
         return True
+    # the permissions column ("rw-s", "rwxs"); a path holding those words only costs a needless walk
+    return b" rw-s " in text or b" rwxs " in text
 
 
 def unshare(obj: T) -> T:

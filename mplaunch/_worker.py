@@ -216,6 +216,12 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
 
 def _children() -> list[int]:
     """Direct children of this process (Linux: /proc/self/task/*/children), else an empty list."""
+    try:  # one system call says whether there are any (WNOWAIT: an ended child stays for its owner to reap)
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return []
+    except (OSError, AttributeError):  # no waitid here: list them
+        pass
     found: list[int] = []
     with contextlib.suppress(OSError):
         for task in os.listdir("/proc/self/task"):
@@ -292,8 +298,9 @@ def _start(spec: WorkerSpec) -> None:
         atexit._clear()  # inherited from the parent or the fork server: not ours to run
     if spec.start_method == "fork":
         keep_inherited()  # the parent's open files are the parent's to flush
-    # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
-    multiprocessing.set_start_method(spec.mp_start_method, force=True)
+    if spec.start_method != "fork":  # a forked worker has the parent's already
+        # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
+        multiprocessing.set_start_method(spec.mp_start_method, force=True)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a process group of its own: stopping the worker stops what it started too
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
