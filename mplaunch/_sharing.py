@@ -5,10 +5,13 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import itertools
+import sys
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
+
+from mplaunch._transport import in_shared_mapping
 
 T = TypeVar("T")
 
@@ -50,16 +53,27 @@ def to_cpu(obj: T) -> T:
     return _apply(_apply(obj, torch.nn.Module, _module_to_cpu), torch.Tensor, _tensor_to_cpu)  # type: ignore[no-any-return]
 
 
+def _is_shared(tensor: torch.Tensor) -> bool:
+    """Whether a forked process would share the tensor's memory: torch shared memory, or a result mapped
+    shared by mplaunch's transport (an ordinary tensor otherwise, ``is_shared()`` false)."""
+    return tensor.is_shared() or in_shared_mapping(tensor.untyped_storage().data_ptr())
+
+
 @torch.no_grad()
 def _unshare_module(module: torch.nn.Module) -> torch.nn.Module:
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if tensor.is_shared():
+        if _is_shared(tensor):
             tensor.data = tensor.data.clone()
     return module
 
 
+def _unshare_array(array: Any) -> Any:
+    """A copy of a NumPy array that lies in a result mapped shared, else the array itself."""
+    return array.copy() if in_shared_mapping(array.__array_interface__["data"][0]) else array
+
+
 def _unshare_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_shared():
+    if not _is_shared(tensor):
         return tensor
     copy = tensor.detach().clone()
     if isinstance(tensor, torch.nn.Parameter):
@@ -80,6 +94,9 @@ def _unshare_any(obj: Any) -> Any:
         return _unshare_tensor(obj)
     if isinstance(obj, torch.nn.Module):
         return _unshare_module(obj)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.ndarray):
+        return _unshare_array(obj)
     if isinstance(obj, (list, tuple, set, frozenset)):
         if set(map(type, obj)) <= _LEAVES:
             return obj
@@ -149,9 +166,10 @@ def unshare(obj: T) -> T:
     """Give the calling process private copies of the tensors in ``obj`` that live in shared memory.
 
     Runs in a forked worker, on its arguments: a tensor in shared memory (``Tensor.is_shared()``, e.g. after
-    ``Module.share_memory()`` in the parent, which ``fork`` keeps shared) is replaced by a private copy, and
-    an ``nn.Module``'s parameters and buffers are re-pointed to copies in place, so an in-place update in one
-    worker is seen neither by the others nor by the parent. Other tensors are left as they are (no copy; a
+    ``Module.share_memory()`` in the parent, which ``fork`` keeps shared), or in the shared mapping of an
+    earlier launch's result, is replaced by a private copy, and an ``nn.Module``'s parameters and buffers are
+    re-pointed to copies in place, so an in-place update in one worker is seen neither by the others nor by
+    the parent; so is a NumPy array of a result. Other tensors are left as they are (no copy; a
     forked worker's memory is already copy-on-write). It looks inside lists, tuples, named tuples, sets,
     mappings and dataclasses, and returns the very same object where nothing changed; ``bytes``, strings and
     containers of plain numbers and strings are passed over in one pass in C, so a 4 MiB ``bytes`` or a list

@@ -275,6 +275,10 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
+#: This process's live shared mappings (results), address -> bytes: a process forked from it shares them.
+_shared: dict[int, int] = {}
+
+
 def _map(fd: int, offset: int, nbytes: int, private: bool) -> Any:
     """Map ``nbytes`` of ``fd`` at ``offset`` (page-aligned) as a writable ctypes array, unmapped when the
     array (and so every tensor or memoryview made from it) is freed."""
@@ -284,8 +288,21 @@ def _map(fd: int, offset: int, nbytes: int, private: bool) -> Any:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
     array = (ctypes.c_char * nbytes).from_address(address)
-    weakref.finalize(array, _libc.munmap, address, nbytes)
+    if not private:
+        _shared[address] = nbytes
+    weakref.finalize(array, _unmap, address, nbytes)
     return array
+
+
+def _unmap(address: int, nbytes: int) -> None:
+    _shared.pop(address, None)
+    _libc.munmap(address, nbytes)
+
+
+def in_shared_mapping(address: int) -> bool:
+    """Whether ``address`` lies in a shared mapping that :func:`load` made (a result read with
+    ``private=False``): unlike a private mapping, a process forked from this one would share its changes."""
+    return any(start <= address < start + size for start, size in list(_shared.items()))
 
 
 class _Reader:

@@ -511,3 +511,25 @@ def log_through_memory_handlers(inherited_name: str, own_path: str) -> None:
     logger.propagate = False
     logger.addHandler(own)
     logger.warning("rank %d, through its own handler", rank)
+
+
+def zeros_result() -> dict[str, Any]:
+    """A module, a tensor and a NumPy array of zeros, each large enough (256 KiB+) to come back mapped."""
+    import numpy
+
+    module = torch.nn.Linear(256, 256, bias=False)
+    torch.nn.init.zeros_(module.weight)
+    return {"module": module, "tensor": torch.zeros(1 << 16), "array": numpy.zeros(1 << 16)}
+
+
+def mutate_items(items: dict[str, Any]) -> dict[str, float]:
+    """Add rank + 1 in place to ``items``' module, tensor and array; their sums once the peer has too."""
+    rank = worker_info().rank
+    with torch.no_grad():
+        items["module"].weight.add_(rank + 1)
+    items["tensor"].add_(rank + 1)
+    items["array"] += rank + 1
+    time.sleep(0.5)  # let the other rank's update land, if memory were shared
+    return {key: float(items[key].sum()) for key in ("tensor", "array")} | {
+        "weight": items["module"].weight.sum().item()
+    }

@@ -70,6 +70,26 @@ def test_arguments_are_private_to_each_worker(start_method: StartMethod, shared:
     assert module.weight.sum().item() == 0 and tensor.sum().item() == 0  # the parent's objects are untouched
 
 
+@pytest.mark.parametrize("padding", [0, 20_000], ids=["small", "large"])
+def test_a_results_tensors_and_arrays_are_private_arguments_under_fork(padding: int) -> None:
+    """A result comes back mapped from shared memory (one copy, no file descriptor): passed to a fork launch,
+    its tensors, modules and NumPy arrays are private to each worker like any argument. They were shared by
+    the forked workers and the parent (an in-place add in a worker changed the caller's tensor). With a
+    large argument the workers walk it because this process maps shared memory."""
+    items = parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(workers.zeros_result)()
+    items["padding"] = list(range(padding))
+    run = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(workers.mutate_items)
+    results = run(items)
+    weights, values = items["module"].weight.numel(), items["tensor"].numel()
+    for rank, result in enumerate(results):
+        assert result == {
+            "tensor": (rank + 1.0) * values,
+            "array": (rank + 1.0) * values,
+            "weight": (rank + 1.0) * weights,
+        }
+    assert items["tensor"].sum().item() == items["array"].sum() == items["module"].weight.sum().item() == 0
+
+
 def test_parent_thread_settings_are_untouched() -> None:
     before = torch.get_num_threads()
     parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()
