@@ -135,20 +135,23 @@ def fork_needs_unshare(obj: Any, maps: str = "/proc/self/maps") -> bool:
     they live on (copy-on-write): 30 ms for a list of 10**6 ints, in each worker. So when ``obj`` is large (a
     container of more than 10,000 elements, or more than 10,000 objects in all), the walk happens only if this
     process has a writable shared memory mapping at all (``/proc/self/maps``): a tensor can be in shared
-    memory only then. Small arguments are walked (it costs microseconds).
+    memory only then. Small arguments are walked here (it costs microseconds): made of plain values and
+    containers only, they hold no tensor, and the workers skip the walk.
     """
     budget = _BIG
     pending = [obj]
     while pending:
         item = pending.pop()
-        if type(item) in _LEAVES or not isinstance(item, (list, tuple, set, frozenset, Mapping)):
+        if type(item) in _LEAVES:
             continue
+        if not isinstance(item, (list, tuple, set, frozenset, Mapping)):
+            return True  # a tensor, a module, or an object that may hold one
         size = len(item)
         budget -= size
         if size > _BIG or budget < 0:
             return _shared_mappings(maps)
         pending.extend(item.values() if isinstance(item, Mapping) else item)
-    return True
+    return False
 
 
 def _shared_mappings(maps: str) -> bool:

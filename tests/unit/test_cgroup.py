@@ -43,7 +43,9 @@ def test_v2_quota_of_the_process_cgroup(tmp_path: Path) -> None:
 def test_a_quota_changed_while_the_process_runs_is_seen(tmp_path: Path) -> None:
     """Where the limit files are is remembered; what they say is read at every call (docker update --cpus)."""
     quota = tmp_path / "sys/fs/cgroup/job/cpu.max"
-    root = _tree(tmp_path, "0::/job\n", V2_MOUNTS.format(root="/"), {str(quota.relative_to(tmp_path)): "200000 100000\n"})
+    root = _tree(
+        tmp_path, "0::/job\n", V2_MOUNTS.format(root="/"), {str(quota.relative_to(tmp_path)): "200000 100000\n"}
+    )
     assert cpu_limit(root) == 2.0
     quota.write_text("50000 100000\n")
     assert cpu_limit(root) == 0.5

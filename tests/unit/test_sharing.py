@@ -65,7 +65,8 @@ def test_bytes_and_long_lists_are_not_walked_element_by_element(monkeypatch: pyt
 def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: Path) -> None:
     """Issue 10: walking a forked worker's arguments touches every element's reference count, which copies
     their pages (30 ms per worker for a list of 10**6 ints). Large arguments are walked only when the
-    process maps shared writable memory at all; small ones always (it costs microseconds)."""
+    process maps shared writable memory at all; small ones in the parent (it costs microseconds), and in the
+    workers only when they hold something other than plain values."""
     private = tmp_path / "private"
     private.write_text("7f00-7f01 r-xp 00000000 fd:00 1 /usr/lib/libc.so.6\n7f01-7f02 rw-p 00000000 00:00 0 \n")
     shared = tmp_path / "shared"
@@ -75,7 +76,10 @@ def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: 
     assert _sharing.fork_needs_unshare(big, str(shared))
     many_small = ([list(range(100)) for _ in range(200)],)  # 20,000 objects in all: large too
     assert not _sharing.fork_needs_unshare(many_small, str(private))
-    assert _sharing.fork_needs_unshare(([torch.ones(2)], {"lr": 0.1}), str(private))  # small: always walked
+    assert _sharing.fork_needs_unshare(([torch.ones(2)], {"lr": 0.1}), str(private))  # small, with a tensor
+    assert _sharing.fork_needs_unshare(([object()], {}), str(private))  # an object that may hold one
+    plain = ((b"x" * 2**22, [1, 2.5, "a", None], (range(3),)), {"lr": 0.1, "tags": {"x", "y"}})
+    assert not _sharing.fork_needs_unshare(plain, str(shared))  # small and plain: nothing to walk in workers
     assert _sharing.fork_needs_unshare(big, str(tmp_path / "missing"))  # cannot tell: walk
 
 
