@@ -4,6 +4,7 @@ their processes here; multi-node launches hand that to torch elastic (:mod:`mpla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import multiprocessing.forkserver
@@ -27,7 +28,7 @@ from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec, outcome_name
 from mplaunch._pump import Pump, routed, worker_fds
 from mplaunch._pystate import warn_not_carried
 from mplaunch._restarts import run_attempts
-from mplaunch._sharing import fork_needs_unshare
+from mplaunch._sharing import shared_mappings, unshare_verdict
 from mplaunch._signals import parent_signals, signals_blocked
 from mplaunch._spawning import main_prepared, spawn_hash_seed
 from mplaunch._state import ForkState, GlobalState
@@ -133,7 +134,7 @@ def _launch(
             log_dir=config.log_dir,
             grace_period=config.grace_period,
             mp_start_method=multiprocessing.get_start_method(allow_none=True),
-            unshare=start_method != "fork" or fork_needs_unshare((args, kwargs)),
+            unshare=start_method != "fork" or unshare_verdict((args, kwargs)),
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
@@ -232,6 +233,8 @@ def _run_workers(
 ) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
+    if spec.start_method == "fork" and spec.unshare is None:
+        spec = dataclasses.replace(spec, unshare_pipe=os.pipe())
     supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control, store)
     try:
         with main_prepared():
@@ -245,6 +248,8 @@ def _run_workers(
                     )
                     process.start()
                     processes.append(process)
+        if spec.unshare_pipe is not None:
+            _answer_unshare(spec.unshare_pipe, spec.nprocs)
         if pump is not None:
             pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
         results: list[Any] = supervisor.wait()
@@ -253,3 +258,13 @@ def _run_workers(
         supervisor.stop()
         for process in processes:
             process.close()
+        for fd in spec.unshare_pipe or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
+    """Tell forked workers with large arguments whether to look in them for shared memory: whether this
+    process maps any. Asked once they have all started, so the ``/proc/self/maps`` read overlaps their
+    start instead of delaying it; they wait for the answer only if they get that far first."""
+    os.write(pipe[1], (b"1" if shared_mappings() else b"0") * nprocs)

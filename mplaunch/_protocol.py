@@ -67,7 +67,10 @@ class WorkerSpec:
             (the platform's default, as in a process that torchrun starts).
         restart_count, max_restarts: this attempt's ``TORCHELASTIC_RESTART_COUNT`` and the launch's
             ``TORCHELASTIC_MAX_RESTARTS``.
-        unshare: forked workers must look for arguments in shared memory (see ``fork_needs_unshare``).
+        unshare: forked workers must look for arguments in shared memory (see ``unshare_verdict``);
+            ``None``: the arguments are large, and the parent says whether through ``unshare_pipe``.
+        unshare_pipe: ``(read end, write end)`` of the pipe on which the parent, once every forked worker
+            has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output`).
     """
@@ -88,7 +91,8 @@ class WorkerSpec:
     log_dir: str | None = None
     grace_period: float = 5.0
     mp_start_method: str | None = None
-    unshare: bool = True
+    unshare: bool | None = True
+    unshare_pipe: tuple[int, int] | None = None
     restart_count: int = 0
     max_restarts: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)

@@ -128,15 +128,17 @@ def _unshare_any(obj: Any) -> Any:
 _BIG = 10_000  # elements: a container this long is not walked in every forked worker without a reason
 
 
-def fork_needs_unshare(obj: Any, maps: str = "/proc/self/maps") -> bool:
-    """In the parent, before forking: whether forked workers must run :func:`unshare` on ``obj``.
+def unshare_verdict(obj: Any) -> bool | None:
+    """In the parent, before forking: whether forked workers must run :func:`unshare` on ``obj``, as far as
+    ``obj`` alone tells: ``True``, ``False``, or ``None`` when it is large and the answer is whether this
+    process maps shared memory (:func:`shared_mappings`, which a launch asks while its workers start).
 
     Walking a forked worker's arguments touches every element's reference count, which copies every page
     they live on (copy-on-write): 30 ms for a list of 10**6 ints, in each worker. So when ``obj`` is large (a
     container of more than 10,000 elements, or more than 10,000 objects in all), the walk happens only if this
-    process has a writable shared memory mapping at all (``/proc/self/maps``): a tensor can be in shared
-    memory only then. Small arguments are walked here (it costs microseconds): made of plain values and
-    containers only, they hold no tensor, and the workers skip the walk.
+    process has a writable shared memory mapping at all: a tensor can be in shared memory only then. Small
+    arguments are walked here (it costs microseconds): made of plain values and containers only, they hold
+    no tensor, and the workers skip the walk.
     """
     budget = _BIG
     pending = [obj]
@@ -149,12 +151,12 @@ def fork_needs_unshare(obj: Any, maps: str = "/proc/self/maps") -> bool:
         size = len(item)
         budget -= size
         if size > _BIG or budget < 0:
-            return _shared_mappings(maps)
+            return None
         pending.extend(item.values() if isinstance(item, Mapping) else item)
     return False
 
 
-def _shared_mappings(maps: str) -> bool:
+def shared_mappings(maps: str = "/proc/self/maps") -> bool:
     """Whether this process maps any memory shared and writable (``rw-s``); True when it cannot tell."""
     try:
         with open(maps, "rb") as file:

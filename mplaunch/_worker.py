@@ -175,7 +175,7 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
-        if spec.start_method == "fork" and spec.unshare:  # inherited: shared memory stays shared
+        if spec.start_method == "fork" and _must_unshare(spec):  # inherited: shared memory stays shared
             args, kwargs = unshare((args, kwargs))
         with process_group(spec.backend, local_rank):
             try:
@@ -186,6 +186,19 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
         return _decide(Raised.of(error, when=raised_at))
+
+
+def _must_unshare(spec: WorkerSpec) -> bool:
+    """Whether a forked worker must look for shared memory in its arguments; for large arguments, the
+    parent's answer (see ``WorkerSpec.unshare_pipe``), looking when there is none (the parent failed)."""
+    if spec.unshare_pipe is None:
+        return spec.unshare is not False
+    read_end, write_end = spec.unshare_pipe
+    try:
+        os.close(write_end)  # the worker's copy: if the parent dies, the read ends
+        return os.read(read_end, 1) != b"0"
+    finally:
+        os.close(read_end)
 
 
 def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:

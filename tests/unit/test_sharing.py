@@ -72,18 +72,18 @@ def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: 
     shared = tmp_path / "shared"
     shared.write_text(private.read_text() + "7f02-7f03 rw-s 00000000 00:1a 9 /dev/shm/torch_1_2_3 (deleted)\n")
     big: tuple[object, ...] = ([], {"values": list(range(10**5))})
-    assert not _sharing.fork_needs_unshare(big, str(private))
-    assert _sharing.fork_needs_unshare(big, str(shared))
+    assert _sharing.unshare_verdict(big) is None  # large: up to the process's mappings
+    assert not _sharing.shared_mappings(str(private)) and _sharing.shared_mappings(str(shared))
+    assert _sharing.shared_mappings(str(tmp_path / "missing"))  # cannot tell: walk
     many_small = ([list(range(100)) for _ in range(200)],)  # 20,000 objects in all: large too
-    assert not _sharing.fork_needs_unshare(many_small, str(private))
-    assert _sharing.fork_needs_unshare(([torch.ones(2)], {"lr": 0.1}), str(private))  # small, with a tensor
-    assert _sharing.fork_needs_unshare(([object()], {}), str(private))  # an object that may hold one
+    assert _sharing.unshare_verdict(many_small) is None
+    assert _sharing.unshare_verdict(([torch.ones(2)], {"lr": 0.1})) is True  # small, with a tensor
+    assert _sharing.unshare_verdict(([object()], {})) is True  # an object that may hold one
     plain = ((b"x" * 2**22, [1, 2.5, "a", None], (range(3),)), {"lr": 0.1, "tags": {"x", "y"}})
-    assert not _sharing.fork_needs_unshare(plain, str(shared))  # small and plain: nothing to walk in workers
-    assert _sharing.fork_needs_unshare(big, str(tmp_path / "missing"))  # cannot tell: walk
+    assert _sharing.unshare_verdict(plain) is False  # small and plain: nothing to walk in the workers
 
 
 def test_a_process_with_a_shared_tensor_has_a_shared_mapping() -> None:
     """The premise of the check above, on this machine's torch: share_memory_() maps shared writable memory."""
     tensor = torch.zeros(1 << 16).share_memory_()
-    assert tensor.is_shared() and _sharing._shared_mappings("/proc/self/maps")
+    assert tensor.is_shared() and _sharing.shared_mappings("/proc/self/maps")
