@@ -83,10 +83,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def launch_mplaunch(method: str, function: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
+@functools.cache
+def _decorated(method: str, function: Callable[..., Any], timeout: float) -> Callable[..., Any]:
+    """Decorated once, as a user decorates a function once and calls it many times."""
     from mplaunch import parallel
 
-    return parallel(nprocs=NPROCS, start_method=method, timeout=timeout)(function)(*args)
+    return parallel(nprocs=NPROCS, start_method=method, timeout=timeout)(function)
+
+
+def launch_mplaunch(method: str, function: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> Any:
+    return _decorated(method, function, timeout)(*args)
 
 
 def launch_raw(method: str, function: Callable[..., Any], args: tuple[Any, ...], timeout: float) -> None:
