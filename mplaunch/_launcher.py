@@ -4,7 +4,6 @@ their processes here; multi-node launches hand that to torch elastic (:mod:`mpla
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
 import multiprocessing.forkserver
@@ -233,10 +232,12 @@ def _run_workers(
 ) -> list[Any]:
     context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
-    if spec.start_method == "fork" and spec.unshare is None:
-        spec = dataclasses.replace(spec, unshare_pipe=os.pipe())
     supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control, store)
+    pipe: tuple[int, int] | None = None  # large fork arguments: see _answer_unshare
     try:
+        if spec.start_method == "fork" and spec.unshare is None:
+            pipe = os.pipe()
+            spec = dataclasses.replace(spec, unshare_pipe=pipe)
         with main_prepared():
             if spec.start_method == "forkserver":
                 context.set_forkserver_preload(preload)
@@ -248,8 +249,8 @@ def _run_workers(
                     )
                     process.start()
                     processes.append(process)
-        if spec.unshare_pipe is not None:
-            _answer_unshare(spec.unshare_pipe, spec.nprocs)
+        if pipe is not None:
+            _answer_unshare(pipe, spec.nprocs)
         if pump is not None:
             pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
         results: list[Any] = supervisor.wait()
@@ -258,9 +259,8 @@ def _run_workers(
         supervisor.stop()
         for process in processes:
             process.close()
-        for fd in spec.unshare_pipe or ():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in pipe or ():
+            os.close(fd)
 
 
 def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:

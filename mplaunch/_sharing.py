@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import copy as copy_module
-import dataclasses
+import contextlib
 import itertools
 import sys
-from collections.abc import Mapping
+import types
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
 
-from mplaunch._transport import in_shared_mapping
+from mplaunch._transport import in_shared_mapping, make_private
 
 T = TypeVar("T")
 
@@ -53,107 +53,117 @@ def to_cpu(obj: T) -> T:
     return _apply(_apply(obj, torch.nn.Module, _module_to_cpu), torch.Tensor, _tensor_to_cpu)  # type: ignore[no-any-return]
 
 
-def _is_shared(tensor: torch.Tensor) -> bool:
-    """Whether a forked process would share the tensor's memory: torch shared memory, or a result mapped
-    shared by mplaunch's transport (an ordinary tensor otherwise, ``is_shared()`` false)."""
-    return tensor.is_shared() or in_shared_mapping(tensor.untyped_storage().data_ptr())
-
-
-@torch.no_grad()
-def _unshare_module(module: torch.nn.Module) -> torch.nn.Module:
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if _is_shared(tensor):
-            tensor.data = tensor.data.clone()
-    return module
-
-
-def _unshare_array(array: Any) -> Any:
-    """A copy of a NumPy array that lies in a result mapped shared, else the array itself."""
-    return array.copy() if in_shared_mapping(array.__array_interface__["data"][0]) else array
-
-
-def _unshare_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    if not _is_shared(tensor):
-        return tensor
-    copy = tensor.detach().clone()
-    if isinstance(tensor, torch.nn.Parameter):
-        return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-    return copy.requires_grad_(tensor.requires_grad)
-
-
 #: Types that hold no tensor; a container of nothing else is skipped with one pass in C (``set(map(type, ...))``).
 _LEAVES = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, slice})
+#: Objects never looked into: code and namespaces, not data (a function's globals would lead everywhere).
+_OPAQUE = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.CodeType,
+    types.FrameType,
+    types.GeneratorType,
+    types.CoroutineType,
+    types.TracebackType,
+)
+_BIG = 10_000  # elements: arguments this large are not walked in every forked worker without a reason
 
 
-def _unshare_any(obj: Any) -> Any:
-    """The walk of :func:`unshare`: returns ``obj`` itself when nothing in it changed."""
-    kind = type(obj)
-    if kind in _LEAVES:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return _unshare_tensor(obj)
-    if isinstance(obj, torch.nn.Module):
-        return _unshare_module(obj)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(obj, numpy.ndarray):
-        return _unshare_array(obj)
+def _inside(obj: Any) -> Iterable[Any]:
+    """What the walk looks at inside ``obj``: the items of lists, tuples and sets, the keys and values of
+    mappings, and the attributes (``__dict__`` and slots) of any other object, except tensors, arrays, code
+    and namespaces (:data:`_OPAQUE`), which it does not look into."""
     if isinstance(obj, (list, tuple, set, frozenset)):
-        if set(map(type, obj)) <= _LEAVES:
-            return obj
-        items = [_unshare_any(item) for item in obj]
-        if all(new is old for new, old in zip(items, obj, strict=True)):
-            return obj
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
-            return kind(*items)
-        return kind(items)
+        return () if set(map(type, obj)) <= _LEAVES else obj
     if isinstance(obj, Mapping):
-        if set(map(type, obj.values())) <= _LEAVES:
-            return obj
-        values = {key: _unshare_any(value) for key, value in obj.items()}
-        if all(values[key] is value for key, value in obj.items()):
-            return obj
-        copy = copy_module.copy(obj)  # keeps the mapping's type (OrderedDict, defaultdict, ...)
-        copy.update(values)  # type: ignore[attr-defined]
-        return copy
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {
-            field.name: new
-            for field in dataclasses.fields(obj)
-            if field.init and (new := _unshare_any(old := getattr(obj, field.name))) is not old
-        }
-        return dataclasses.replace(obj, **changes) if changes else obj
-    return obj
+        if set(map(type, obj.values())) <= _LEAVES and set(map(type, obj.keys())) <= _LEAVES:
+            return ()
+        return itertools.chain(obj.keys(), obj.values())
+    if isinstance(obj, (torch.Tensor, *_OPAQUE)) or _is_array(obj):
+        return ()
+    found: list[Any] = list(getattr(obj, "__dict__", {}).values())
+    for kind in type(obj).__mro__:  # slots, read through their member descriptors (no user code runs)
+        for name in kind.__dict__.get("__slots__", ()):
+            descriptor = kind.__dict__.get(name)
+            if isinstance(descriptor, types.MemberDescriptorType):
+                with contextlib.suppress(AttributeError):
+                    found.append(descriptor.__get__(obj, kind))
+    return found
 
 
-_BIG = 10_000  # elements: a container this long is not walked in every forked worker without a reason
+def _is_array(obj: Any) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(obj, numpy.ndarray)
+
+
+def _address(obj: Any) -> int:
+    """Where the memory of a tensor's storage or of an array starts."""
+    if isinstance(obj, torch.Tensor):
+        return int(obj.untyped_storage().data_ptr())
+    return int(obj.__array_interface__["data"][0])
+
+
+def _shared(obj: Any) -> bool:
+    """Whether a process forked from this one would share ``obj``'s memory (a tensor or an array): torch's
+    shared memory (``is_shared()``), or a result mapped shared by mplaunch's transport."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            return False
+        if obj.is_shared():
+            return True
+    elif not _is_array(obj):
+        return False
+    return in_shared_mapping(_address(obj))
+
+
+def _walk(obj: Any, budget: float = float("inf")) -> Iterator[Any]:
+    """Every tensor and NumPy array reachable from ``obj`` (see :func:`_inside`), each object once (shared
+    references and cycles are fine); stops (raising :class:`_TooLarge`) after ``budget`` elements."""
+    seen: set[int] = set()
+    pending = [obj]
+    while pending:
+        item = pending.pop()
+        if type(item) in _LEAVES or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor) or _is_array(item):
+            yield item
+            continue
+        if isinstance(item, (list, tuple, set, frozenset, Mapping)):
+            budget -= len(item) + 1  # counted before the pass over its items (~10 ms per 10**6 of them)
+            if budget < 0:
+                raise _TooLarge
+            pending.extend(_inside(item))
+            continue
+        inside = list(_inside(item))
+        budget -= len(inside) + 1
+        if budget < 0:
+            raise _TooLarge
+        pending.extend(inside)
+
+
+class _TooLarge(Exception):
+    """The walk went past its budget."""
 
 
 def unshare_verdict(obj: Any) -> bool | None:
     """In the parent, before forking: whether forked workers must run :func:`unshare` on ``obj``, as far as
-    ``obj`` alone tells: ``True``, ``False``, or ``None`` when it is large and the answer is whether this
-    process maps shared memory (:func:`shared_mappings`, which a launch asks while its workers start).
+    ``obj`` alone tells: ``True`` (it holds shared memory), ``False`` (it holds none), or ``None`` when it is
+    large and the answer is whether this process maps shared memory at all (:func:`shared_mappings`, which
+    a launch asks while its workers start).
 
     Walking a forked worker's arguments touches every element's reference count, which copies every page
-    they live on (copy-on-write): 30 ms for a list of 10**6 ints, in each worker. So when ``obj`` is large (a
-    container of more than 10,000 elements, or more than 10,000 objects in all), the walk happens only if this
-    process has a writable shared memory mapping at all: a tensor can be in shared memory only then. Small
-    arguments are walked here (it costs microseconds): made of plain values and containers only, they hold
-    no tensor, and the workers skip the walk.
+    they live on (copy-on-write): 30 ms for a list of 10**6 ints, in each worker. So when ``obj`` is large
+    (more than 10,000 elements and objects in all), it is not walked here, and walked in the workers only if
+    this process has a writable shared memory mapping: a tensor can be in shared memory only then. Smaller
+    arguments are walked here (it costs microseconds), and in the workers only if they hold shared memory.
     """
-    budget = _BIG
-    pending = [obj]
-    while pending:
-        item = pending.pop()
-        if type(item) in _LEAVES:
-            continue
-        if not isinstance(item, (list, tuple, set, frozenset, Mapping)):
-            return True  # a tensor, a module, or an object that may hold one
-        size = len(item)
-        budget -= size
-        if size > _BIG or budget < 0:
-            return None
-        pending.extend(item.values() if isinstance(item, Mapping) else item)
-    return False
+    try:
+        return any(_shared(found) for found in _walk(obj, _BIG))
+    except _TooLarge:
+        return None
 
 
 def shared_mappings(maps: str = "/proc/self/maps") -> bool:
@@ -168,23 +178,43 @@ def shared_mappings(maps: str = "/proc/self/maps") -> bool:
 
 
 def unshare(obj: T) -> T:
-    """Give the calling process private copies of the tensors in ``obj`` that live in shared memory.
+    """Make the shared memory in ``obj`` private to the calling process, in place, and return ``obj``.
 
-    Runs in a forked worker, on its arguments: a tensor in shared memory (``Tensor.is_shared()``, e.g. after
-    ``Module.share_memory()`` in the parent, which ``fork`` keeps shared), or in the shared mapping of an
-    earlier launch's result, is replaced by a private copy, and an ``nn.Module``'s parameters and buffers are
-    re-pointed to copies in place, so an in-place update in one worker is seen neither by the others nor by
-    the parent; so is a NumPy array of a result. Other tensors are left as they are (no copy; a
-    forked worker's memory is already copy-on-write). It looks inside lists, tuples, named tuples, sets,
-    mappings and dataclasses, and returns the very same object where nothing changed; ``bytes``, strings and
-    containers of plain numbers and strings are passed over in one pass in C, so a 4 MiB ``bytes`` or a list
-    of a million ints costs (almost) nothing. Costs one copy of each shared tensor. The idea, and the need for
-    it with ``nn.Module``, come from Lightning Fabric's launcher.
+    Runs in a forked worker, on its arguments, before its other threads use them: a tensor in shared memory
+    (``Tensor.is_shared()``, e.g. after ``Module.share_memory()`` in the parent, which ``fork`` keeps
+    shared) is re-pointed to a private copy of its storage, made once per storage, so that views and every
+    reference to the same tensor (a module's parameter and the list given to an optimizer) stay what they
+    were to each other; a tensor or NumPy array of an earlier launch's result (mapped shared by mplaunch)
+    gets its whole mapping turned private in place. An in-place update in one worker is then seen neither by
+    the others nor by the parent. Other tensors are left alone (a forked worker's memory is copy-on-write
+    already). It looks inside lists, tuples, sets, mappings and the attributes of any object (modules,
+    dataclasses, your own classes), each object once (cycles are fine), not into functions, classes or
+    modules; containers of plain values are passed over in one pass in C. Costs one copy of each shared
+    storage. NumPy arrays that view torch's shared memory (``tensor.numpy()``) stay shared. The idea, and
+    the need for it with ``nn.Module``, come from Lightning Fabric's launcher.
 
     Args:
-        obj: arguments of a worker's function: tensors, modules, or collections of them.
+        obj: arguments of a worker's function: tensors, modules, or collections and objects holding them.
 
     Returns:
-        The same structure, with no tensor in shared memory.
+        ``obj`` itself, holding no shared memory any more.
+
+    Raises:
+        OSError: no memory for a copy.
     """
-    return _unshare_any(obj)  # type: ignore[no-any-return]
+    copies: dict[int, torch.UntypedStorage] = {}  # a shared storage's address -> its private copy
+    with torch.no_grad():
+        for found in list(_walk(obj)):
+            if not _shared(found) or make_private(_address(found)):
+                continue
+            if isinstance(found, torch.Tensor):  # in torch's shared memory
+                if found.layout != torch.strided:
+                    found.data = found.data.clone()
+                    continue
+                storage = found.untyped_storage()
+                private = copies.get(storage.data_ptr())
+                if private is None:
+                    private = copies[storage.data_ptr()] = storage.clone()
+                view = torch.empty(0, dtype=found.dtype)
+                found.data = view.set_(private, found.storage_offset(), found.size(), found.stride())
+    return obj

@@ -36,12 +36,14 @@ class Rendezvous:
     store started at once, no ``torch.distributed``), there is nothing to watch.
     """
 
-    def __init__(self, addr: str, port: int, agent_store: bool, listener: socket.socket | None = None) -> None:
+    def __init__(
+        self, addr: str, port: int, agent_store: bool, listener: socket.socket | None = None, store: Any = None
+    ) -> None:
         self.addr = addr
         self.port = port
         self.agent_store = agent_store
         self._listener = listener
-        self._store: Any = None
+        self._store = store
 
     def fileno(self) -> int | None:
         """The listening socket to watch for a first connection, or ``None`` once served (or none hosted)."""
@@ -97,8 +99,7 @@ def rendezvous(*, lazy: bool = True) -> Iterator[Rendezvous]:
     listener = _listen(addr) if lazy else None
     if listener is None:
         store = _host(addr, 0, None)
-        hosted = Rendezvous(addr, store.port, agent_store=True)
-        hosted._store = store
+        hosted = Rendezvous(addr, store.port, agent_store=True, store=store)
     else:
         hosted = Rendezvous(addr, listener.getsockname()[1], agent_store=True, listener=listener)
     try:

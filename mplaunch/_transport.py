@@ -273,6 +273,12 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)  # the mmap module names it from Python 3.13; 0x10 on Linux and BSDs
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2  # <linux/mman.h>
+_mremap = getattr(_libc, "mremap", None)
+if _mremap is not None:
+    _mremap.restype = ctypes.c_void_p
+    _mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 
 
 #: This process's live shared mappings (results), address -> bytes: a process forked from it shares them.
@@ -299,10 +305,51 @@ def _unmap(address: int, nbytes: int) -> None:
     _libc.munmap(address, nbytes)
 
 
+def _shared_mapping(address: int) -> tuple[int, int] | None:
+    for start, size in list(_shared.items()):
+        if start <= address < start + size:
+            return start, size
+    return None
+
+
 def in_shared_mapping(address: int) -> bool:
     """Whether ``address`` lies in a shared mapping that :func:`load` made (a result read with
     ``private=False``): unlike a private mapping, a process forked from this one would share its changes."""
-    return any(start <= address < start + size for start, size in list(_shared.items()))
+    return _shared_mapping(address) is not None
+
+
+def make_private(address: int) -> bool:
+    """Turn the shared mapping that holds ``address`` (see :func:`in_shared_mapping`) into a private copy
+    at the same address, so that every tensor and array in it, and every view of them, becomes this
+    process's own at once; for a forked process, before its other threads touch that memory. Costs one copy
+    of the mapping (two where ``mremap`` is missing). Returns False when ``address`` is in no such mapping.
+
+    Raises:
+        OSError: no memory for the copy.
+    """
+    found = _shared_mapping(address)
+    if found is None:
+        return False
+    start, size = found
+    anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    copy = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, anonymous, -1, 0)
+    if copy is None or copy == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of {size} bytes failed: {os.strerror(errno)}")
+    ctypes.memmove(copy, start, size)
+    if _mremap is not None:  # Linux: move the copy's pages over the shared mapping, which goes away
+        moved = _mremap(copy, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
+        if moved == start:
+            del _shared[start]
+            return True
+    fixed = _libc.mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE, anonymous | _MAP_FIXED, -1, 0)
+    if fixed != start:
+        _libc.munmap(copy, size)
+        raise OSError(ctypes.get_errno(), "mmap at a fixed address failed")
+    ctypes.memmove(start, copy, size)
+    _libc.munmap(copy, size)
+    del _shared[start]
+    return True
 
 
 class _Reader:

@@ -151,18 +151,20 @@ def test_to_cpu_keeps_structure() -> None:
     assert out["a"][0] is data["a"][0] and out["b"][1] == 3
 
 
-def test_unshare_copies_only_shared_tensors() -> None:
+def test_unshare_copies_only_shared_tensors_in_place() -> None:
     from mplaunch import unshare
 
     private = torch.zeros(3)
+    private_address = private.data_ptr()
     shared = torch.zeros(3).share_memory_()
     module = torch.nn.Linear(2, 2)
     module.share_memory()
     weight = module.weight
-    out_private, out_shared, out_module = unshare((private, shared, module))
-    assert out_private is private
-    assert out_shared is not shared and not out_shared.is_shared() and torch.equal(out_shared, shared)
-    assert out_module is module and module.weight is weight and not module.weight.is_shared()
+    args = (private, shared, module)
+    assert unshare(args) is args
+    assert private.data_ptr() == private_address  # not copied
+    assert not shared.is_shared() and torch.equal(shared, torch.zeros(3))
+    assert module.weight is weight and not module.weight.is_shared()
 
 
 def _initialise_cuda_here() -> None:

@@ -24,7 +24,7 @@ class Batch:
     name: str = "b"
 
 
-def test_shared_tensors_are_copied_wherever_they_sit() -> None:
+def test_shared_tensors_are_made_private_in_place_wherever_they_sit() -> None:
     shared = torch.zeros(4).share_memory_()
     obj: dict[str, Any] = {
         "d": collections.OrderedDict(w=shared),
@@ -32,12 +32,76 @@ def test_shared_tensors_are_copied_wherever_they_sit() -> None:
         "s": [Batch(shared)],
         "n": 3,
     }
-    out = unshare(obj)
-    for tensor in (out["d"]["w"], out["t"][0].a, out["s"][0].x):
-        assert not tensor.is_shared() and torch.equal(tensor, shared)
-    assert type(out["d"]) is collections.OrderedDict and type(out["t"][0]) is Pair
-    assert type(out["s"][0]) is Batch and out["s"][0].name == "b" and out["n"] == 3
-    assert obj["d"]["w"] is shared  # the caller's containers are not modified
+    assert unshare(obj) is obj
+    assert obj["d"]["w"] is shared and obj["t"][0].a is shared and obj["s"][0].x is shared  # nothing rebuilt
+    assert not shared.is_shared() and torch.equal(shared, torch.zeros(4))
+    assert type(obj["d"]) is collections.OrderedDict and type(obj["t"][0]) is Pair and obj["s"][0].name == "b"
+
+
+def test_what_aliases_still_aliases() -> None:
+    """Adversarial finding: each occurrence of a shared tensor was copied on its own, so `(t, t[10:])` and a
+    module with the list of its parameters (what an optimizer gets) silently stopped sharing updates."""
+    base = torch.zeros(100).share_memory_()
+    view = base[10:]
+    module = torch.nn.Linear(3, 3)
+    module.share_memory()
+    params = list(module.parameters())
+    args = (base, view, base, params, module)
+    unshare(args)
+    assert not base.is_shared() and not view.is_shared() and not module.weight.is_shared()
+    base[10] = 7.0
+    assert view[0].item() == 7.0 and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    assert params[0] is module.weight and params[1] is module.bias
+
+
+@dataclasses.dataclass
+class Tagged:
+    x: torch.Tensor
+    name: str = dataclasses.field(init=False, default="unset")
+
+
+class Labelled(list):  # type: ignore[type-arg]
+    label = ""
+
+
+class Slotted:
+    __slots__ = ("tensor", "missing")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def test_any_object_is_looked_into_and_kept_as_it_is() -> None:
+    """Adversarial findings: dataclasses lost their init=False fields, list subclasses their attributes, a
+    tuple subclass with its own __new__ could not be rebuilt, a mappingproxy could not be copied, a cycle
+    recursed forever, and a tensor held by a plain object stayed shared."""
+    import types
+
+    shared = torch.zeros(3).share_memory_()
+    tagged = Tagged(shared)
+    tagged.name = "train"
+    labelled = Labelled([shared])
+    labelled.label = "kept"
+    cycle: list[Any] = [shared]
+    cycle.append(cycle)
+    holders = [
+        tagged,
+        labelled,
+        types.MappingProxyType({"t": shared}),
+        types.SimpleNamespace(t=shared),
+        Slotted(shared),
+        cycle,
+        {shared: "a tensor as a key"},
+    ]
+    assert unshare(holders) is holders
+    assert not shared.is_shared() and tagged.name == "train" and labelled.label == "kept" and cycle[1] is cycle
+
+
+def test_functions_classes_and_modules_are_not_looked_into() -> None:
+    """A function's globals, or a class, would lead to every object of the program."""
+    shared = torch.zeros(3).share_memory_()
+    unshare((lambda: shared, type("Holder", (), {"t": shared}), torch))
+    assert shared.is_shared()
 
 
 def test_nothing_shared_returns_the_same_objects() -> None:
@@ -48,25 +112,50 @@ def test_nothing_shared_returns_the_same_objects() -> None:
 def test_bytes_and_long_lists_are_not_walked_element_by_element(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 10: under fork, a 1 MiB bytes argument took 4 s and a list of 10**6 ints 4.6 s (the walk treated
     bytes as a sequence and visited every element in Python). Containers of plain values are passed over in
-    one pass in C now: the Python-level walk visits a handful of objects, not millions."""
+    one pass in C now: the Python-level walk looks into a handful of objects, not millions."""
     visits = []
-    walk = _sharing._unshare_any
+    inside = _sharing._inside
 
     def counting(obj: object) -> object:
         visits.append(type(obj))
-        return walk(obj)
+        return inside(obj)
 
-    monkeypatch.setattr(_sharing, "_unshare_any", counting)
+    monkeypatch.setattr(_sharing, "_inside", counting)
     data = (b"x" * 2**22, list(range(10**6)), {i: float(i) for i in range(10**5)}, [torch.ones(1)] * 3)
     assert unshare(data) is data
     assert len(visits) < 10, visits
+
+
+def test_a_results_mapping_is_made_private_in_place(tmp_path: Path) -> None:
+    """A result comes back mapped shared: in a forked process unshare() turns each mapping it reaches into a
+    private copy at the same address, so a tensor, its views and a NumPy array in it change only there."""
+    import os
+
+    import numpy as np
+
+    from mplaunch import _transport
+
+    _transport.dump({"t": torch.zeros(1 << 16), "a": np.zeros(1 << 16)}, str(tmp_path), "r")
+    result = _transport.load(str(tmp_path), "r", private=False, remove=True)
+    tensor, array, view = result["t"], result["a"], result["t"][100:]
+    assert _sharing._shared(tensor) and _sharing._shared(array) and not tensor.is_shared()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        unshare((view, result))
+        tensor[100] = 5.0
+        array[0] = 6.0
+        ok = view[0].item() == 5.0 and not _sharing._shared(tensor) and not _sharing._shared(array)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert tensor.sum().item() == 0 and array.sum() == 0  # the child's writes stayed in the child
 
 
 def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: Path) -> None:
     """Issue 10: walking a forked worker's arguments touches every element's reference count, which copies
     their pages (30 ms per worker for a list of 10**6 ints). Large arguments are walked only when the
     process maps shared writable memory at all; small ones in the parent (it costs microseconds), and in the
-    workers only when they hold something other than plain values."""
+    workers only when they hold shared memory."""
     private = tmp_path / "private"
     private.write_text("7f00-7f01 r-xp 00000000 fd:00 1 /usr/lib/libc.so.6\n7f01-7f02 rw-p 00000000 00:00 0 \n")
     shared = tmp_path / "shared"
@@ -77,8 +166,9 @@ def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: 
     assert _sharing.shared_mappings(str(tmp_path / "missing"))  # cannot tell: walk
     many_small = ([list(range(100)) for _ in range(200)],)  # 20,000 objects in all: large too
     assert _sharing.unshare_verdict(many_small) is None
-    assert _sharing.unshare_verdict(([torch.ones(2)], {"lr": 0.1})) is True  # small, with a tensor
-    assert _sharing.unshare_verdict(([object()], {})) is True  # an object that may hold one
+    assert _sharing.unshare_verdict(([torch.ones(2).share_memory_()], {"lr": 0.1})) is True  # small, shared
+    assert _sharing.unshare_verdict(([torch.ones(2)], {"lr": 0.1})) is False  # a private tensor stays private
+    assert _sharing.unshare_verdict(([object()], {})) is False
     plain = ((b"x" * 2**22, [1, 2.5, "a", None], (range(3),)), {"lr": 0.1, "tags": {"x", "y"}})
     assert _sharing.unshare_verdict(plain) is False  # small and plain: nothing to walk in the workers
 
