@@ -10,7 +10,6 @@ from __future__ import annotations
 import _io
 import gc
 import io
-import os
 import sys
 from typing import Any
 
@@ -18,7 +17,7 @@ _IN_MEMORY = (io.BytesIO, io.StringIO)
 _ORDER: dict[type, int] = {io.TextIOWrapper: 1, io.BufferedWriter: 2, io.BufferedRandom: 2, io.BufferedRWPair: 2}
 
 
-_INHERITED_HANDLERS: list[Any] = []  # in a forked worker: [reference to the last handler it inherited, or None]
+_INHERITED_HANDLERS: list[Any] = []  # in a forked worker: logging's references to the handlers it inherited
 _SERVER_FILES: list[Any] = []  # the fork server's open files: its workers inherit them, frozen, and close them
 
 
@@ -41,8 +40,14 @@ def keep_inherited() -> None:
     their memory pages stay shared (the ``gc.freeze`` use the Python docs give).
     """
     gc.freeze()
-    references = getattr(sys.modules.get("logging"), "_handlerList", None)  # what logging.shutdown walks
-    _INHERITED_HANDLERS[:] = [references[-1] if references else None]
+    references = getattr(sys.modules.get("logging"), "_handlerList", [])  # what logging.shutdown walks
+    _INHERITED_HANDLERS[:] = references  # held: a reference freed later cannot pass its id to a new one
+    handlers = sys.modules.get("logging.handlers")  # not imported: no buffering handler exists
+    if handlers is not None:
+        for reference in references:
+            handler = reference()
+            if isinstance(handler, handlers.BufferingHandler):
+                handler.buffer = []  # the parent's records: never written here (the parent flushes them)
 
 
 def close_files() -> None:
@@ -66,31 +71,22 @@ def close_files() -> None:
 
 
 def _split_handlers(references: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Split the references to logging handlers (oldest first) into those inherited at fork and those this
-    process created: logging appends a handler's reference when the handler is created and removes it when
-    the handler is freed, so the created ones follow the last inherited one. All are this process's when
-    nothing was inherited, or when that handler has been freed since."""
-    last = _INHERITED_HANDLERS[0] if _INHERITED_HANDLERS else None
-    if last is not None:
-        for index in range(len(references) - 1, -1, -1):
-            if references[index] is last:
-                return references[: index + 1], references[index + 1 :]
-    return [], references
+    """Split the references to logging handlers into those inherited at fork and those this process made
+    (all of them when nothing was inherited)."""
+    inherited = {id(reference) for reference in _INHERITED_HANDLERS}
+    own = [reference for reference in references if id(reference) not in inherited]
+    return [reference for reference in references if id(reference) in inherited], own
 
 
 def _flush_own_records(inherited: list[Any]) -> None:
-    """Flush, from the buffering handlers (``MemoryHandler``...) inherited at fork, the records this process
-    logged; the parent's records in them are the parent's to flush (written here too, they would appear
-    twice)."""
-    handlers = sys.modules.get("logging.handlers")  # not imported: no buffering handler exists
+    """Flush the buffering handlers (``MemoryHandler``...) inherited at fork: they hold only the records this
+    process logged (the parent's were dropped when it started, see :func:`keep_inherited`)."""
+    handlers = sys.modules.get("logging.handlers")
     if handlers is None:
         return
-    pid = os.getpid()
     for reference in inherited:
         handler = reference()
         if isinstance(handler, handlers.BufferingHandler):
-            with handler.lock:
-                handler.buffer = [record for record in handler.buffer if record.process == pid]
             handler.flush()
 
 

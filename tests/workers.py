@@ -497,12 +497,13 @@ def plain_store_client() -> list[str]:
     return [store.get(key).decode() for key in keys]
 
 
-def log_through_memory_handlers(inherited_name: str, own_path: str) -> None:
-    """Log a record through the parent's MemoryHandler (on logger ``inherited_name``) and one through a
-    MemoryHandler made here (to ``own_path.<rank>``); neither is flushed before the worker exits."""
+def log_through_memory_handlers(inherited_name: str, own_path: str, side_name: str) -> None:
+    """Log a warning through the parent's MemoryHandler (on logger ``inherited_name``) and one through a
+    MemoryHandler made here (to ``own_path.<rank>``), after freeing the handlers of logger ``side_name``."""
     import logging
     import logging.handlers
 
+    logging.getLogger(side_name).handlers.clear()  # freed: logging drops its reference to them
     rank = worker_info().rank
     logging.getLogger(inherited_name).warning("rank %d, through the parent's handler", rank)
     target = logging.FileHandler(f"{own_path}.{rank}")

@@ -112,10 +112,15 @@ def test_workers_start_from_the_parent_as_it_is_at_call_time(parent: dict[str, A
     assert sorted(rows) == ["row from rank 0", "row from rank 1"]  # written, never closed: flushed at exit
 
 
-def test_a_forked_worker_flushes_its_own_buffered_records_never_the_parents(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["plain", "flush-level", "no-process-ids", "last-handler-freed"])
+def test_a_forked_worker_flushes_its_own_buffered_records_never_the_parents(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A buffering handler (MemoryHandler) that the parent made and a fork worker inherits holds the parent's
-    records too: the worker flushes only the records it logged (it wrote the parent's a second time), and a
-    handler the worker made itself is flushed and closed as at a normal exit."""
+    records too: the worker writes only the records it logged (it wrote the parent's a second time), at
+    exit or when a record reaches the handler's flush level, also without process ids in records and when
+    the handler the parent made last is freed in the worker; a handler the worker made itself is flushed
+    and closed as at a normal exit."""
     import logging.handlers
 
     from tests import workers
@@ -123,14 +128,21 @@ def test_a_forked_worker_flushes_its_own_buffered_records_never_the_parents(tmp_
     name = f"{LOGGER}.buffered"
     target = logging.FileHandler(tmp_path / "inherited.log")
     target.setFormatter(logging.Formatter("%(message)s"))
-    buffered = logging.handlers.MemoryHandler(100, flushLevel=logging.CRITICAL + 1, target=target)
+    level = logging.WARNING if case == "flush-level" else logging.CRITICAL + 1
+    buffered = logging.handlers.MemoryHandler(100, flushLevel=level, target=target)
     logger = logging.getLogger(name)
     logger.propagate = False
+    logger.setLevel(logging.INFO)  # the parent's record is buffered: below the flush level
     logger.addHandler(buffered)
+    side = logging.getLogger(f"{name}.side")
+    if case == "no-process-ids":
+        monkeypatch.setattr(logging, "logProcesses", False)
     try:
-        logger.warning("the parent's record")
+        logger.info("the parent's record")
+        if case == "last-handler-freed":
+            side.addHandler(logging.NullHandler())  # the last handler made before the launch
         run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.log_through_memory_handlers)
-        run(name, str(tmp_path / "own.log"))
+        run(name, str(tmp_path / "own.log"), side.name)
         inherited = (tmp_path / "inherited.log").read_text(encoding="utf-8").splitlines()
         assert sorted(inherited) == [f"rank {rank}, through the parent's handler" for rank in range(2)]
         for rank in range(2):
@@ -140,8 +152,10 @@ def test_a_forked_worker_flushes_its_own_buffered_records_never_the_parents(tmp_
         assert (tmp_path / "inherited.log").read_text(encoding="utf-8").count("the parent's record") == 1
     finally:
         logger.removeHandler(buffered)
+        logger.setLevel(logging.NOTSET)
         buffered.close()
         target.close()
+        side.handlers.clear()
         logging.getLogger(f"{name}.own").handlers.clear()
 
 
