@@ -9,6 +9,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 
 class _ParentTerminated(BaseException):
@@ -49,12 +50,31 @@ def parent_signals() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_blocked() -> Iterator[None]:
-    """Block SIGINT and SIGTERM while workers start. A forked child inherits the mask, so a signal sent to it
-    before it has installed its own handlers waits instead of unwinding the parent's stack copied into it;
-    the worker unblocks them first thing. Signals sent to the parent meanwhile are delivered on exit."""
+    """Hold SIGINT and SIGTERM while workers start, and deliver them after.
+
+    They are blocked in this thread: a forked child inherits the mask, so a signal sent to it before it has
+    installed its own handlers waits instead of unwinding the parent's stack copied into it (the worker
+    unblocks them first thing). The kernel may still hand the parent's signal to another thread (a notebook
+    kernel's, a timer's), and Python would then run the handler in the main thread in the middle of forking,
+    for instance inside logging's fork hook, where CPython only prints the KeyboardInterrupt and drops it. So
+    in the main thread the Python handlers meanwhile only note what came, and it is raised again, to the
+    real handlers, on exit.
+    """
     blocked = {signal.SIGINT, signal.SIGTERM}
+    noted: list[int] = []
+    replaced: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in sorted(blocked):
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                replaced[signum] = handler
+                signal.signal(signum, lambda number, frame: noted.append(number))
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:
         yield
     finally:
+        for number, handler in replaced.items():
+            signal.signal(number, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for number in dict.fromkeys(noted):
+            signal.raise_signal(number)

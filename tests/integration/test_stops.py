@@ -148,3 +148,33 @@ def test_the_root_cause_is_raised_not_a_peers_consequence(start_method: StartMet
             launch(workers.fail_while_peer_in_collective, start_method, backend="gloo")()
         assert caught.value.rank == 1  # type: ignore[attr-defined]
         assert all(f.rank == 0 for f in caught.value.failures)  # type: ignore[attr-defined]
+
+
+def test_a_ctrl_c_that_another_thread_receives_while_workers_fork_is_delivered_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Adversarial finding: the parent blocks SIGINT in its main thread while forking, but the kernel hands a
+    process-directed signal to any thread that does not block it (a notebook kernel's, a timer's), and
+    Python then ran the handler in the main thread mid-fork, e.g. inside logging's fork hook, where CPython
+    prints "Exception ignored" and drops the KeyboardInterrupt. Now it is noted and raised once every worker
+    has started, and the launch stops them."""
+    import multiprocessing.process
+    import threading
+
+    started: list[int] = []
+    start = multiprocessing.process.BaseProcess.start
+
+    def start_with_ctrl_c_from_a_thread(process: Any) -> None:
+        if not started:
+            sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
+            sender.start()
+            sender.join()  # delivered to the sender thread: the main thread blocks SIGINT here
+            time.sleep(0.01)
+        start(process)
+        started.append(process.pid)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_with_ctrl_c_from_a_thread)
+    with pytest.raises(KeyboardInterrupt):
+        launch(workers.sleep)(30)
+    assert len(started) == 2  # the signal waited for the last fork
+    assert _gone(started, within=10)
