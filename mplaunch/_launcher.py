@@ -4,6 +4,7 @@ their processes here; multi-node launches hand that to torch elastic (:mod:`mpla
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import multiprocessing.forkserver
@@ -256,11 +257,16 @@ def _run_workers(
         results: list[Any] = supervisor.wait()
         return results
     finally:
-        supervisor.stop()
-        for process in processes:
-            process.close()
         for fd in pipe or ():
             os.close(fd)
+        try:
+            supervisor.stop()
+        finally:
+            for process in processes:
+                # a Ctrl-C landing just after multiprocessing reaped a worker, before it noted the exit code,
+                # leaves it "running" to multiprocessing: its descriptors are closed when it is collected
+                with contextlib.suppress(ValueError):
+                    process.close()
 
 
 def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
