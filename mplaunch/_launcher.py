@@ -29,7 +29,7 @@ from mplaunch._pump import Pump, routed, worker_fds
 from mplaunch._pystate import warn_not_carried
 from mplaunch._restarts import run_attempts
 from mplaunch._sharing import shared_mappings, unshare_verdict
-from mplaunch._signals import parent_signals, signals_blocked
+from mplaunch._signals import parent_signals, signals_held
 from mplaunch._spawning import main_prepared, spawn_hash_seed
 from mplaunch._state import ForkState, GlobalState
 from mplaunch._store import Rendezvous, rendezvous
@@ -243,7 +243,7 @@ def _run_workers(
             if spec.start_method == "forkserver":
                 context.set_forkserver_preload(preload)
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-            with signals_blocked(), spawn_hash_seed(spec.start_method):
+            with signals_held(), spawn_hash_seed(spec.start_method):
                 for rank in range(spec.nprocs):
                     process = context.Process(  # type: ignore[attr-defined]
                         target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False

@@ -49,16 +49,18 @@ def parent_signals() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def signals_blocked() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while workers start, and deliver them after.
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for a moment that must not be cut, and deliver them after: while workers fork,
+    and while a worker is reaped (a KeyboardInterrupt between multiprocessing's ``waitpid`` and its noting the
+    exit code would lose the worker's status for good).
 
     They are blocked in this thread: a forked child inherits the mask, so a signal sent to it before it has
     installed its own handlers waits instead of unwinding the parent's stack copied into it (the worker
     unblocks them first thing). The kernel may still hand the parent's signal to another thread (a notebook
-    kernel's, a timer's), and Python would then run the handler in the main thread in the middle of forking,
-    for instance inside logging's fork hook, where CPython only prints the KeyboardInterrupt and drops it. So
-    in the main thread the Python handlers meanwhile only note what came, and it is raised again, to the
-    real handlers, on exit.
+    kernel's, a timer's), and Python would then run the handler in the main thread at any point, for
+    instance inside logging's fork hook, where CPython only prints the KeyboardInterrupt and drops it. So in
+    the main thread the Python handlers meanwhile only note what came, and it is raised again, to the real
+    handlers, on exit.
     """
     blocked = {signal.SIGINT, signal.SIGTERM}
     noted: list[int] = []

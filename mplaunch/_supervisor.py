@@ -18,6 +18,7 @@ from mplaunch import _transport
 from mplaunch._control import LaunchControl, LaunchStopped
 from mplaunch._errors import LaunchTimeoutError, RemoteError
 from mplaunch._protocol import Outcome, Raised, RankState, Returned, WorkerSpec, outcome_name, rank_state, set_attribute
+from mplaunch._signals import signals_held
 from mplaunch._store import Rendezvous
 
 
@@ -85,7 +86,8 @@ class Supervisor:
     def _collect(self, rank: int) -> RankState:
         """Read the outcome of a finished worker and decide its state."""
         process = self.processes[rank]
-        process.join()
+        with signals_held():  # a Ctrl-C there would lose the exit code of the worker it reaps
+            process.join()
         try:
             outcome: Outcome | None = _transport.load(
                 self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True

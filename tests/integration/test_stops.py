@@ -178,3 +178,31 @@ def test_a_ctrl_c_that_another_thread_receives_while_workers_fork_is_delivered_a
         launch(workers.sleep)(30)
     assert len(started) == 2  # the signal waited for the last fork
     assert _gone(started, within=10)
+
+
+def test_a_ctrl_c_right_after_a_worker_is_reaped_stays_a_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adversarial finding: a KeyboardInterrupt landing after multiprocessing reaped a worker but before it
+    noted the exit code left the worker "running" to multiprocessing, and the clean-up's Process.close()
+    raised ValueError instead, skipping the rest of the clean-up. Reproduced here: right after the first
+    waitpid that reaps a worker, another thread sends SIGINT and the main thread waits for it."""
+    import threading
+
+    reaped: list[int] = []
+    waitpid = os.waitpid
+
+    def waitpid_then_ctrl_c(pid: int, options: int) -> tuple[int, int]:
+        result = waitpid(pid, options)
+        if result[0] == pid and not reaped:
+            reaped.append(pid)
+            sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
+            sender.start()
+            sender.join()
+            time.sleep(0.01)  # Python runs the handler here, in the main thread
+        return result
+
+    launch(workers.sleep)(0)  # what a first launch opens for good (the reaper's pipe) is open before
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "waitpid", waitpid_then_ctrl_c)  # what multiprocessing's popen_fork calls
+    with pytest.raises(KeyboardInterrupt):
+        launch(workers.sleep)(0)
+    assert reaped and set(os.listdir("/proc/self/fd")) <= before
