@@ -434,8 +434,10 @@ def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: 
             fd = os.open(data_path, os.O_RDWR) if has_data else -1
             try:
                 reader = _Reader(fd, private, offsets)
-                with memoryview(view) as pickled:
-                    return reader.load(pickled[start + table_size :], reader.buffers(extents))
+                with memoryview(view) as pickled, pickled[start + table_size :] as data:
+                    # released here, not by the traceback: an error while unpickling must not become
+                    # "BufferError: cannot close exported pointers exist" when the file's mapping closes
+                    return reader.load(data, reader.buffers(extents))
             finally:
                 if fd >= 0:
                     os.close(fd)

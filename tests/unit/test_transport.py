@@ -144,3 +144,21 @@ def test_mappings_are_released_with_the_last_tensor(tmp_path: Path) -> None:
     del back
     gc.collect()
     assert mapped() == 0
+
+
+def _refuse_to_rebuild() -> None:
+    raise TypeError("cannot rebuild this object here")
+
+
+class _Unloadable:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse_to_rebuild, ())
+
+
+def test_an_object_that_fails_to_unpickle_raises_its_own_error(tmp_path: Path) -> None:
+    """Adversarial finding: the error came out as "BufferError: cannot close exported pointers exist" (the
+    failed unpickling still held a view of the file's mapping when it closed), the real one in __context__."""
+    _transport.dump({"x": _Unloadable(), "t": torch.ones(1 << 16)}, str(tmp_path), "r")
+    with pytest.raises(TypeError, match="cannot rebuild this object here"):
+        _transport.load(str(tmp_path), "r", private=False, remove=True)
+    assert list(tmp_path.iterdir()) == []
