@@ -96,13 +96,15 @@ def rendezvous(*, lazy: bool = True) -> Iterator[Rendezvous]:
             free_port = sock.getsockname()[1]
         yield Rendezvous(addr, free_port, agent_store=False)
         return
-    listener = _listen(addr) if lazy else None
+    listener = _listen(addr)  # an address of this machine or not: told at once
     if listener is None:
         store = _host(addr, 0, None)
         hosted = Rendezvous(addr, store.port, agent_store=True, store=store)
     else:
         hosted = Rendezvous(addr, listener.getsockname()[1], agent_store=True, listener=listener)
     try:
+        if not lazy:
+            hosted.serve()
         yield hosted
     finally:
         hosted.close()

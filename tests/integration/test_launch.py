@@ -81,6 +81,19 @@ def test_the_users_master_addr_hosts_the_store(addr: str, monkeypatch: pytest.Mo
     assert parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.all_reduce_rank)().item() == 3.0
 
 
+def test_an_address_not_of_this_machine_is_refused_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch and debug() alike (debug() waited ~100 s in torch before failing: adversarial finding)."""
+    from mplaunch import LaunchRefusedError
+
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # TEST-NET-1: documentation only, never a host's address
+    run = parallel(nprocs=2, start_method="fork", backend="gloo", timeout=TIMEOUT)(workers.rank_and_env)
+    for call in (run, run.debug):
+        start = time.monotonic()
+        with pytest.raises(LaunchRefusedError, match="MASTER_ADDR='192.0.2.1'"):
+            call()
+        assert time.monotonic() - start < 30
+
+
 def test_user_master_addr_and_port_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
 
