@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 
 _DIR_PREFIX = "mplaunch-"
@@ -29,6 +30,15 @@ for entry in os.listdir(root):
     if entry.startswith(prefix):
         shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 """
+_ENSURING = threading.Lock()
+
+
+def _new_ensuring_lock() -> None:
+    global _ENSURING  # a forked child may get the lock locked by another thread
+    _ENSURING = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_ensuring_lock)
 _reapers: dict[tuple[int, str], int] = {}  # (pid, root) -> pid of this process's reaper for root
 
 
@@ -85,7 +95,13 @@ def reaper_pids() -> list[int]:
 
 def _ensure_reaper(root: str) -> None:
     """Start this process's reaper for ``root`` unless it runs (see the module docstring); when starting it,
-    remove first what parents that died without one left there."""
+    remove first what parents that died without one left there. One at a time: concurrent launches
+    (``submit()``) would start one each."""
+    with _ENSURING:
+        _start_reaper(root)
+
+
+def _start_reaper(root: str) -> None:
     key = (os.getpid(), root)
     if key in _reapers:
         with contextlib.suppress(ChildProcessError):

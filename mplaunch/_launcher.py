@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import threading
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -35,6 +36,19 @@ from mplaunch._state import ForkState, GlobalState
 from mplaunch._store import Rendezvous, rendezvous
 from mplaunch._supervisor import Supervisor
 from mplaunch._worker import run
+
+#: Held while a launch starts its workers. multiprocessing makes a worker's sentinel pipe, forks, then closes
+#: the pipe's write end here: a fork from another thread (a concurrent ``submit()``) in between would give
+#: that end to the other launch's worker, and this launch would never see its own worker end.
+_STARTING = threading.Lock()
+
+
+def _new_starting_lock() -> None:
+    global _STARTING  # a forked child gets the lock as its parent held it: locked
+    _STARTING = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_starting_lock)
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
@@ -243,7 +257,7 @@ def _run_workers(
             if spec.start_method == "forkserver":
                 context.set_forkserver_preload(preload)
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-            with signals_held(), spawn_hash_seed(spec.start_method):
+            with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
                 for rank in range(spec.nprocs):
                     process = context.Process(  # type: ignore[attr-defined]
                         target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False

@@ -229,6 +229,19 @@ def test_two_submitted_launches_run_at_the_same_time(tmp_path: Path) -> None:
     assert len(done) == 2 and (first.result(), second.result()) == ("a", "b")
 
 
+def test_a_launch_started_while_another_starts_its_workers_sees_its_own_end() -> None:
+    """A launch whose worker ended waited forever when another launch, submitted from another thread, forked
+    while multiprocessing held the worker's sentinel pipe open (the other launch's worker kept its write
+    end): the notebook test of submit() hung half of the time. Workers are now started one launch at a
+    time; repeated, since it is a race."""
+    slow = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=5)(time.sleep)
+    quick = slow.options(nprocs=1)
+    for _ in range(5):
+        later = slow.submit(60)
+        assert quick.submit(0).result(timeout=30) is None
+        assert later.cancel()
+
+
 def test_asyncio_awaits_and_cancels_submitted_launches(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(world)
     sleeper = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep)
