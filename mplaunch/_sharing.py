@@ -83,9 +83,14 @@ def _inside(obj: Any) -> Iterable[Any]:
         return itertools.chain(obj.keys(), obj.values())
     if isinstance(obj, (torch.Tensor, *_OPAQUE)) or _is_array(obj):
         return ()
-    found: list[Any] = list(getattr(obj, "__dict__", {}).values())
+    try:
+        attributes = vars(obj)
+    except TypeError:  # no __dict__
+        attributes = {}
+    found: list[Any] = list(attributes.values()) if isinstance(attributes, dict) else []
     for kind in type(obj).__mro__:  # slots, read through their member descriptors (no user code runs)
-        for name in kind.__dict__.get("__slots__", ()):
+        slots = kind.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
             descriptor = kind.__dict__.get(name)
             if isinstance(descriptor, types.MemberDescriptorType):
                 with contextlib.suppress(AttributeError):
@@ -98,8 +103,13 @@ def _is_array(obj: Any) -> bool:
     return numpy is not None and isinstance(obj, numpy.ndarray)
 
 
+def _plain(tensor: torch.Tensor) -> bool:
+    """A dense, unquantized CPU tensor: one storage, which can be looked up and re-pointed."""
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
+
+
 def _address(obj: Any) -> int:
-    """Where the memory of a tensor's storage or of an array starts."""
+    """Where the memory of a (plain) tensor's storage or of an array starts."""
     if isinstance(obj, torch.Tensor):
         return int(obj.untyped_storage().data_ptr())
     return int(obj.__array_interface__["data"][0])
@@ -111,6 +121,13 @@ def _shared(obj: Any) -> bool:
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             return False
+        if not _plain(obj):
+            if obj.layout == torch.sparse_coo:
+                return bool(obj._values().is_shared() or obj._indices().is_shared())
+            try:
+                return bool(obj.is_shared())
+            except (RuntimeError, NotImplementedError):  # a layout without a storage to ask
+                return False
         if obj.is_shared():
             return True
     elif not _is_array(obj):
@@ -205,10 +222,12 @@ def unshare(obj: T) -> T:
     copies: dict[int, torch.UntypedStorage] = {}  # a shared storage's address -> its private copy
     with torch.no_grad():
         for found in list(_walk(obj)):
-            if not _shared(found) or make_private(_address(found)):
+            if not _shared(found):
+                continue
+            if (not isinstance(found, torch.Tensor) or _plain(found)) and make_private(_address(found)):
                 continue
             if isinstance(found, torch.Tensor):  # in torch's shared memory
-                if found.layout != torch.strided:
+                if not _plain(found):  # sparse or quantized: a copy of its own
                     found.data = found.data.clone()
                     continue
                 storage = found.untyped_storage()

@@ -177,3 +177,28 @@ def test_a_process_with_a_shared_tensor_has_a_shared_mapping() -> None:
     """The premise of the check above, on this machine's torch: share_memory_() maps shared writable memory."""
     tensor = torch.zeros(1 << 16).share_memory_()
     assert tensor.is_shared() and _sharing.shared_mappings("/proc/self/maps")
+
+
+class _OneSlot:
+    __slots__ = "only"  # a string, not a tuple
+
+    def __init__(self, value: object) -> None:
+        self.only = value
+
+
+def test_layouts_and_dtypes_without_one_plain_storage_are_handled() -> None:
+    """Sparse and quantized tensors have no storage to look up (asking raised NotImplementedError); empty
+    and strided shared tensors of other dtypes are re-pointed like any other."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on sparse invariants and quantized tensors
+        sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (3,)).coalesce()
+        quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    empty = torch.zeros(0).share_memory_()
+    strided = torch.ones(6, dtype=torch.bfloat16).share_memory_()[::2]
+    held = torch.ones(2).share_memory_()
+    args = (sparse, quantized, empty, strided, _OneSlot(held))
+    assert unshare(args) is args
+    assert not strided.is_shared() and not held.is_shared() and strided.tolist() == [1.0, 1.0, 1.0]
+    assert strided.stride() == (2,) and empty.numel() == 0
