@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import itertools
 import sys
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -72,16 +74,22 @@ _BIG = 10_000  # elements: arguments this large are not walked in every forked w
 
 
 def _inside(obj: Any) -> Iterable[Any]:
-    """What the walk looks at inside ``obj``: the items of lists, tuples and sets, the keys and values of
-    mappings, and the attributes (``__dict__`` and slots) of any other object, except tensors, arrays, code
-    and namespaces (:data:`_OPAQUE`), which it does not look into."""
-    if isinstance(obj, (list, tuple, set, frozenset)):
+    """What the walk looks at inside ``obj``: the items of lists, tuples, sets and deques, the keys and values
+    of dicts, a partial's arguments, a tensor's gradient and attributes, and the attributes (``__dict__`` and
+    slots) of any other object; not inside arrays, code and namespaces (:data:`_OPAQUE`). Read without
+    running the object's own methods where possible (no ``Mapping.values()`` of a lazy mapping)."""
+    if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
         return () if set(map(type, obj)) <= _LEAVES else obj
-    if isinstance(obj, Mapping):
+    if isinstance(obj, (dict, types.MappingProxyType)):
         if set(map(type, obj.values())) <= _LEAVES and set(map(type, obj.keys())) <= _LEAVES:
             return ()
         return itertools.chain(obj.keys(), obj.values())
-    if isinstance(obj, (torch.Tensor, *_OPAQUE)) or _is_array(obj):
+    if isinstance(obj, torch.Tensor):  # its gradient (shared too after Module.share_memory()) and attributes
+        grad = obj.grad if obj.is_leaf else None
+        return [*([] if grad is None else [grad]), *vars(obj).values()]
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, _OPAQUE) or _is_array(obj):
         return ()
     try:
         attributes = vars(obj)
@@ -145,20 +153,25 @@ def _walk(obj: Any, budget: float = float("inf")) -> Iterator[Any]:
         if type(item) in _LEAVES or id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, torch.Tensor) or _is_array(item):
+        try:
+            found = isinstance(item, torch.Tensor) or _is_array(item)
+            size = len(item) if isinstance(item, _SIZED) else None
+            if size is not None and size + 1 > budget:
+                raise _TooLarge  # counted before the pass over its items (~10 ms per 10**6 of them)
+            inside = list(_inside(item))
+        except _TooLarge:
+            raise
+        except Exception:  # noqa: BLE001 - an object that cannot be looked into (a dead weakref.proxy, a
+            continue  # property that raises) holds nothing the walk could reach anyway
+        if found:
             yield item
-            continue
-        if isinstance(item, (list, tuple, set, frozenset, Mapping)):
-            budget -= len(item) + 1  # counted before the pass over its items (~10 ms per 10**6 of them)
-            if budget < 0:
-                raise _TooLarge
-            pending.extend(_inside(item))
-            continue
-        inside = list(_inside(item))
-        budget -= len(inside) + 1
+        budget -= (len(inside) if size is None else size) + 1
         if budget < 0:
             raise _TooLarge
         pending.extend(inside)
+
+
+_SIZED = (list, tuple, set, frozenset, collections.deque, dict, types.MappingProxyType)
 
 
 class _TooLarge(Exception):
@@ -204,9 +217,10 @@ def unshare(obj: T) -> T:
     were to each other; a tensor or NumPy array of an earlier launch's result (mapped shared by mplaunch)
     gets its whole mapping turned private in place. An in-place update in one worker is then seen neither by
     the others nor by the parent. Other tensors are left alone (a forked worker's memory is copy-on-write
-    already). It looks inside lists, tuples, sets, mappings and the attributes of any object (modules,
-    dataclasses, your own classes), each object once (cycles are fine), not into functions, classes or
-    modules; containers of plain values are passed over in one pass in C. Costs one copy of each shared
+    already). It looks inside lists, tuples, sets, deques, dicts, partials, tensors' gradients and the
+    attributes of any object (modules, dataclasses, your own classes), each object once (cycles are fine),
+    not into functions, classes or modules, nor into an object that raises when looked into; containers of
+    plain values are passed over in one pass in C. Costs one copy of each shared
     storage. NumPy arrays that view torch's shared memory (``tensor.numpy()``) stay shared. The idea, and
     the need for it with ``nn.Module``, come from Lightning Fabric's launcher.
 

@@ -202,3 +202,49 @@ def test_layouts_and_dtypes_without_one_plain_storage_are_handled() -> None:
     assert unshare(args) is args
     assert not strided.is_shared() and not held.is_shared() and strided.tolist() == [1.0, 1.0, 1.0]
     assert strided.stride() == (2,) and empty.numel() == 0
+
+
+class _Broken:
+    @property
+    def __dict__(self) -> dict[str, object]:  # type: ignore[override]
+        raise RuntimeError("no attributes today")
+
+
+class _Lazy(collections.abc.Mapping[str, object]):
+    """A mapping whose values cost something to get (a shelve, a database): never asked for them."""
+
+    def __getitem__(self, key: str) -> object:
+        raise KeyError(key)
+
+    def __iter__(self) -> Any:
+        return iter(["a"])
+
+    def __len__(self) -> int:
+        return 1
+
+
+def test_gradients_deques_partials_and_objects_that_cannot_be_looked_into() -> None:
+    """Second adversarial pass: Module.share_memory() shares .grad too, and the walk never reached a tensor's
+    gradient or attributes, a deque, or a partial's arguments; an argument that raises when looked into (a
+    dead weakref.proxy, a __dict__ property that raises, a mapping that cannot give its values) made the
+    launch fail before any worker started."""
+    import functools
+    import weakref
+
+    model = torch.nn.Linear(2, 1)
+    model.weight.grad = torch.zeros_like(model.weight)
+    model.share_memory()
+    assert model.weight.grad is not None and model.weight.grad.is_shared()
+    held = [torch.zeros(2).share_memory_() for _ in range(3)]
+    tagged = torch.zeros(1)
+    tagged.extra = held[2]  # type: ignore[attr-defined]
+
+    class Gone:
+        pass
+
+    dead = weakref.proxy(Gone())
+    args = (model, collections.deque([held[0]]), functools.partial(print, held[1]), tagged, dead, _Broken(), _Lazy())
+    assert _sharing.unshare_verdict(args) is True
+    unshare(args)
+    assert not model.weight.grad.is_shared() and not any(t.is_shared() for t in held)
+    assert _sharing.unshare_verdict((dead, _Broken(), _Lazy())) is False
