@@ -22,6 +22,19 @@ from mplaunch._signals import signals_held
 from mplaunch._store import Rendezvous
 
 
+def _end_of(process: BaseProcess, closing: contextlib.ExitStack) -> int:
+    """A descriptor that becomes readable when ``process`` ends: a pidfd (Linux 5.3+, closed by ``closing``),
+    else multiprocessing's sentinel, the read end of a pipe whose write end the worker holds. A process that
+    another thread of the user forks meanwhile inherits that write end too, and would hold the launch until
+    it exits; a pidfd depends on nothing the worker's neighbours hold."""
+    try:
+        fd = os.pidfd_open(process.pid)  # type: ignore[arg-type]
+    except (AttributeError, OSError):
+        return int(process.sentinel)
+    closing.callback(os.close, fd)
+    return fd
+
+
 class Supervisor:
     """Waits for the workers of one launch, reads their outcomes, and stops them all.
 
@@ -65,7 +78,14 @@ class Supervisor:
         self.control.start_clock(self.timeout)  # one deadline for every attempt of the launch
         stop = self.control.fileno()
         listener = None if self.store is None else self.store.fileno()
-        pending: dict[Any, int] = {process.sentinel: rank for rank, process in enumerate(self.processes)}
+        with contextlib.ExitStack() as closing:
+            pending = {_end_of(process, closing): rank for rank, process in enumerate(self.processes)}
+            self._wait(pending, stop, listener)
+        return [state.value if isinstance(state := self.states[r], Returned) else None for r in range(self.spec.nprocs)]
+
+    def _wait(self, pending: dict[int, int], stop: int | None, listener: int | None) -> None:
+        """Collect each worker as its end becomes readable (``pending``: descriptor -> rank); start the store
+        when ``listener`` is; raise as :meth:`wait` says."""
         while pending:
             watched = [*pending, *(fd for fd in (stop, listener) if fd is not None)]
             ready = wait(watched, timeout=self.control.remaining())
@@ -81,7 +101,6 @@ class Supervisor:
                 state = self._collect(rank)
                 if isinstance(state, BaseException):
                     self._raise_failure(state, rank)
-        return [state.value if isinstance(state := self.states[r], Returned) else None for r in range(self.spec.nprocs)]
 
     def _collect(self, rank: int) -> RankState:
         """Read the outcome of a finished worker and decide its state."""

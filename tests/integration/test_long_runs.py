@@ -242,6 +242,32 @@ def test_a_launch_started_while_another_starts_its_workers_sees_its_own_end() ->
         assert later.cancel()
 
 
+def test_a_launch_is_not_held_by_a_process_forked_while_a_worker_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Second adversarial pass: a process that another thread of the user forked while multiprocessing held a
+    worker's sentinel pipe open kept the pipe's write end, and the launch waited until that process exited
+    (forever for a long-lived one). Made deterministic here: a helper is forked right after the first
+    worker, before multiprocessing closes its copy of that end. The supervisor waits on pidfds now."""
+    real_fork, helpers = os.fork, list[int]()
+
+    def fork_then_a_helper() -> int:
+        pid = real_fork()
+        if pid and not helpers:  # in the parent, after the first worker's fork
+            helper = real_fork()
+            if helper == 0:  # pragma: no cover - the user's long-lived helper
+                time.sleep(60)
+                os._exit(0)
+            helpers.append(helper)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork_then_a_helper)
+    try:
+        assert parallel(nprocs=2, start_method="fork", timeout=20)(os.getpid)() > 0  # timed out when held
+    finally:
+        for pid in helpers:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
 def test_asyncio_awaits_and_cancels_submitted_launches(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(world)
     sleeper = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep)
