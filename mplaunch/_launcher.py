@@ -263,7 +263,7 @@ def _run_workers(
                         target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
                     )
                     process.start()
-                    processes.append(process)
+                    supervisor.started(process)
         if pipe is not None:
             _answer_unshare(pipe, spec.nprocs)
         if pump is not None:

@@ -22,19 +22,6 @@ from mplaunch._signals import signals_held
 from mplaunch._store import Rendezvous
 
 
-def _end_of(process: BaseProcess, closing: contextlib.ExitStack) -> int:
-    """A descriptor that becomes readable when ``process`` ends: a pidfd (Linux 5.3+, closed by ``closing``),
-    else multiprocessing's sentinel, the read end of a pipe whose write end the worker holds. A process that
-    another thread of the user forks meanwhile inherits that write end too, and would hold the launch until
-    it exits; a pidfd depends on nothing the worker's neighbours hold."""
-    try:
-        fd = os.pidfd_open(process.pid)  # type: ignore[arg-type]
-    except (AttributeError, OSError):
-        return int(process.sentinel)
-    closing.callback(os.close, fd)
-    return fd
-
-
 class Supervisor:
     """Waits for the workers of one launch, reads their outcomes, and stops them all.
 
@@ -65,6 +52,24 @@ class Supervisor:
         self.states: dict[int, RankState] = {}
         self.stopped: set[int] = set()
         self.failed_at: dict[int, float] = {}  # when each rank failed (raised, or was seen to end)
+        self._pidfds: dict[int, int] = {}  # rank -> a pidfd of its worker (see started)
+
+    def started(self, process: BaseProcess) -> None:
+        """Take the worker just started as the next rank, and open a pidfd to wait for its end on (Linux 5.3+).
+
+        multiprocessing's sentinel is the read end of a pipe whose write end the worker holds; a process that
+        another thread of the user forks meanwhile inherits that end too and would hold the launch until it
+        exits, whereas a pidfd depends on nothing the worker's neighbours hold. It is opened now, before
+        anything can reap the worker (multiprocessing reaps ended children when it starts the next one), so
+        its pid cannot have been given to another process yet.
+        """
+        self.processes.append(process)
+        with contextlib.suppress(AttributeError, OSError):  # no pidfds here: the sentinel it is
+            self._pidfds[len(self.processes) - 1] = os.pidfd_open(process.pid)  # type: ignore[arg-type]
+
+    def _end(self, rank: int) -> int:
+        """A descriptor that becomes readable when ``rank``'s worker ends."""
+        return self._pidfds.get(rank, self.processes[rank].sentinel)
 
     def wait(self) -> list[Any]:
         """Wait for every worker; return the reporting ranks' values in rank order (``None`` for others).
@@ -78,9 +83,7 @@ class Supervisor:
         self.control.start_clock(self.timeout)  # one deadline for every attempt of the launch
         stop = self.control.fileno()
         listener = None if self.store is None else self.store.fileno()
-        with contextlib.ExitStack() as closing:
-            pending = {_end_of(process, closing): rank for rank, process in enumerate(self.processes)}
-            self._wait(pending, stop, listener)
+        self._wait({self._end(rank): rank for rank in range(len(self.processes))}, stop, listener)
         return [state.value if isinstance(state := self.states[r], Returned) else None for r in range(self.spec.nprocs)]
 
     def _wait(self, pending: dict[int, int], stop: int | None, listener: int | None) -> None:
@@ -169,7 +172,8 @@ class Supervisor:
             deadline = time.monotonic() + self.grace_period
             remaining = [p for _, p in alive]
             while remaining and time.monotonic() < deadline:
-                wait([p.sentinel for p in remaining], timeout=max(0.0, deadline - time.monotonic()))
+                ends = [self._end(rank) for rank, p in alive if p in remaining]
+                wait(ends, timeout=max(0.0, deadline - time.monotonic()))
                 remaining = [p for p in remaining if p.exitcode is None]
         finally:
             for _, process in alive:
@@ -178,6 +182,9 @@ class Supervisor:
             for process in self.processes:
                 process.join()
                 _signal(process, signal.SIGKILL, group=True, group_only=True)  # grandchildren left behind
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self._pidfds.clear()
 
 
 def _signal(process: BaseProcess, signum: int, *, group: bool, group_only: bool = False) -> None:

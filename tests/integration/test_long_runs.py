@@ -268,6 +268,37 @@ def test_a_launch_is_not_held_by_a_process_forked_while_a_worker_starts(monkeypa
             os.waitpid(pid, 0)
 
 
+@pytest.mark.slow
+def test_launches_while_another_thread_keeps_forking() -> None:
+    """The same race under load: a thread of the user forks every 2 ms (children living 60 s) during launches.
+    With pidfds opened only when the supervisor started waiting, a worker that had ended and been reaped
+    (multiprocessing reaps ended children when it starts the next one) could have its pid given to one of
+    those children, and the launch waited for that child (1 run in 3). Pidfds are opened as each worker starts."""
+    stop, children = threading.Event(), list[int]()
+
+    def fork_helpers() -> None:
+        while not stop.is_set():
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the user's helper process
+                time.sleep(60)
+                os._exit(0)
+            children.append(pid)
+            time.sleep(0.002)
+
+    run = parallel(nprocs=2, start_method="fork", timeout=30)(os.getpid)
+    forker = threading.Thread(target=fork_helpers)
+    forker.start()
+    try:
+        for _ in range(10):
+            assert run() > 0  # LaunchTimeoutError when the launch waited for a helper
+    finally:
+        stop.set()
+        forker.join()
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
 def test_asyncio_awaits_and_cancels_submitted_launches(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(world)
     sleeper = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep)
