@@ -56,10 +56,9 @@ def close_files() -> None:
     they wrap."""
     logging = sys.modules.get("logging")
     if logging is not None:
-        inherited, own = _split_handlers(logging._handlerList)
         try:
-            _flush_own_records(inherited)
-            logging.shutdown(own)
+            _flush_own_records()
+            logging.shutdown(_own_handlers(logging._handlerList))
         except Exception:  # noqa: BLE001 - a broken handler must not stop the rest
             pass
     for item in sorted(_open_files(gc.get_objects()) + _SERVER_FILES, key=_layer):
@@ -70,21 +69,20 @@ def close_files() -> None:
             pass
 
 
-def _split_handlers(references: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Split the references to logging handlers into those inherited at fork and those this process made
-    (all of them when nothing was inherited)."""
+def _own_handlers(references: list[Any]) -> list[Any]:
+    """The references to logging handlers that this process made, not inherited at fork (all of them when
+    nothing was inherited)."""
     inherited = {id(reference) for reference in _INHERITED_HANDLERS}
-    own = [reference for reference in references if id(reference) not in inherited]
-    return [reference for reference in references if id(reference) in inherited], own
+    return [reference for reference in references if id(reference) not in inherited]
 
 
-def _flush_own_records(inherited: list[Any]) -> None:
+def _flush_own_records() -> None:
     """Flush the buffering handlers (``MemoryHandler``...) inherited at fork: they hold only the records this
     process logged (the parent's were dropped when it started, see :func:`keep_inherited`)."""
     handlers = sys.modules.get("logging.handlers")
     if handlers is None:
         return
-    for reference in inherited:
+    for reference in _INHERITED_HANDLERS:
         handler = reference()
         if isinstance(handler, handlers.BufferingHandler):
             handler.flush()

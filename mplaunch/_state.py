@@ -45,6 +45,11 @@ def unregister_state(capture: Callable[[], Any], restore: Callable[[Any], None])
         _HOOKS.remove((capture, restore))
 
 
+def _capture_extra() -> tuple[tuple[Callable[[Any], None], Any], ...]:
+    """``(restore, value)`` of every piece added with :func:`register_state`, captured now."""
+    return tuple((restore, capture()) for capture, restore in _HOOKS)
+
+
 @dataclasses.dataclass(frozen=True)
 class GlobalState:
     """A snapshot of the process-global settings and random states that decide what a worker computes.
@@ -105,7 +110,7 @@ class GlobalState:
             numpy_rng=None if numpy is None else numpy.random.get_state(),
             torch_rng=torch.get_rng_state(),
             cuda_rng=tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None,
-            extra=tuple((restore, capture()) for capture, restore in _HOOKS),
+            extra=_capture_extra(),
             python=PythonState.capture() if python else None,
         )
 
@@ -160,7 +165,7 @@ class ForkState:
     @classmethod
     def capture(cls) -> ForkState:
         """Capture it in the parent, right before forking."""
-        return cls(random.getstate(), tuple((restore, capture()) for capture, restore in _HOOKS))
+        return cls(random.getstate(), _capture_extra())
 
     def restore(self) -> None:
         """Restore it in the forked worker."""

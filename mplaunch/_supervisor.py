@@ -170,11 +170,10 @@ class Supervisor:
                 self.stopped.add(rank)
                 _signal(process, signal.SIGTERM, group=False)
             deadline = time.monotonic() + self.grace_period
-            remaining = [p for _, p in alive]
+            remaining = [rank for rank, _ in alive]
             while remaining and time.monotonic() < deadline:
-                ends = [self._end(rank) for rank, p in alive if p in remaining]
-                wait(ends, timeout=max(0.0, deadline - time.monotonic()))
-                remaining = [p for p in remaining if p.exitcode is None]
+                wait([self._end(rank) for rank in remaining], timeout=max(0.0, deadline - time.monotonic()))
+                remaining = [rank for rank in remaining if self.processes[rank].exitcode is None]
         finally:
             for _, process in alive:
                 if process.exitcode is None:

@@ -263,11 +263,6 @@ def remove(directory: str, name: str) -> None:
             os.unlink(os.path.join(directory, entry))
 
 
-def exists(directory: str, name: str) -> bool:
-    """Whether a complete object ``name`` has been written to ``directory``."""
-    return os.path.exists(os.path.join(directory, f"{name}.pkl"))
-
-
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]

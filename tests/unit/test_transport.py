@@ -85,9 +85,9 @@ def test_closures_and_locals_fall_back_to_cloudpickle(tmp_path: Path) -> None:
 
 
 def test_the_object_appears_only_when_complete(tmp_path: Path) -> None:
-    assert not _transport.exists(str(tmp_path), "x")
+    assert _transport.load(str(tmp_path), "x", private=False, remove=False, missing_ok=True) is None
     _transport.dump(1, str(tmp_path), "x")
-    assert _transport.exists(str(tmp_path), "x")
+    assert _transport.load(str(tmp_path), "x", private=False, remove=False, missing_ok=True) == 1
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
