@@ -7,7 +7,6 @@ Example:
 """
 
 from mplaunch._api import ParallelFunction, parallel
-from mplaunch._checks import record_cuda_init
 from mplaunch._config import LaunchConfig, StartMethod
 from mplaunch._env import WorkerInfo, outer_launcher, worker_info
 from mplaunch._errors import (
@@ -20,9 +19,10 @@ from mplaunch._errors import (
     WorkerExitedError,
     WorkerFailedError,
 )
-from mplaunch._restarts import RestartWarning
-from mplaunch._sharing import to_cpu, unshare
-from mplaunch._state import GlobalState, register_state, unregister_state
+from mplaunch._parent.checks import record_cuda_init
+from mplaunch._parent.restarts import RestartWarning
+from mplaunch._state.sharing import to_cpu, unshare
+from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
 
 __all__ = [
     "GlobalState",

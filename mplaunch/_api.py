@@ -15,11 +15,11 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import ParamSpec
 
-from mplaunch import _future, _inprocess, _launcher
 from mplaunch._config import LaunchConfig, StartMethod, make_config
-from mplaunch._control import LaunchControl
 from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
-from mplaunch._state import GlobalState
+from mplaunch._parent import futures, in_process, launch
+from mplaunch._parent.control import LaunchControl
+from mplaunch._state.snapshot import GlobalState
 
 P = ParamSpec("P")
 _Unset = EllipsisType  # an option left out of options() keeps its value
@@ -76,7 +76,7 @@ class ParallelFunction(Generic[P, T]):
             KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
         """
         try:
-            return _launcher.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
+            return launch.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
         except BaseException as error:
             if not _ours(error):
                 raise
@@ -100,7 +100,7 @@ class ParallelFunction(Generic[P, T]):
             BaseException: whatever the function raises, unchanged.
             TypeError: the arguments do not fit the function's signature.
         """
-        return _inprocess.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
+        return in_process.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
 
     def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.
@@ -132,10 +132,10 @@ class ParallelFunction(Generic[P, T]):
         frame = sys._getframe(1)
         control = LaunchControl(stoppable=True)
         try:
-            control.in_process = not _launcher.check_call(self, args, kwargs, self.config, frame)
+            control.in_process = not launch.check_call(self, args, kwargs, self.config, frame)
         except Exception as error:  # noqa: BLE001 - a refusal is the future's outcome, as calling would raise it
             control.close()
-            return _future.failed(error)
+            return futures.failed(error)
         finally:
             del frame
         if not control.in_process:
@@ -145,9 +145,9 @@ class ParallelFunction(Generic[P, T]):
                 control.state = None
 
         def run(control: LaunchControl) -> T:
-            return _launcher.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
+            return launch.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
 
-        return _future.submit(run, control, getattr(self, "__qualname__", "launch"))
+        return futures.submit(run, control, getattr(self, "__qualname__", "launch"))
 
     def options(
         self,

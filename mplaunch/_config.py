@@ -9,8 +9,8 @@ import os
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from mplaunch._cgroup import cpu_limit
 from mplaunch._errors import InvalidOptionError
+from mplaunch._platform.cgroup import cpu_limit
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 StartMethod.__doc__ = """The start methods mplaunch accepts (``multiprocessing``'s names), for annotations:

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from mplaunch import _directory
+from mplaunch._parent import directory
 
 # One intra-op thread per worker and in the test process: 2 cores, tests run fast and never oversubscribe.
 torch.set_num_threads(1)
@@ -24,7 +24,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def _helper_pids() -> set[int]:
     """Long-lived helpers kept on purpose: multiprocessing's fork server and resource tracker, and mplaunch's
     reaper of launch directories."""
-    pids = set(_directory.reaper_pids())
+    pids = set(directory.reaper_pids())
     for pid in (
         getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
         getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),

@@ -92,7 +92,8 @@ def test_large_fork_arguments_are_walked_only_when_the_parent_says_so(
     """Issue 10: a list of 10**6 ints was walked in every fork worker (every page it lives on copied). Now
     the parent answers, once the workers have started, whether it maps shared memory at all; the workers
     walk their arguments only then (the answer is forced here: this test process's own mappings vary)."""
-    from mplaunch import _launcher, _worker
+    from mplaunch._parent import launch
+    from mplaunch._worker import entry
 
     walks = tmp_path / "walks"
     real = mplaunch.unshare
@@ -102,8 +103,8 @@ def test_large_fork_arguments_are_walked_only_when_the_parent_says_so(
             file.write(f"{os.getpid()}\n")
         return real(obj)
 
-    monkeypatch.setattr(_worker, "unshare", recorded)  # inherited by the forked workers
-    monkeypatch.setattr(_launcher, "shared_mappings", lambda: shared)
+    monkeypatch.setattr(entry, "unshare", recorded)  # inherited by the forked workers
+    monkeypatch.setattr(launch, "shared_mappings", lambda: shared)
     run = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(len)
     assert run(list(range(10**6))) == [10**6, 10**6]
     assert len(walks.read_text().split()) == 2 if shared else not walks.exists()

@@ -47,16 +47,16 @@ def test_the_store_starts_when_a_worker_first_connects(monkeypatch: pytest.Monke
     """The parent holds the port from the start, but starts the c10d store only for a launch whose workers
     connect to it: a bare store client and a process group are served; a launch that never connects starts
     no store (no threads, no start-up, no reverse lookup of the store's address)."""
-    from mplaunch import _store
+    from mplaunch._parent import store
 
     started: list[int] = []
-    host = _store._host
+    host = store._host
 
     def counted(addr: str, port: int, fd: int | None) -> object:
         started.append(port)
         return host(addr, port, fd)
 
-    monkeypatch.setattr(_store, "_host", counted)
+    monkeypatch.setattr(store, "_host", counted)
     quiet = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()
     assert int(quiet["env"]["MASTER_PORT"]) > 0 and started == []
     clients = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(workers.plain_store_client)()

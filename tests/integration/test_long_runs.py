@@ -339,13 +339,13 @@ print("exiting with a running launch", flush=True)
 def test_interrupted_notebook_cell_stops_running_launches(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from mplaunch import _future
+    from mplaunch._parent import futures
 
     future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
     _wait_for_workers(tmp_path)
-    _future._after_cell(SimpleNamespace(error_in_exec=None))  # a cell that ended normally changes nothing
+    futures._after_cell(SimpleNamespace(error_in_exec=None))  # a cell that ended normally changes nothing
     assert future.running()
-    _future._after_cell(SimpleNamespace(error_in_exec=KeyboardInterrupt()))
+    futures._after_cell(SimpleNamespace(error_in_exec=KeyboardInterrupt()))
     assert future.cancelled() and all(_gone(pid) for pid in _pids(tmp_path))
 
 
@@ -423,17 +423,17 @@ def draw() -> torch.Tensor:
 
 
 def test_submit_captures_the_random_state_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mplaunch import _checks
+    from mplaunch._parent import checks
 
     started = threading.Event()
-    check = _checks.check_not_bootstrapping
+    check = checks.check_not_bootstrapping
 
     def late_in_the_launch_thread(name: str) -> None:  # the launch thread starts only after the caller reseeded
         if threading.current_thread() is not threading.main_thread():
             started.wait(10)
         check(name)
 
-    monkeypatch.setattr(_checks, "check_not_bootstrapping", late_in_the_launch_thread)
+    monkeypatch.setattr(checks, "check_not_bootstrapping", late_in_the_launch_thread)
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(draw)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

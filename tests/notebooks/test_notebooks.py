@@ -200,7 +200,7 @@ print("RESULT", json.dumps(result))
 @pytest.mark.timeout(150)
 def test_fork_after_multithreaded_matmul_does_not_hang(tmp_path: Path) -> None:
     """GNU OpenMP's pool does not survive fork: once the kernel ran a multi-threaded matmul, a forked worker
-    that runs parallel torch code would hang. mplaunch releases the pool before forking (``mplaunch._threads``),
+    that runs parallel torch code would hang. mplaunch releases the pool before forking (``mplaunch._parent.policy``),
     so the worker keeps every core's thread (cores // nprocs) and finishes; train -> evaluate in the kernel ->
     train again (issue 10) works too. ``timeout=`` turns a hang into a ``LaunchTimeoutError`` in the cell well
     before the cell timeout. forkserver gives a worker every core's thread as well.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mplaunch import _config
-from mplaunch._cgroup import cpu_limit
+from mplaunch._platform.cgroup import cpu_limit
 
 V1_MOUNTS = """\
 25 30 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
@@ -155,7 +155,7 @@ def test_a_real_cgroup_quota_is_seen_by_a_process_moved_into_it() -> None:
     program = (
         "import os, sys\n"
         "with open(sys.argv[1], 'w') as procs: procs.write(str(os.getpid()))\n"
-        "from mplaunch._config import usable_cpu_count; from mplaunch._cgroup import cpu_limit\n"
+        "from mplaunch._config import usable_cpu_count; from mplaunch._platform.cgroup import cpu_limit\n"
         "print(cpu_limit(), usable_cpu_count())"
     )
     try:

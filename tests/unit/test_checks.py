@@ -12,15 +12,17 @@ from typing import Any
 import pytest
 import torch
 
-from mplaunch import LaunchRefusedError, _checks, _importable, to_cpu
+from mplaunch import LaunchRefusedError, to_cpu
+from mplaunch._parent import checks
+from mplaunch._wire import importable
 
 
 def test_cuda_initialised_refuses_fork_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(LaunchRefusedError, match="start_method='spawn'"):
-        _checks.check_cuda_fork("fork")
-    _checks.check_cuda_fork("spawn")
-    _checks.check_cuda_fork("forkserver")
+        checks.check_cuda_fork("fork")
+    checks.check_cuda_fork("spawn")
+    checks.check_cuda_fork("forkserver")
 
 
 def test_cuda_probe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,43 +35,43 @@ def test_cuda_probe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.cuda.is_available()
     torch.cuda.device_count()
     assert not initialised
-    _checks.check_cuda_fork("fork")
+    checks.check_cuda_fork("fork")
     torch.cuda.init()  # what does initialise CUDA is refused
     with pytest.raises(LaunchRefusedError):
-        _checks.check_cuda_fork("fork")
+        checks.check_cuda_fork("fork")
 
 
 def test_cuda_message_helps_notebook_users(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(_checks, "is_interactive", lambda: True)
+    monkeypatch.setattr(checks, "is_interactive", lambda: True)
     with pytest.raises(LaunchRefusedError, match="restart the kernel"):
-        _checks.check_cuda_fork("fork")
+        checks.check_cuda_fork("fork")
 
 
 def test_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_checks, "is_interactive", lambda: False)
-    assert _checks.default_start_method() == "spawn"
-    monkeypatch.setattr(_checks, "is_interactive", lambda: True)
-    assert _checks.default_start_method() == "fork"
+    monkeypatch.setattr(checks, "is_interactive", lambda: False)
+    assert checks.default_start_method() == "spawn"
+    monkeypatch.setattr(checks, "is_interactive", lambda: True)
+    assert checks.default_start_method() == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert _checks.default_start_method() == "spawn"
+    assert checks.default_start_method() == "spawn"
 
 
 def test_main_importability(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whether a spawn worker runs the parent's __main__ again, by multiprocessing's own rules."""
     fake = types.ModuleType("__main__")
     monkeypatch.setitem(sys.modules, "__main__", fake)
-    assert not _checks.main_is_importable()  # python -c, the REPL
+    assert not checks.main_is_importable()  # python -c, the REPL
     fake.__file__ = "<stdin>"
-    assert not _checks.main_is_importable()  # python - < script
+    assert not checks.main_is_importable()  # python - < script
     fake.__file__ = __file__
-    assert _checks.main_is_importable()  # python script.py
+    assert checks.main_is_importable()  # python script.py
     fake.__spec__ = importlib.machinery.ModuleSpec("pkg.mod", None, origin=__file__)
-    assert _checks.main_is_importable()  # python -m pkg.mod
+    assert checks.main_is_importable()  # python -m pkg.mod
     fake.__spec__ = importlib.machinery.ModuleSpec("pkg.__main__", None, origin=__file__)
-    assert not _checks.main_is_importable()  # python -m pkg: multiprocessing never runs *.__main__ again
+    assert not checks.main_is_importable()  # python -m pkg: multiprocessing never runs *.__main__ again
     fake.__spec__ = importlib.machinery.ModuleSpec("__main__", None, origin=__file__)
-    assert not _checks.main_is_importable()  # python app.pyz
+    assert not checks.main_is_importable()  # python app.pyz
 
 
 def test_guard_spans_find_every_spelling() -> None:
@@ -78,7 +80,7 @@ def test_guard_spans_find_every_spelling() -> None:
         'if __name__ == "__main__" and x:\n    run()\nif __name__ in ("__main__",):\n    run()\n'
         'if not __name__ != "__main__":\n    run()\nif x:\n    run()\n'
     )
-    assert _importable.guard_spans(ast.parse(source)) == [(2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
+    assert importable.guard_spans(ast.parse(source)) == [(2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
 
 
 UNGUARDED = "import sys\nvalue = fit(3)\n"
@@ -101,7 +103,7 @@ def _run_main(
     namespace: dict[str, Any] = {"__name__": "__main__"} if own_namespace else vars(main)
 
     def fit(x: int) -> None:
-        _checks.check_main_guard("spawn", sys._getframe(1), "fit")
+        checks.check_main_guard("spawn", sys._getframe(1), "fit")
 
     namespace.update(fit=fit, SCRIPT=str(path), __file__=str(path))
     if runner or own_namespace:
@@ -138,10 +140,10 @@ def test_a_script_that_workers_do_not_run_again_is_not_judged(monkeypatch: pytes
 def test_describe_unpicklable_names_the_argument() -> None:
     import threading
 
-    text = _checks.describe_unpicklable((1, threading.Lock()), {}, None)
+    text = checks.describe_unpicklable((1, threading.Lock()), {}, None)
     assert text.startswith("positional argument 1 (lock)")
     with open(__file__) as file:
-        text = _checks.describe_unpicklable((), {"f": file}, None)
+        text = checks.describe_unpicklable((), {"f": file}, None)
     assert text.startswith("keyword argument 'f' (TextIOWrapper)") and "open it inside" in text
 
 
@@ -174,20 +176,20 @@ def _initialise_cuda_here() -> None:
 def test_refused_fork_says_where_cuda_was_first_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     import mplaunch
 
-    monkeypatch.setattr(_checks, "_first_cuda_init", None)
+    monkeypatch.setattr(checks, "_first_cuda_init", None)
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # a CUDA build's successful initialisation
     monkeypatch.setattr(torch.cuda.random, "_lazy_init", torch.cuda._lazy_init)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     with pytest.raises(LaunchRefusedError, match="call mplaunch.record_cuda_init"):
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-        _checks.check_cuda_fork("fork")
+        checks.check_cuda_fork("fork")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     mplaunch.record_cuda_init()
     mplaunch.record_cuda_init()  # twice is once
     _initialise_cuda_here()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(LaunchRefusedError) as caught:
-        _checks.check_cuda_fork("fork")
+        checks.check_cuda_fork("fork")
     assert "CUDA was first initialised here" in str(caught.value)
     assert "in _initialise_cuda_here" in str(caught.value) and "test_checks.py" in str(caught.value)
 
@@ -196,10 +198,10 @@ def test_recorder_ignores_failed_initialisation(monkeypatch: pytest.MonkeyPatch)
     def fail() -> None:
         raise AssertionError("Torch not compiled with CUDA enabled")
 
-    monkeypatch.setattr(_checks, "_first_cuda_init", None)
+    monkeypatch.setattr(checks, "_first_cuda_init", None)
     monkeypatch.setattr(torch.cuda, "_lazy_init", fail)
     monkeypatch.setattr(torch.cuda.random, "_lazy_init", fail)
-    _checks.record_cuda_init()
+    checks.record_cuda_init()
     with pytest.raises(AssertionError):
         torch.cuda._lazy_init()
-    assert _checks._first_cuda_init is None
+    assert checks._first_cuda_init is None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mplaunch import _directory
+from mplaunch._parent import directory as launch_dir
 
 
 def dead_pid() -> int:
@@ -29,8 +29,8 @@ def make(root: Path, name: str) -> Path:
 
 
 def test_only_directories_of_dead_parents_of_this_pid_namespace_are_removed(tmp_path: Path) -> None:
-    namespace, dead, alive = _directory._pid_namespace(), dead_pid(), os.getpid()
-    assert not _directory._pid_alive(dead) and _directory._pid_alive(alive)
+    namespace, dead, alive = launch_dir._pid_namespace(), dead_pid(), os.getpid()
+    assert not launch_dir._pid_alive(dead) and launch_dir._pid_alive(alive)
     stale = [make(tmp_path, f"mplaunch-{dead}-{namespace}-k2x9q"), make(tmp_path, f"mplaunch-{dead}-{namespace}-")]
     kept = [
         make(tmp_path, f"mplaunch-{alive}-{namespace}-a8c1z"),  # a running launch of this process
@@ -44,7 +44,7 @@ def test_only_directories_of_dead_parents_of_this_pid_namespace_are_removed(tmp_
         make(tmp_path, f"other-{dead}-{namespace}-a8c1z"),  # not mplaunch's
         make(tmp_path, f"mplaunch{dead}-{namespace}-a8c1z"),
     ]
-    _directory.remove_stale_directories(str(tmp_path))
+    launch_dir.remove_stale_directories(str(tmp_path))
     assert not any(directory.exists() for directory in stale)
     assert sorted(os.listdir(tmp_path)) == sorted(directory.name for directory in kept)
     assert all(sorted(os.listdir(directory)) == ["payload.pkl", "rank0.bin", "rank0.pkl"] for directory in kept)
@@ -57,17 +57,17 @@ def test_a_pid_that_cannot_be_signalled_counts_as_alive(monkeypatch: pytest.Monk
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "kill", refuse)
-    assert _directory._pid_alive(dead_pid())
-    directory = make(tmp_path, f"mplaunch-{dead_pid()}-{_directory._pid_namespace()}-a8c1z")
-    _directory.remove_stale_directories(str(tmp_path))
-    assert directory.exists()
+    assert launch_dir._pid_alive(dead_pid())
+    kept = make(tmp_path, f"mplaunch-{dead_pid()}-{launch_dir._pid_namespace()}-a8c1z")
+    launch_dir.remove_stale_directories(str(tmp_path))
+    assert kept.exists()
 
 
 def test_the_namespace_is_this_processs() -> None:
-    namespace = _directory._pid_namespace()
+    namespace = launch_dir._pid_namespace()
     assert namespace.isdigit()
     assert os.readlink("/proc/self/ns/pid") == f"pid:[{namespace}]"
-    assert _directory.own_prefix() == f"mplaunch-{os.getpid()}-{namespace}-"
+    assert launch_dir.own_prefix() == f"mplaunch-{os.getpid()}-{namespace}-"
 
 
 def test_a_namespace_that_cannot_be_read_is_zero(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,12 +75,12 @@ def test_a_namespace_that_cannot_be_read_is_zero(monkeypatch: pytest.MonkeyPatch
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr(os, "readlink", unreadable)
-    assert _directory._pid_namespace() == "0"
+    assert launch_dir._pid_namespace() == "0"
 
 
 def test_shm_root_is_the_users_choice_else_dev_shm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("MPLAUNCH_SHM_DIR", str(tmp_path))
-    assert _directory.shm_root() == str(tmp_path)
+    assert launch_dir.shm_root() == str(tmp_path)
     monkeypatch.delenv("MPLAUNCH_SHM_DIR")
     writable = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
-    assert _directory.shm_root() == ("/dev/shm" if writable else tempfile.gettempdir())
+    assert launch_dir.shm_root() == ("/dev/shm" if writable else tempfile.gettempdir())

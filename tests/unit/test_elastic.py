@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from mplaunch import WorkerExitedError, _transport
+from mplaunch import WorkerExitedError
 from mplaunch._config import LaunchConfig
-from mplaunch._elastic import _collect
-from mplaunch._protocol import REMOTE_RANK0, Outcome, Raised, Returned, Signalled, WorkerSpec, outcome_name
+from mplaunch._multinode.elastic import _collect
+from mplaunch._wire import transport
+from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned, Signalled, WorkerSpec, outcome_name
 
 
 def raised(error: BaseException) -> Raised:
@@ -27,7 +28,7 @@ def raised(error: BaseException) -> Raised:
 
 def write(directory: Path, outcomes: dict[int, Outcome]) -> None:
     for rank, outcome in outcomes.items():
-        _transport.dump(outcome, str(directory), outcome_name(rank))
+        transport.dump(outcome, str(directory), outcome_name(rank))
 
 
 def collect(directory: Path, failed: dict[int, Any] | None = None, return_all: bool = False) -> list[Any]:
@@ -96,20 +97,20 @@ def test_return_all_gives_this_nodes_values_in_rank_order(tmp_path: Path) -> Non
 
 def test_rank_0_is_read_where_it_runs(tmp_path: Path) -> None:
     write(tmp_path, {1: Returned(101, None), 0: Returned(100, {"loss": 0.5})})
-    _transport.dump(Returned(1, "not this one"), str(tmp_path), REMOTE_RANK0)
+    transport.dump(Returned(1, "not this one"), str(tmp_path), REMOTE_RANK0)
     assert collect(tmp_path) == [{"loss": 0.5}]
 
 
 def test_rank_0_of_another_node_is_fetched(tmp_path: Path) -> None:
     write(tmp_path, {2: Returned(102, None), 3: Returned(103, None)})
-    _transport.dump(Returned(1, "rank 0's value"), str(tmp_path), REMOTE_RANK0)
+    transport.dump(Returned(1, "rank 0's value"), str(tmp_path), REMOTE_RANK0)
     assert collect(tmp_path) == ["rank 0's value"]
     assert os.listdir(tmp_path) == []
 
 
 def test_a_failure_of_rank_0_on_another_node_is_raised_here_as_itself(tmp_path: Path) -> None:
     write(tmp_path, {2: Returned(102, None)})
-    _transport.dump(raised(OSError(28, "No space left")), str(tmp_path), REMOTE_RANK0)
+    transport.dump(raised(OSError(28, "No space left")), str(tmp_path), REMOTE_RANK0)
     with pytest.raises(OSError, match="No space left") as caught:
         collect(tmp_path)
     assert caught.value.errno == 28 and caught.value.rank == 0  # type: ignore[attr-defined]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mplaunch import _importable, _transport
-from mplaunch._importable import WorkerImports
+from mplaunch._wire import importable, transport
+from mplaunch._wire.importable import WorkerImports
 from tests import workers
 
 MODULE = """
@@ -46,12 +46,12 @@ def loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[types.Mo
 
 
 def _imports() -> WorkerImports:
-    return WorkerImports(_importable.worker_sys_path(), sys.modules.get("__main__"))
+    return WorkerImports(importable.worker_sys_path(), sys.modules.get("__main__"))
 
 
 def test_importable_modules_travel_by_reference() -> None:
     imports = _imports()
-    for obj in (workers.identity, workers.Point, torch.nn.Linear, torch.Tensor, pickle.dumps, _importable.guard_spans):
+    for obj in (workers.identity, workers.Point, torch.nn.Linear, torch.Tensor, pickle.dumps, importable.guard_spans):
         assert imports.can_import(obj) and not imports.needs_value(obj), obj
 
 
@@ -105,7 +105,7 @@ def test_main_objects_follow_how_multiprocessing_prepares_main(tmp_path: Path, m
 
 
 def test_pickled_by_value_even_where_the_parent_finds_it(loaded: types.ModuleType) -> None:
-    data, _ = _transport._pickle((loaded.twice, loaded.Box(21)), False, _imports())
+    data, _ = transport._pickle((loaded.twice, loaded.Box(21)), False, _imports())
     del sys.modules["exp"]  # as in a worker, where no "exp" can be imported
     function, box = pickle.loads(data)
     assert function(box).value == 42
@@ -115,22 +115,23 @@ def test_a_list_of_ints_stays_a_plain_pickle(monkeypatch: pytest.MonkeyPatch) ->
     def refuse(file: io.BytesIO, imports: object = None) -> None:
         raise AssertionError("cloudpickle used for plain data")
 
-    monkeypatch.setattr(_transport, "_CloudPickler", refuse)
+    monkeypatch.setattr(transport, "_CloudPickler", refuse)
     value = list(range(10**6))
-    data, pickler = _transport._pickle(value, False, _imports())
+    data, pickler = transport._pickle(value, False, _imports())
     assert not pickler.storages and not pickler.buffers and pickle.loads(data) == value
 
 
 def test_the_view_is_reused_until_sys_path_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    first = _importable.worker_imports()
-    assert _importable.worker_imports() is first
+    first = importable.worker_imports()
+    assert importable.worker_imports() is first
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert _importable.worker_imports() is not first
+    assert importable.worker_imports() is not first
 
 
 def test_the_fork_server_preloads_only_what_it_can_import(loaded: types.ModuleType) -> None:
-    from mplaunch import _launcher, parallel
+    from mplaunch import parallel
+    from mplaunch._parent import launch
 
     imports = _imports()
-    assert "tests.workers" in _launcher._preload(imports, parallel(workers.identity))
-    assert "exp" not in _launcher._preload(imports, parallel(loaded.twice))
+    assert "tests.workers" in launch._preload(imports, parallel(workers.identity))
+    assert "exp" not in launch._preload(imports, parallel(loaded.twice))

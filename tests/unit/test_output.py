@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mplaunch import _pump
 from mplaunch._errors import LaunchRefusedError
-from mplaunch._lines import prefixed
-from mplaunch._output import RANK_MARK
-from mplaunch._pump import Pump, should_route
+from mplaunch._output.fds import RANK_MARK
+from mplaunch._output.lines import prefixed
+from mplaunch._output.pump import DRAIN, HOLD, Pump, should_route
 
 
 def _consoles(monkeypatch: pytest.MonkeyPatch) -> tuple[io.StringIO, io.StringIO]:
@@ -62,7 +61,7 @@ def test_partial_line_is_live_and_never_split_by_another_rank(monkeypatch: pytes
         time.sleep(0.01)
     assert consoles[0].getvalue() == "\r[rank 0]  10%"  # forwarded before its line ends
     _write(pump, 1, "other\n")
-    time.sleep(3 * _pump.HOLD)
+    time.sleep(3 * HOLD)
     _write(pump, 0, "\r 20%\n")
     pump.close()
     assert consoles[0].getvalue() == "\r[rank 0]  10%\n[rank 1] other\n\r[rank 0]  20%\n"
@@ -102,7 +101,7 @@ def test_close_does_not_wait_for_a_writer_left_open(monkeypatch: pytest.MonkeyPa
         os.write(leftover, b"from a leftover\n")
         started = time.monotonic()
         pump.close()
-        assert time.monotonic() - started < _pump.DRAIN + 2
+        assert time.monotonic() - started < DRAIN + 2
     finally:
         os.close(leftover)
     assert consoles[0].getvalue() == "from a leftover\n"

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from mplaunch import RemoteError, RemoteTraceback, WorkerExitedError
-from mplaunch._protocol import (
+from mplaunch._wire.records import (
     PAYLOAD,
     REMOTE_RANK0,
     Outcome,

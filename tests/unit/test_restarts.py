@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from mplaunch import LaunchTimeoutError, RestartWarning, WorkerExitedError
-from mplaunch._control import LaunchControl, LaunchStopped
-from mplaunch._future import failed, submit
-from mplaunch._restarts import describe_restart, run_attempts
+from mplaunch._parent.control import LaunchControl, LaunchStopped
+from mplaunch._parent.futures import failed, submit
+from mplaunch._parent.restarts import describe_restart, run_attempts
 
 
 def _failing_attempts(control: LaunchControl, failures: list[BaseException], worker: bool = True) -> Any:

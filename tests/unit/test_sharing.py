@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from mplaunch import _sharing, unshare
+from mplaunch import unshare
+from mplaunch._state import sharing
 
 
 class Pair(NamedTuple):
@@ -114,13 +115,13 @@ def test_bytes_and_long_lists_are_not_walked_element_by_element(monkeypatch: pyt
     bytes as a sequence and visited every element in Python). Containers of plain values are passed over in
     one pass in C now: the Python-level walk looks into a handful of objects, not millions."""
     visits = []
-    inside = _sharing._inside
+    inside = sharing._inside
 
     def counting(obj: object) -> object:
         visits.append(type(obj))
         return inside(obj)
 
-    monkeypatch.setattr(_sharing, "_inside", counting)
+    monkeypatch.setattr(sharing, "_inside", counting)
     data = (b"x" * 2**22, list(range(10**6)), {i: float(i) for i in range(10**5)}, [torch.ones(1)] * 3)
     assert unshare(data) is data
     assert len(visits) < 10, visits
@@ -133,18 +134,18 @@ def test_a_results_mapping_is_made_private_in_place(tmp_path: Path) -> None:
 
     import numpy as np
 
-    from mplaunch import _transport
+    from mplaunch._wire import transport
 
-    _transport.dump({"t": torch.zeros(1 << 16), "a": np.zeros(1 << 16)}, str(tmp_path), "r")
-    result = _transport.load(str(tmp_path), "r", private=False, remove=True)
+    transport.dump({"t": torch.zeros(1 << 16), "a": np.zeros(1 << 16)}, str(tmp_path), "r")
+    result = transport.load(str(tmp_path), "r", private=False, remove=True)
     tensor, array, view = result["t"], result["a"], result["t"][100:]
-    assert _sharing._shared(tensor) and _sharing._shared(array) and not tensor.is_shared()
+    assert sharing._shared(tensor) and sharing._shared(array) and not tensor.is_shared()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         unshare((view, result))
         tensor[100] = 5.0
         array[0] = 6.0
-        ok = view[0].item() == 5.0 and not _sharing._shared(tensor) and not _sharing._shared(array)
+        ok = view[0].item() == 5.0 and not sharing._shared(tensor) and not sharing._shared(array)
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
@@ -161,22 +162,22 @@ def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: 
     shared = tmp_path / "shared"
     shared.write_text(private.read_text() + "7f02-7f03 rw-s 00000000 00:1a 9 /dev/shm/torch_1_2_3 (deleted)\n")
     big: tuple[object, ...] = ([], {"values": list(range(10**5))})
-    assert _sharing.unshare_verdict(big) is None  # large: up to the process's mappings
-    assert not _sharing.shared_mappings(str(private)) and _sharing.shared_mappings(str(shared))
-    assert _sharing.shared_mappings(str(tmp_path / "missing"))  # cannot tell: walk
+    assert sharing.unshare_verdict(big) is None  # large: up to the process's mappings
+    assert not sharing.shared_mappings(str(private)) and sharing.shared_mappings(str(shared))
+    assert sharing.shared_mappings(str(tmp_path / "missing"))  # cannot tell: walk
     many_small = ([list(range(100)) for _ in range(200)],)  # 20,000 objects in all: large too
-    assert _sharing.unshare_verdict(many_small) is None
-    assert _sharing.unshare_verdict(([torch.ones(2).share_memory_()], {"lr": 0.1})) is True  # small, shared
-    assert _sharing.unshare_verdict(([torch.ones(2)], {"lr": 0.1})) is False  # a private tensor stays private
-    assert _sharing.unshare_verdict(([object()], {})) is False
+    assert sharing.unshare_verdict(many_small) is None
+    assert sharing.unshare_verdict(([torch.ones(2).share_memory_()], {"lr": 0.1})) is True  # small, shared
+    assert sharing.unshare_verdict(([torch.ones(2)], {"lr": 0.1})) is False  # a private tensor stays private
+    assert sharing.unshare_verdict(([object()], {})) is False
     plain = ((b"x" * 2**22, [1, 2.5, "a", None], (range(3),)), {"lr": 0.1, "tags": {"x", "y"}})
-    assert _sharing.unshare_verdict(plain) is False  # small and plain: nothing to walk in the workers
+    assert sharing.unshare_verdict(plain) is False  # small and plain: nothing to walk in the workers
 
 
 def test_a_process_with_a_shared_tensor_has_a_shared_mapping() -> None:
     """The premise of the check above, on this machine's torch: share_memory_() maps shared writable memory."""
     tensor = torch.zeros(1 << 16).share_memory_()
-    assert tensor.is_shared() and _sharing.shared_mappings("/proc/self/maps")
+    assert tensor.is_shared() and sharing.shared_mappings("/proc/self/maps")
 
 
 class _OneSlot:
@@ -244,7 +245,7 @@ def test_gradients_deques_partials_and_objects_that_cannot_be_looked_into() -> N
 
     dead = weakref.proxy(Gone())
     args = (model, collections.deque([held[0]]), functools.partial(print, held[1]), tagged, dead, _Broken(), _Lazy())
-    assert _sharing.unshare_verdict(args) is True
+    assert sharing.unshare_verdict(args) is True
     unshare(args)
     assert not model.weight.grad.is_shared() and not any(t.is_shared() for t in held)
-    assert _sharing.unshare_verdict((dead, _Broken(), _Lazy())) is False
+    assert sharing.unshare_verdict((dead, _Broken(), _Lazy())) is False

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mplaunch import GlobalState, register_state, unregister_state
-from mplaunch._pystate import PythonState
+from mplaunch._state.python import PythonState
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_restore_keeps_handlers_that_already_match(test_logger: logging.Logger, 
 def test_handlers_that_cannot_be_carried_are_named_once_at_the_callers_line(test_logger: logging.Logger) -> None:
     import logging.handlers
 
-    from mplaunch._pystate import warn_not_carried
+    from mplaunch._state.python import warn_not_carried
 
     test_logger.addHandler(logging.handlers.SocketHandler("127.0.0.1", 9))  # never connects until it emits
     test_logger.addHandler(logging.StreamHandler(io.StringIO()))
@@ -185,7 +185,7 @@ def test_exit_closes_the_files_left_open_wrappers_first(tmp_path: Path, monkeypa
     import gc
     import gzip
 
-    from mplaunch import _exit
+    from mplaunch._worker import exit
 
     text = open(tmp_path / "rows.txt", "a", encoding="utf-8")  # noqa: SIM115
     text.write("row\n")
@@ -197,7 +197,7 @@ def test_exit_closes_the_files_left_open_wrappers_first(tmp_path: Path, monkeypa
     found = [raw, raw.raw, buffer.raw, buffer, sys.stderr, text, io.BytesIO(), packed]  # as gc lists them
     monkeypatch.setattr(logging, "shutdown", lambda: None)  # the test process's handlers are pytest's
     monkeypatch.setattr(gc, "get_objects", lambda: found)  # the test process's other files are pytest's
-    _exit.close_files()
+    exit.close_files()
     assert text.closed and packed.closed and raw.closed and not sys.stderr.closed
     assert (tmp_path / "rows.txt").read_text(encoding="utf-8") == "row\n"
     assert gzip.decompress((tmp_path / "data.gz").read_bytes()) == b"payload"  # closed before its file
@@ -220,9 +220,10 @@ def test_a_real_call_warns_at_the_callers_line(test_logger: logging.Logger, monk
     import logging.handlers
     import threading
 
-    from mplaunch import LaunchRefusedError, _pystate, parallel
+    from mplaunch import LaunchRefusedError, parallel
+    from mplaunch._state import python
 
-    monkeypatch.setattr(_pystate, "_warned", set())
+    monkeypatch.setattr(python, "_warned", set())
     test_logger.addHandler(logging.handlers.SocketHandler("127.0.0.1", 9))
     run = parallel(nprocs=2, start_method="spawn", timeout=30)(print)
     with pytest.warns(RuntimeWarning, match="SocketHandler") as record, pytest.raises(LaunchRefusedError):
@@ -231,7 +232,7 @@ def test_a_real_call_warns_at_the_callers_line(test_logger: logging.Logger, monk
 
 
 def test_spawn_workers_get_one_hash_seed_unless_the_user_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mplaunch._spawning import spawn_hash_seed as _spawn_hash_seed
+    from mplaunch._parent.processes import spawn_hash_seed as _spawn_hash_seed
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     seeds = []

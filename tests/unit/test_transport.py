@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mplaunch import _transport
+from mplaunch._wire import transport
 
 
 def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
@@ -27,8 +27,8 @@ def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
         "module": torch.nn.Linear(3, 2),
         "other": [1, "two", 3.0],
     }
-    _transport.dump(obj, str(tmp_path), "x")
-    back = _transport.load(str(tmp_path), "x", private=False, remove=True)
+    transport.dump(obj, str(tmp_path), "x")
+    back = transport.load(str(tmp_path), "x", private=False, remove=True)
     assert torch.equal(back["base"], base) and torch.equal(back["view"], base[10:20])
     assert back["view"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
     assert back["bf16"].dtype == torch.bfloat16 and back["empty"].numel() == 0
@@ -37,36 +37,36 @@ def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
 
 
 def test_small_storages_travel_inline_and_large_ones_in_files(tmp_path: Path) -> None:
-    _transport.dump([torch.zeros(10), torch.zeros(_transport.INLINE_BYTES // 4)], str(tmp_path), "x")
+    transport.dump([torch.zeros(10), torch.zeros(transport.INLINE_BYTES // 4)], str(tmp_path), "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin", "x.pkl"]
     assert (tmp_path / "x.pkl").stat().st_size < 1024  # the large storage is not in the pickle
 
 
 def test_result_stays_valid_after_the_files_are_gone(tmp_path: Path) -> None:
-    _transport.dump(torch.full((1 << 20,), 7.0), str(tmp_path), "x")
-    back = _transport.load(str(tmp_path), "x", private=False, remove=True)
+    transport.dump(torch.full((1 << 20,), 7.0), str(tmp_path), "x")
+    back = transport.load(str(tmp_path), "x", private=False, remove=True)
     assert not any(tmp_path.iterdir())
     assert back.sum().item() == 7.0 * (1 << 20)
 
 
 def test_private_maps_do_not_see_each_other(tmp_path: Path) -> None:
-    _transport.dump({"w": torch.zeros(1 << 18)}, str(tmp_path), "payload")
-    first = _transport.load(str(tmp_path), "payload", private=True, remove=False)
-    second = _transport.load(str(tmp_path), "payload", private=True, remove=False)
+    transport.dump({"w": torch.zeros(1 << 18)}, str(tmp_path), "payload")
+    first = transport.load(str(tmp_path), "payload", private=True, remove=False)
+    second = transport.load(str(tmp_path), "payload", private=True, remove=False)
     first["w"].add_(1)
     assert second["w"].sum().item() == 0
-    third = _transport.load(str(tmp_path), "payload", private=True, remove=False)
+    third = transport.load(str(tmp_path), "payload", private=True, remove=False)
     assert third["w"].sum().item() == 0  # the file itself is untouched
 
 
 def test_mapped_storages_hold_no_file_descriptors(tmp_path: Path) -> None:
-    tensors = [torch.zeros(_transport.INLINE_BYTES) for _ in range(300)]
+    tensors = [torch.zeros(transport.INLINE_BYTES) for _ in range(300)]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    _transport.dump(tensors, str(tmp_path), "many")
+    transport.dump(tensors, str(tmp_path), "many")
     before = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
     try:
-        back = _transport.load(str(tmp_path), "many", private=True, remove=False)
+        back = transport.load(str(tmp_path), "many", private=True, remove=False)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(back) == 300 and len(os.listdir("/proc/self/fd")) == before
@@ -80,36 +80,36 @@ def test_closures_and_locals_fall_back_to_cloudpickle(tmp_path: Path) -> None:
 
     with pytest.raises((pickle.PicklingError, AttributeError)):
         pickle.dumps(local)
-    _transport.dump(local, str(tmp_path), "f")
-    assert _transport.load(str(tmp_path), "f", private=False, remove=True)(1) == 6
+    transport.dump(local, str(tmp_path), "f")
+    assert transport.load(str(tmp_path), "f", private=False, remove=True)(1) == 6
 
 
 def test_the_object_appears_only_when_complete(tmp_path: Path) -> None:
-    assert _transport.load(str(tmp_path), "x", private=False, remove=False, missing_ok=True) is None
-    _transport.dump(1, str(tmp_path), "x")
-    assert _transport.load(str(tmp_path), "x", private=False, remove=False, missing_ok=True) == 1
+    assert transport.load(str(tmp_path), "x", private=False, remove=False, missing_ok=True) is None
+    transport.dump(1, str(tmp_path), "x")
+    assert transport.load(str(tmp_path), "x", private=False, remove=False, missing_ok=True) == 1
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
 
 
 def test_loading_what_was_never_written_and_removing_what_was(tmp_path: Path) -> None:
     """A rank that wrote no outcome: ``missing_ok`` says so with None, else FileNotFoundError. A loaded
     object's files are removed, the data file with them, so the launch directory ends empty."""
-    assert _transport.load(str(tmp_path), "x", private=False, remove=True, missing_ok=True) is None
+    assert transport.load(str(tmp_path), "x", private=False, remove=True, missing_ok=True) is None
     with pytest.raises(FileNotFoundError):
-        _transport.load(str(tmp_path), "x", private=False, remove=True)
-    _transport.dump({"small": 1}, str(tmp_path), "small")
-    _transport.dump({"big": torch.ones(1 << 16)}, str(tmp_path), "big")
+        transport.load(str(tmp_path), "x", private=False, remove=True)
+    transport.dump({"small": 1}, str(tmp_path), "small")
+    transport.dump({"big": torch.ones(1 << 16)}, str(tmp_path), "big")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.bin", "big.pkl", "small.pkl"]
-    assert _transport.load(str(tmp_path), "small", private=False, remove=True) == {"small": 1}
-    assert _transport.load(str(tmp_path), "big", private=False, remove=True)["big"].sum() == 1 << 16
+    assert transport.load(str(tmp_path), "small", private=False, remove=True) == {"small": 1}
+    assert transport.load(str(tmp_path), "big", private=False, remove=True)["big"].sum() == 1 << 16
     assert list(tmp_path.iterdir()) == []
 
 
 def test_mapped_tensors_are_ordinary_tensors(tmp_path: Path) -> None:
     """Issue 10: a mapped argument reported is_shared(), so torch's fd sharing (DataLoader workers, queues)
     sent a descriptor that did not exist. Mapped storages are ordinary CPU storages now."""
-    _transport.dump(torch.arange(100_000, dtype=torch.float32), str(tmp_path), "payload")
-    back = _transport.load(str(tmp_path), "payload", private=True, remove=False)
+    transport.dump(torch.arange(100_000, dtype=torch.float32), str(tmp_path), "payload")
+    back = transport.load(str(tmp_path), "payload", private=True, remove=False)
     assert not back.is_shared()
     back.share_memory_()  # moves into shared memory of its own, as for any tensor
     assert back.is_shared() and back[99_999].item() == 99_999
@@ -123,9 +123,9 @@ def test_numpy_arrays_travel_out_of_band(tmp_path: Path) -> None:
     mapped by the reader without a copy."""
     array = np.arange(1 << 20, dtype=np.float64)
     obj = {"array": array, "fortran": np.asfortranarray(np.ones((512, 256)))}
-    _transport.dump(obj, str(tmp_path), "x")
+    transport.dump(obj, str(tmp_path), "x")
     assert (tmp_path / "x.pkl").stat().st_size < 4096
-    back = _transport.load(str(tmp_path), "x", private=False, remove=True)
+    back = transport.load(str(tmp_path), "x", private=False, remove=True)
     assert np.array_equal(back["array"], array) and back["fortran"].flags.f_contiguous
     assert not list(tmp_path.iterdir())
     back["array"][0] = 5.0  # writable, like the original
@@ -133,8 +133,8 @@ def test_numpy_arrays_travel_out_of_band(tmp_path: Path) -> None:
 
 
 def test_mappings_are_released_with_the_last_tensor(tmp_path: Path) -> None:
-    _transport.dump([torch.zeros(1 << 18), np.zeros(1 << 15)], str(tmp_path), "x")
-    back = _transport.load(str(tmp_path), "x", private=False, remove=True)
+    transport.dump([torch.zeros(1 << 18), np.zeros(1 << 15)], str(tmp_path), "x")
+    back = transport.load(str(tmp_path), "x", private=False, remove=True)
 
     def mapped() -> int:
         with open("/proc/self/maps") as maps:
@@ -158,7 +158,7 @@ class _Unloadable:
 def test_an_object_that_fails_to_unpickle_raises_its_own_error(tmp_path: Path) -> None:
     """Adversarial finding: the error came out as "BufferError: cannot close exported pointers exist" (the
     failed unpickling still held a view of the file's mapping when it closed), the real one in __context__."""
-    _transport.dump({"x": _Unloadable(), "t": torch.ones(1 << 16)}, str(tmp_path), "r")
+    transport.dump({"x": _Unloadable(), "t": torch.ones(1 << 16)}, str(tmp_path), "r")
     with pytest.raises(TypeError, match="cannot rebuild this object here"):
-        _transport.load(str(tmp_path), "r", private=False, remove=True)
+        transport.load(str(tmp_path), "r", private=False, remove=True)
     assert list(tmp_path.iterdir()) == []

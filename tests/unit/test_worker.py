@@ -10,25 +10,25 @@ from typing import Any
 
 import pytest
 
-from mplaunch import _worker
-from mplaunch._state import ForkState, register_state, unregister_state
+from mplaunch._state.snapshot import ForkState, register_state, unregister_state
+from mplaunch._worker import entry
 
 
 def _check_children() -> None:
-    assert _worker._children() == []
+    assert entry._children() == []
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         time.sleep(0.3)
         os._exit(7)
-    assert _worker._children() == [pid]
+    assert entry._children() == [pid]
     deadline = time.monotonic() + 10
-    while _worker._running(pid) and time.monotonic() < deadline:
+    while entry._running(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not _worker._running(pid)
-    assert _worker._children() == [pid]  # ended, not reaped: still this process's to reap
+    assert not entry._running(pid)
+    assert entry._children() == [pid]  # ended, not reaped: still this process's to reap
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 7
-    assert _worker._children() == []
+    assert entry._children() == []
 
 
 def test_children_are_found_while_running_and_after_ending_and_stay_reapable() -> None:

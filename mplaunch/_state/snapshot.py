@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mplaunch._pystate import PythonState
+from mplaunch._state.python import PythonState
 
 _HOOKS: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
 

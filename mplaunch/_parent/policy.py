@@ -17,11 +17,11 @@ import ctypes
 import os
 import re
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from mplaunch._config import usable_cpu_count
+from mplaunch._frames import warn_at_user
 
 _OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_soft = 1, omp_pause_hard = 2
 _RUNTIME_PATH = re.compile(r"(/[^ \n]*/lib(?:gomp|omp|iomp5?)(?:[-.][^/ \n]*)?\.so[^/ \n]*)$", re.MULTILINE)
@@ -94,7 +94,7 @@ def worker_threads(nprocs: int, start_method: str) -> int:
         return wanted
     if not _warned:
         _warned = True
-        warn_at_caller(
+        warn_at_user(
             "mplaunch: this process's OpenMP thread pool could not be released before fork (another thread "
             "may be running a parallel torch operation), and GNU OpenMP's pool does not survive fork, so "
             f"forked workers use 1 intra-op thread each instead of {wanted} (else they could hang). Use "
@@ -102,12 +102,3 @@ def worker_threads(nprocs: int, start_method: str) -> int:
             RuntimeWarning,
         )
     return 1
-
-
-def warn_at_caller(message: str, category: type[Warning]) -> None:
-    """``warnings.warn`` attributed to the first frame outside mplaunch (the user's line)."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 2  # stacklevel 1 is this function, 2 its caller
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    warnings.warn(message, category, stacklevel=level)

@@ -1,6 +1,6 @@
 """What runs in a worker process, before and after the user's function.
 
-A worker writes exactly one outcome record (:mod:`mplaunch._protocol`) and then exits; the parent waits on
+A worker writes exactly one outcome record (:mod:`mplaunch._wire.records`) and then exits; the parent waits on
 the process, not on the record. A SIGTERM or SIGINT (the launch stopping it, or someone else) ends the
 function as :class:`Terminated` / :class:`Interrupted`, and whatever the function raises after that is a
 consequence of the signal: the outcome is then :class:`~mplaunch._protocol.Signalled`, never a failure of
@@ -23,13 +23,12 @@ import time
 
 import torch
 
-from mplaunch import _transport
 from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import RemoteError
-from mplaunch._exit import close_files, keep_inherited
-from mplaunch._group import process_group
-from mplaunch._output import take_fds
-from mplaunch._protocol import (
+from mplaunch._output.fds import take_fds
+from mplaunch._state.sharing import unshare
+from mplaunch._wire import transport
+from mplaunch._wire.records import (
     PAYLOAD,
     REMOTE_RANK0,
     Outcome,
@@ -40,7 +39,8 @@ from mplaunch._protocol import (
     WorkerSpec,
     outcome_name,
 )
-from mplaunch._sharing import unshare
+from mplaunch._worker.exit import close_files, keep_inherited
+from mplaunch._worker.process_group import process_group
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
@@ -171,7 +171,7 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
     try:
         _set_threads(spec.num_threads)
         if payload is None:
-            payload = _transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+            payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
@@ -205,10 +205,10 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
     """Write the outcome; a result that cannot be pickled or written is replaced by the error saying so.
     Returns what was written."""
     try:
-        _transport.dump(outcome, spec.directory, outcome_name(rank))
+        transport.dump(outcome, spec.directory, outcome_name(rank))
         return outcome
     except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
-        _transport.remove(spec.directory, outcome_name(rank))
+        transport.remove(spec.directory, outcome_name(rank))
         if not isinstance(outcome, Returned):
             raise
         kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
@@ -223,7 +223,7 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
         )
         failure.__cause__ = error
         replacement = Raised.of(failure)
-        _transport.dump(replacement, spec.directory, outcome_name(rank))
+        transport.dump(replacement, spec.directory, outcome_name(rank))
         return replacement
 
 
@@ -390,6 +390,6 @@ def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome)
     )
     key = f"mplaunch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank0"
     if rank == 0:
-        store.set(key, _transport.to_bytes(outcome))  # type: ignore[arg-type]
+        store.set(key, transport.to_bytes(outcome))  # type: ignore[arg-type]
     else:
-        _transport.dump(_transport.from_bytes(store.get(key)), spec.directory, REMOTE_RANK0)
+        transport.dump(transport.from_bytes(store.get(key)), spec.directory, REMOTE_RANK0)

@@ -36,7 +36,7 @@ import cloudpickle
 import cloudpickle.cloudpickle_fast
 import torch
 
-from mplaunch._importable import WorkerImports
+from mplaunch._wire.importable import WorkerImports
 
 #: Storages and buffers smaller than this many bytes travel inside the pickle instead of in the data file.
 INLINE_BYTES = 64 * 1024

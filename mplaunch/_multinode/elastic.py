@@ -15,11 +15,12 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from mplaunch import _transport
 from mplaunch._config import LaunchConfig
 from mplaunch._env import NodeSetup
 from mplaunch._errors import LaunchTimeoutError
-from mplaunch._protocol import (
+from mplaunch._output.pump import routed, worker_fds
+from mplaunch._wire import transport
+from mplaunch._wire.records import (
     REMOTE_RANK0,
     Outcome,
     Raised,
@@ -30,8 +31,7 @@ from mplaunch._protocol import (
     outcome_rank,
     rank_state,
 )
-from mplaunch._pump import routed, worker_fds
-from mplaunch._worker import elastic_entry
+from mplaunch._worker.entry import elastic_entry
 
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
@@ -100,7 +100,7 @@ def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig) -> 
     rank first, only when no rank raised), else rank 0's (fetched from node 0); else return the values."""
     ranks = sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None)
     outcomes: dict[int, Outcome] = {
-        rank: _transport.load(spec.directory, outcome_name(rank), private=False, remove=True) for rank in ranks
+        rank: transport.load(spec.directory, outcome_name(rank), private=False, remove=True) for rank in ranks
     }
     raised = sorted((o.when, rank) for rank, o in outcomes.items() if isinstance(o, Raised))  # first in time
     others = sorted(set(failed) | {rank for rank, o in outcomes.items() if not isinstance(o, Returned)})
@@ -114,7 +114,7 @@ def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig) -> 
             raise state
     if config.return_all:
         return [_value(outcomes[rank]) for rank in sorted(outcomes)]
-    rank0 = outcomes.get(0) or _transport.load(spec.directory, REMOTE_RANK0, private=False, remove=True)
+    rank0 = outcomes.get(0) or transport.load(spec.directory, REMOTE_RANK0, private=False, remove=True)
     state = rank_state(0, rank0, None, None, stopped=False)
     if isinstance(state, BaseException):
         raise state

@@ -21,17 +21,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mplaunch._errors import RemoteError, RemoteTraceback, WorkerExitedError, WorkerFailedError
-from mplaunch._state import ForkState, GlobalState
+from mplaunch._frames import without_our_frames
+from mplaunch._state.snapshot import ForkState, GlobalState
 
 if TYPE_CHECKING:
-    from mplaunch._output import RankFds
+    from mplaunch._output.fds import RankFds
 
 #: Name of the call in the launch directory.
 PAYLOAD = "payload"
 #: Rank 0's outcome, fetched by a node of a multi-node launch that does not run rank 0.
 REMOTE_RANK0 = "remote-rank0"
 _RANK_PREFIX = "rank"
-_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def outcome_name(rank: int) -> str:
@@ -72,7 +72,7 @@ class WorkerSpec:
         unshare_pipe: ``(read end, write end)`` of the pipe on which the parent, once every forked worker
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
-            ``None`` (see :mod:`mplaunch._output`).
+            ``None`` (see :mod:`mplaunch._output.fds`).
     """
 
     directory: str
@@ -140,9 +140,7 @@ class Raised:
     def of(cls, error: BaseException, when: float | None = None) -> Raised:
         """The record of ``error``, raised in this process at ``when`` (``time.monotonic()``; default now);
         never raises itself."""
-        tb = error.__traceback__
-        while tb is not None and tb.tb_next is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
-            tb = tb.tb_next  # the worker's own frames (mplaunch's) above the user's function tell nothing
+        tb = without_our_frames(error.__traceback__)
         try:
             text = "".join(traceback.format_exception(type(error), error, tb))
         except Exception:  # noqa: BLE001 - a broken __str__ must not hide the error

@@ -17,7 +17,8 @@ import sys
 import warnings
 from typing import Any
 
-from mplaunch._logstate import LoggingState
+from mplaunch._frames import warn_at_user
+from mplaunch._state.logs import LoggingState
 
 _warned: set[str] = set()
 
@@ -80,23 +81,12 @@ def warn_not_carried(state: PythonState) -> None:
     if not new:
         return
     _warned.update(new)
-    warnings.warn(
+    warn_at_user(
         "mplaunch: spawn and forkserver workers do not get these parts of the logging and warnings "
         f"configuration (fork workers inherit them): {'; '.join(new)}. Set them up inside the function, or with "
         "mplaunch.register_state(capture, restore).",
         RuntimeWarning,
-        stacklevel=_caller_level(),
     )
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside the mplaunch package, as seen from ``warnings.warn``
-    called in this module's functions."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(2), 2
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == package:
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return level
 
 
 def _carried_filters() -> tuple[tuple[Any, ...], tuple[str, ...]]:

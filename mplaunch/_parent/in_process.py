@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mplaunch._checks import check_arguments, check_log_dir
 from mplaunch._config import LaunchConfig, resolve_backend
 from mplaunch._env import apply_environment, rank_environment
-from mplaunch._group import process_group
-from mplaunch._store import rendezvous
+from mplaunch._parent.checks import check_arguments, check_log_dir
+from mplaunch._parent.store import rendezvous
+from mplaunch._worker.process_group import process_group
 
 
 def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:

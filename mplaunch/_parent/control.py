@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-from mplaunch._state import GlobalState
+from mplaunch._state.snapshot import GlobalState
 
 
 class LaunchStopped(BaseException):

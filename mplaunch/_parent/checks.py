@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from mplaunch import _transport
 from mplaunch._errors import LaunchRefusedError
-from mplaunch._importable import WorkerImports, rerun_main_file, script_source
+from mplaunch._wire import transport
+from mplaunch._wire.importable import WorkerImports, rerun_main_file, script_source
 
 
 def is_interactive() -> bool:
@@ -38,7 +38,7 @@ def default_start_method() -> str:
 def main_is_importable() -> bool:
     """Whether a ``spawn``/``forkserver`` worker runs the parent's ``__main__`` again (a script file or a
     ``python -m mod`` module); not so for ``python -m pkg`` (``pkg/__main__.py``), a zipapp, ``python -c``,
-    stdin, the REPL or a notebook. See :mod:`mplaunch._importable`."""
+    stdin, the REPL or a notebook. See :mod:`mplaunch._wire.importable`."""
     return rerun_main_file(sys.modules.get("__main__")) is not None
 
 
@@ -184,11 +184,11 @@ def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], imports:
     """Name the first argument that cannot be pickled for workers that can import ``imports``, and why;
     ``"the function"`` if every argument can."""
     for index, value in enumerate(args):
-        error = _transport.pickle_error(value, imports=imports)
+        error = transport.pickle_error(value, imports=imports)
         if error is not None:
             return f"positional argument {index} ({type(value).__qualname__}): {error}"
     for name, value in kwargs.items():
-        error = _transport.pickle_error(value, imports=imports)
+        error = transport.pickle_error(value, imports=imports)
         if error is not None:
             return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
     return "the function or the captured global state"

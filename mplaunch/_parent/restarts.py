@@ -10,16 +10,12 @@ is written once and reused.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
-from mplaunch._control import LaunchControl
 from mplaunch._errors import WorkerFailedError
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+from mplaunch._frames import warn_at_user
+from mplaunch._parent.control import LaunchControl
 
 
 class RestartWarning(RuntimeWarning):
@@ -44,7 +40,7 @@ def run_attempts(attempt: Callable[[int], list[Any]], max_restarts: int, control
                 raise
             earlier.append(error)
             restart += 1
-            warnings.warn(describe_restart(error, restart, max_restarts), RestartWarning, stacklevel=_user_level())
+            warn_at_user(describe_restart(error, restart, max_restarts), RestartWarning)
 
 
 def describe_restart(failure: BaseException, restart: int, max_restarts: int) -> str:
@@ -57,12 +53,3 @@ def describe_restart(failure: BaseException, restart: int, max_restarts: int) ->
         f"mplaunch: attempt {restart} of {max_restarts + 1} failed ({what}); all workers were stopped and start "
         f"again (restart {restart} of max_restarts={max_restarts}, TORCHELASTIC_RESTART_COUNT={restart})."
     )
-
-
-def _user_level() -> int:
-    """The ``stacklevel`` that points a warning issued by the caller at the first frame outside mplaunch."""
-    level, frame = 1, sys._getframe(2)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
-        level += 1
-        frame = frame.f_back  # type: ignore[assignment]
-    return level + 1

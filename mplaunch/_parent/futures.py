@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from mplaunch._control import LaunchControl, LaunchStopped
+from mplaunch._parent.control import LaunchControl, LaunchStopped
 
 T = TypeVar("T")
 

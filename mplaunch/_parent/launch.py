@@ -1,6 +1,6 @@
 """The launch, step by step: resolve the options, check, build the worker spec, write the payload, start the
-workers, wait for them (:mod:`mplaunch._supervisor`), and return their values. Single-node launches start
-their processes here; multi-node launches hand that to torch elastic (:mod:`mplaunch._elastic`)."""
+workers, wait for them (:mod:`mplaunch._parent.supervise`), and return their values. Single-node launches start
+their processes here; multi-node launches hand that to torch elastic (:mod:`mplaunch._multinode.elastic`)."""
 
 from __future__ import annotations
 
@@ -17,25 +17,26 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from mplaunch import _checks, _threads, _transport
 from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs
-from mplaunch._control import LaunchControl
-from mplaunch._directory import launch_directory, space_hint
 from mplaunch._env import NodeSetup, node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
-from mplaunch._importable import WorkerImports, worker_imports
-from mplaunch._inprocess import run_in_process
-from mplaunch._protocol import PAYLOAD, Payload, WorkerSpec, outcome_name
-from mplaunch._pump import Pump, routed, worker_fds
-from mplaunch._pystate import warn_not_carried
-from mplaunch._restarts import run_attempts
-from mplaunch._sharing import shared_mappings, unshare_verdict
-from mplaunch._signals import parent_signals, signals_held
-from mplaunch._spawning import main_prepared, spawn_hash_seed
-from mplaunch._state import ForkState, GlobalState
-from mplaunch._store import Rendezvous, rendezvous
-from mplaunch._supervisor import Supervisor
-from mplaunch._worker import run
+from mplaunch._output.pump import Pump, routed, worker_fds
+from mplaunch._parent import checks, policy
+from mplaunch._parent.control import LaunchControl
+from mplaunch._parent.directory import launch_directory, space_hint
+from mplaunch._parent.in_process import run_in_process
+from mplaunch._parent.processes import main_prepared, spawn_hash_seed
+from mplaunch._parent.restarts import run_attempts
+from mplaunch._parent.signals import parent_signals, signals_held
+from mplaunch._parent.store import Rendezvous, rendezvous
+from mplaunch._parent.supervise import Supervisor
+from mplaunch._state.python import warn_not_carried
+from mplaunch._state.sharing import shared_mappings, unshare_verdict
+from mplaunch._state.snapshot import ForkState, GlobalState
+from mplaunch._wire import transport
+from mplaunch._wire.importable import WorkerImports, worker_imports
+from mplaunch._wire.records import PAYLOAD, Payload, WorkerSpec, outcome_name
+from mplaunch._worker.entry import run
 
 #: Held while a launch starts its workers. multiprocessing makes a worker's sentinel pipe, forks, then closes
 #: the pipe's write end here: a fork from another thread (a concurrent ``submit()``) in between would give
@@ -53,7 +54,7 @@ os.register_at_fork(after_in_child=_new_starting_lock)
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
     """What to send as the function: the decorated object when a worker can import it by name, else the plain
-    function, which travels by value (see :mod:`mplaunch._importable`); under fork (no ``imports``), where
+    function, which travels by value (see :mod:`mplaunch._wire.importable`); under fork (no ``imports``), where
     nothing is pickled, the plain function."""
     if imports is not None and imports.can_import(function):
         return function
@@ -70,7 +71,7 @@ def launch(
 ) -> Any:
     """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s);
     ``control`` (a submitted launch's) can stop it."""
-    _checks.check_not_bootstrapping(_name(function))
+    checks.check_not_bootstrapping(_name(function))
     try:
         outer = outer_launcher()
     except ValueError as error:
@@ -84,14 +85,14 @@ def launch(
 def check_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> bool:
     """Run, in the caller's thread, the checks of a call that depend on where it was made (the main guard
     looks at the caller's current line); return whether the call will start workers (else it runs in-process)."""
-    _checks.check_not_bootstrapping(_name(function))
+    checks.check_not_bootstrapping(_name(function))
     try:
         if outer_launcher() is not None:
             return False
     except ValueError as error:
         raise InvalidOptionError(str(error)) from None
-    _checks.check_arguments(function, args, kwargs)
-    _checks.check_main_guard(config.start_method or _checks.default_start_method(), frame, _name(function))
+    checks.check_arguments(function, args, kwargs)
+    checks.check_main_guard(config.start_method or checks.default_start_method(), frame, _name(function))
     return True
 
 
@@ -108,13 +109,13 @@ def _launch(
     frame: Any,
     control: LaunchControl,
 ) -> Any:
-    _checks.check_arguments(function, args, kwargs)
-    _checks.check_log_dir(config.log_dir)
+    checks.check_arguments(function, args, kwargs)
+    checks.check_log_dir(config.log_dir)
     nprocs = resolve_nprocs(config.nprocs)
     nodes = _nodes(config)
-    start_method = config.start_method or _checks.default_start_method()
-    _checks.check_cuda_fork(start_method)
-    _checks.check_main_guard(start_method, frame, _name(function))
+    start_method = config.start_method or checks.default_start_method()
+    checks.check_cuda_fork(start_method)
+    checks.check_main_guard(start_method, frame, _name(function))
     imports = worker_imports() if start_method != "fork" or nodes is not None else None
     world_size = nprocs * (nodes.nnodes if nodes else 1)
     if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
@@ -139,7 +140,7 @@ def _launch(
             nprocs=nprocs,
             start_method=start_method,
             parent_pid=os.getpid(),
-            num_threads=_threads.worker_threads(nprocs, start_method),
+            num_threads=policy.worker_threads(nprocs, start_method),
             reporting_ranks=frozenset(range(world_size)) if config.return_all else frozenset({0}),
             environ=dict(os.environ) if start_method == "forkserver" and nodes is None else None,
             backend=resolve_backend(config.backend, nprocs),
@@ -155,7 +156,7 @@ def _launch(
         if start_method != "fork" or nodes is not None:
             _write_payload(payload, spec, imports)
         if nodes is not None:
-            from mplaunch._elastic import launch_nodes
+            from mplaunch._multinode.elastic import launch_nodes
 
             results = launch_nodes(spec, nodes, config)
         else:
@@ -179,7 +180,7 @@ def _attempt(
 ) -> list[Any]:
     """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt."""
     for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
-        _transport.remove(spec.directory, outcome_name(rank))
+        transport.remove(spec.directory, outcome_name(rank))
     with rendezvous() as store:
         spec = dataclasses.replace(
             spec,
@@ -197,14 +198,14 @@ def _attempt(
 def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> None:
     """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled."""
     try:
-        _transport.dump(payload, spec.directory, PAYLOAD, imports=imports)
+        transport.dump(payload, spec.directory, PAYLOAD, imports=imports)
     except OSError as error:
         raise LaunchRefusedError(
             f"cannot write the call's arguments to {os.path.dirname(spec.directory)}: {error}. "
             f"{space_hint(spec.directory)}"
         ) from error
     except Exception as error:
-        culprit = _checks.describe_unpicklable(payload.args, payload.kwargs, imports)
+        culprit = checks.describe_unpicklable(payload.args, payload.kwargs, imports)
         raise LaunchRefusedError(
             f"cannot send the call to {spec.start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
             "every argument is pickled; pass picklable values, create the object inside the function, or use "
@@ -223,16 +224,16 @@ def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
     """Modules the fork server imports once, when it starts, so that its workers do not: torch, NumPy's
     random module when this process uses NumPy (restoring its state imports it), mplaunch's worker side, and
     the function's module if the server can import it by name from the same file (the rule of
-    :mod:`mplaunch._importable`: a module loaded from a file path, or ``pkg.__main__``, is never imported
+    :mod:`mplaunch._wire.importable`: a module loaded from a file path, or ``pkg.__main__``, is never imported
     there). Only the first forkserver launch of a process starts the server, so later functions from other
     modules are imported by each worker."""
-    modules = ["__main__", "torch", "mplaunch._worker"]
+    modules = ["__main__", "torch", "mplaunch._worker.entry"]
     if "numpy" in sys.modules:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it
     module = getattr(function, "__module__", None)
     if imports is not None and module and module != "__main__" and imports.module_importable(module):
         modules.append(module)
-    modules.append("mplaunch._forkserver_freeze")  # last: what the server imported is then left to it
+    modules.append("mplaunch._worker.forkserver_freeze")  # last: what the server imported is then left to it
     return modules
 
 

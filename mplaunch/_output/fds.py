@@ -1,6 +1,6 @@
 """Per-rank output in a worker: put the descriptors the parent chose in place of fd 1 and fd 2.
 
-The parent (:mod:`mplaunch._pump`) hands every worker a table of descriptors, one pair per local rank: the
+The parent (:mod:`mplaunch._output.pump`) hands every worker a table of descriptors, one pair per local rank: the
 write ends of pipes it drains (for ``prefix_output``, ``console_ranks``, ``log_dir``, or a parent whose
 ``sys.stdout`` is not fd 1, e.g. a Jupyter kernel), or the caller's own fd 1 and fd 2 (forkserver workers,
 which would otherwise write to the fork server's). Because the worker's descriptors themselves change,

@@ -14,12 +14,21 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from mplaunch import _transport
-from mplaunch._control import LaunchControl, LaunchStopped
 from mplaunch._errors import LaunchTimeoutError, RemoteError
-from mplaunch._protocol import Outcome, Raised, RankState, Returned, WorkerSpec, outcome_name, rank_state, set_attribute
-from mplaunch._signals import signals_held
-from mplaunch._store import Rendezvous
+from mplaunch._parent.control import LaunchControl, LaunchStopped
+from mplaunch._parent.signals import signals_held
+from mplaunch._parent.store import Rendezvous
+from mplaunch._wire import transport
+from mplaunch._wire.records import (
+    Outcome,
+    Raised,
+    RankState,
+    Returned,
+    WorkerSpec,
+    outcome_name,
+    rank_state,
+    set_attribute,
+)
 
 
 class Supervisor:
@@ -111,7 +120,7 @@ class Supervisor:
         with signals_held():  # a Ctrl-C there would lose the exit code of the worker it reaps
             process.join()
         try:
-            outcome: Outcome | None = _transport.load(
+            outcome: Outcome | None = transport.load(
                 self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True
             )
         except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import

@@ -1,11 +1,11 @@
 r"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread.
 
-Each worker's fd 1 and fd 2 are the write ends of two pipes (see :mod:`mplaunch._output`). A thread of the
+Each worker's fd 1 and fd 2 are the write ends of two pipes (see :mod:`mplaunch._output.fds`). A thread of the
 parent reads them all and writes whole lines, with the ``[rank N] `` prefix, to the parent's ``sys.stdout``
 and ``sys.stderr`` (the objects current when the launch began, so a Jupyter cell shows them) for the ranks of
 ``console_ranks``, and every rank's two streams to ``log_dir/rank{N}.log``.
 
-Lines are never mixed (see :mod:`mplaunch._lines`): another rank's text waits until an open line ends, at
+Lines are never mixed (see :mod:`mplaunch._output.lines`): another rank's text waits until an open line ends, at
 most :data:`HOLD` seconds, before that line is cut. A partial line (a ``\\r`` progress bar) is written as soon
 as it arrives when no other rank's line is open.
 """
@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from mplaunch._errors import LaunchRefusedError
-from mplaunch._lines import Sink, consoles, flush
-from mplaunch._output import RANK_MARK, InheritedFd, RankFds
+from mplaunch._output.fds import RANK_MARK, InheritedFd, RankFds
+from mplaunch._output.lines import Sink, consoles, flush
 
 if TYPE_CHECKING:
-    from mplaunch._protocol import WorkerSpec
+    from mplaunch._wire.records import WorkerSpec
 
 #: Seconds a rank's text waits for another rank's open line to end before that line is cut.
 HOLD = 0.1

@@ -1,0 +1,39 @@
+"""The first frame outside mplaunch: where a warning points (the user's line) and where a worker's traceback
+starts (the user's function).
+
+A frame is mplaunch's when the module that runs it is ``mplaunch`` or one of its submodules, as its globals'
+``__name__`` says. Module names do not change when files move, and a user's file that happens to sit next
+to mplaunch's is not mistaken for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from types import FrameType, TracebackType
+
+PACKAGE = __name__.partition(".")[0]
+
+
+def is_ours(frame: FrameType) -> bool:
+    """Whether ``frame`` runs code of a module of this package."""
+    name = frame.f_globals.get("__name__")
+    return isinstance(name, str) and (name == PACKAGE or name.startswith(PACKAGE + "."))
+
+
+def warn_at_user(message: str, category: type[Warning]) -> None:
+    """``warnings.warn(message, category)`` attributed to the first frame outside mplaunch that called this."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # as seen by warnings.warn: 1 is this function, 2 its caller
+    while frame is not None and is_ours(frame):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def without_our_frames(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` from its first entry outside mplaunch on (the entries above it, mplaunch's own frames that
+    called the user's code, tell the user nothing); the last entry is kept even when it is ours, so an error
+    raised by mplaunch itself keeps the line that raised it."""
+    while tb is not None and tb.tb_next is not None and is_ours(tb.tb_frame):
+        tb = tb.tb_next
+    return tb

@@ -1,0 +1,1 @@
+"""Launches over several nodes (``nnodes > 1``), through ``torch.distributed.elastic``."""
