@@ -7,9 +7,10 @@ Example:
 """
 
 from mplaunch._api import ParallelFunction, parallel
-from mplaunch._config import LaunchConfig, StartMethod
-from mplaunch._env import WorkerInfo, outer_launcher, worker_info
+from mplaunch._config import LaunchOptions, ParallelConfig, StartMethod
+from mplaunch._env import RankInfo, outer_launcher, worker_info
 from mplaunch._errors import (
+    FailureInfo,
     InvalidOptionError,
     LaunchRefusedError,
     LaunchTimeoutError,
@@ -18,34 +19,37 @@ from mplaunch._errors import (
     RemoteTraceback,
     WorkerExitedError,
     WorkerFailedError,
+    failure_info,
 )
 from mplaunch._parent.checks import record_cuda_init
 from mplaunch._parent.restarts import RestartWarning
-from mplaunch._state.sharing import to_cpu, unshare
+from mplaunch._state.sharing import unshare
 from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
 
 __all__ = [
+    "FailureInfo",
     "GlobalState",
     "InvalidOptionError",
-    "LaunchConfig",
+    "LaunchOptions",
     "LaunchRefusedError",
     "LaunchTimeoutError",
     "MplaunchError",
+    "ParallelConfig",
     "ParallelFunction",
+    "RankInfo",
     "RemoteError",
     "RemoteTraceback",
     "RestartWarning",
     "StartMethod",
     "WorkerExitedError",
     "WorkerFailedError",
-    "WorkerInfo",
+    "failure_info",
     "outer_launcher",
     "parallel",
     "record_cuda_init",
     "register_state",
-    "to_cpu",
     "unregister_state",
     "unshare",
     "worker_info",
 ]
-__version__ = "0.1.0"
+__version__ = "0.3.0"

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
-import os
 import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from typing_extensions import ParamSpec
+from typing_extensions import ParamSpec, Unpack
 
-from mplaunch._config import LaunchConfig, StartMethod, make_config
+from mplaunch._config import LaunchOptions, ParallelConfig, make_config, replace_options
 from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
+from mplaunch._frames import resolve
 from mplaunch._parent import futures, in_process, launch
 from mplaunch._parent.control import LaunchControl
 from mplaunch._state.snapshot import GlobalState
@@ -38,14 +37,14 @@ class ParallelFunction(Generic[P, T]):
     future; :meth:`options` returns a copy with some options replaced.
 
     Attributes:
-        config: the validated launch options (:class:`~mplaunch.LaunchConfig`).
+        config: the validated launch options (:class:`~mplaunch.ParallelConfig`).
     """
 
     __wrapped__: Callable[P, Any]
     __name__: str
     __qualname__: str
 
-    def __init__(self, function: Callable[P, Any], config: LaunchConfig) -> None:
+    def __init__(self, function: Callable[P, Any], config: ParallelConfig) -> None:
         functools.update_wrapper(self, function)
         self.config = config
 
@@ -149,23 +148,7 @@ class ParallelFunction(Generic[P, T]):
 
         return futures.submit(run, control, getattr(self, "__qualname__", "launch"))
 
-    def options(
-        self,
-        *,
-        nprocs: int | Literal["auto"] | _Unset = ...,
-        start_method: StartMethod | None | _Unset = ...,
-        timeout: float | None | _Unset = ...,
-        grace_period: float | _Unset = ...,
-        backend: str | None | _Unset = ...,
-        prefix_output: bool | _Unset = ...,
-        console_ranks: Iterable[int] | None | _Unset = ...,
-        log_dir: str | os.PathLike[str] | None | _Unset = ...,
-        nnodes: int | None | _Unset = ...,
-        node_rank: int | None | _Unset = ...,
-        rdzv_endpoint: str | None | _Unset = ...,
-        max_restarts: int | _Unset = ...,
-        rdzv_timeout: float | _Unset = ...,
-    ) -> ParallelFunction[P, T]:
+    def options(self, **overrides: Unpack[LaunchOptions]) -> ParallelFunction[P, T]:
         """Return this function with some options replaced; this one is left unchanged (as Ray's
         ``.options()`` and tenacity's ``retry_with``).
 
@@ -180,16 +163,11 @@ class ParallelFunction(Generic[P, T]):
             InvalidOptionError: an option is invalid; the same checks and messages as :func:`parallel`.
             TypeError: an unknown option name.
         """
-        given = {name: value for name, value in locals().items() if name != "self" and value is not ...}
-        return ParallelFunction(self.__wrapped__, dataclasses.replace(self.config, **given))
+        return ParallelFunction(self.__wrapped__, replace_options(self.config, overrides))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        module = sys.modules.get(getattr(self, "__module__", ""))
-        holder: Any = module
-        for part in getattr(self, "__qualname__", "<unnamed>").split("."):
-            holder = getattr(holder, part, None)
-        if holder is self:
-            return str(self.__qualname__)
+        if resolve(getattr(self, "__module__", ""), getattr(self, "__qualname__", "")) is self:
+            return str(self.__qualname__)  # by reference, as pickle does for a function
         return (ParallelFunction, (self.__wrapped__, self.config))
 
     def __repr__(self) -> str:
@@ -203,49 +181,17 @@ def parallel(function: Callable[P, R], /) -> ParallelFunction[P, R]: ...
 
 @overload
 def parallel(
-    function: None = None,
-    /,
-    *,
-    nprocs: int | Literal["auto"] = ...,
-    start_method: StartMethod | None = ...,
-    return_all: Literal[False] = ...,
-    timeout: float | None = ...,
-    grace_period: float = ...,
-    backend: str | None = ...,
-    prefix_output: bool = ...,
-    console_ranks: Iterable[int] | None = ...,
-    log_dir: str | os.PathLike[str] | None = ...,
-    nnodes: int | None = ...,
-    node_rank: int | None = ...,
-    rdzv_endpoint: str | None = ...,
-    max_restarts: int = ...,
-    rdzv_timeout: float = ...,
+    function: None = None, /, *, return_all: Literal[False] = ..., **options: Unpack[LaunchOptions]
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, R]]: ...
 
 
 @overload
 def parallel(
-    function: None = None,
-    /,
-    *,
-    nprocs: int | Literal["auto"] = ...,
-    start_method: StartMethod | None = ...,
-    return_all: Literal[True],
-    timeout: float | None = ...,
-    grace_period: float = ...,
-    backend: str | None = ...,
-    prefix_output: bool = ...,
-    console_ranks: Iterable[int] | None = ...,
-    log_dir: str | os.PathLike[str] | None = ...,
-    nnodes: int | None = ...,
-    node_rank: int | None = ...,
-    rdzv_endpoint: str | None = ...,
-    max_restarts: int = ...,
-    rdzv_timeout: float = ...,
+    function: None = None, /, *, return_all: Literal[True], **options: Unpack[LaunchOptions]
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, list[R]]]: ...
 
 
-def parallel(function: Callable[..., Any] | None = None, /, **options: Any) -> Any:
+def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool = False, **options: Any) -> Any:
     """Make ``function`` run on ``nprocs`` worker processes of this machine each time it is called.
 
     Usable bare (``@parallel``) or with options (``@parallel(nprocs=2)``). Options are checked here, when
@@ -260,7 +206,7 @@ def parallel(function: Callable[..., Any] | None = None, /, **options: Any) -> A
     Args:
         function: the function to decorate; given only in the bare form.
         **options: the launch options below, by keyword; each option's default is
-            :class:`~mplaunch.LaunchConfig`'s.
+            :class:`~mplaunch.ParallelConfig`'s.
         nprocs: worker processes per call, an int >= 1, or ``"auto"`` (the default): the number of visible
             CUDA devices when CUDA is available, else the number of usable CPU cores.
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names), or ``None``
@@ -319,7 +265,7 @@ def parallel(function: Callable[..., Any] | None = None, /, **options: Any) -> A
     The decorator form follows tenacity's ``retry`` and attrs' ``define``; the launcher follows
     ``torch.multiprocessing.start_processes`` and torchrun's environment contract.
     """
-    config = make_config(**options)  # the options and their defaults are LaunchConfig's fields
+    config = make_config(return_all=return_all, **options)  # the options and their defaults are ParallelConfig's
     if function is not None:
         return _wrap(function, config)
 
@@ -336,7 +282,7 @@ def _ours(error: BaseException) -> bool:
     return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
 
 
-def _wrap(function: Any, config: LaunchConfig) -> ParallelFunction[Any, Any]:
+def _wrap(function: Any, config: ParallelConfig) -> ParallelFunction[Any, Any]:
     """Check what is being decorated, then decorate it."""
     if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
         raise InvalidOptionError(

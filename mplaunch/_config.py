@@ -6,20 +6,40 @@ import dataclasses
 import math
 import multiprocessing
 import os
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypedDict
 
 from mplaunch._errors import InvalidOptionError
-from mplaunch._platform.cgroup import cpu_limit
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 StartMethod.__doc__ = """The start methods mplaunch accepts (``multiprocessing``'s names), for annotations:
 ``def run(start_method: mplaunch.StartMethod) -> None``."""
 
 
+class LaunchOptions(TypedDict, total=False):
+    """The keyword options of :func:`~mplaunch.parallel` and ``ParallelFunction.options`` (all optional), for
+    annotating ``**options`` with ``typing.Unpack`` (PEP 692). Their meaning and defaults are
+    :class:`ParallelConfig`'s fields; ``return_all`` is not among them: it changes the return type, so it is
+    a parameter of its own (``parallel(return_all=True)``)."""
+
+    nprocs: int | Literal["auto"]
+    start_method: StartMethod | None
+    timeout: float | None
+    grace_period: float
+    backend: str | None
+    prefix_output: bool
+    console_ranks: Iterable[int] | None
+    log_dir: str | os.PathLike[str] | None
+    nnodes: int | None
+    node_rank: int | None
+    rdzv_endpoint: str | None
+    max_restarts: int
+    rdzv_timeout: float
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class LaunchConfig:
-    """The launch options of one decorated function, validated when made: a ``LaunchConfig`` cannot exist with
+class ParallelConfig:
+    """The launch options of one decorated function, validated when made: a ``ParallelConfig`` cannot exist with
     an invalid value. :func:`~mplaunch.parallel` makes one from its keyword options, and
     ``ParallelFunction.options`` with :func:`dataclasses.replace`; every field's default is the option's.
 
@@ -99,21 +119,36 @@ class LaunchConfig:
             object.__setattr__(self, name, value)
 
 
-#: The option names, in the order of :class:`LaunchConfig`'s fields (one list for the decorator and options()).
-OPTIONS = tuple(field.name for field in dataclasses.fields(LaunchConfig))
+#: The option names, in the order of :class:`ParallelConfig`'s fields (one list for the decorator and options()).
+OPTIONS = tuple(field.name for field in dataclasses.fields(ParallelConfig))
 
 
-def make_config(**options: Any) -> LaunchConfig:
-    """Return the :class:`LaunchConfig` of these keyword options (defaults for the others).
+def make_config(**options: Any) -> ParallelConfig:
+    """Return the :class:`ParallelConfig` of these keyword options (defaults for the others).
 
     Raises:
         InvalidOptionError: an option has a wrong type or value.
         TypeError: an option name that does not exist; the message lists the valid ones.
     """
-    unknown = sorted(set(options) - set(OPTIONS))
+    _check_names(options, OPTIONS)
+    return ParallelConfig(**options)
+
+
+def replace_options(config: ParallelConfig, overrides: Mapping[str, Any]) -> ParallelConfig:
+    """``config`` with the options in ``overrides`` replaced (every option but ``return_all``).
+
+    Raises:
+        InvalidOptionError: an option has a wrong type or value.
+        TypeError: an option name that does not exist, or ``return_all``; the message lists the valid ones.
+    """
+    _check_names(overrides, tuple(LaunchOptions.__annotations__))
+    return dataclasses.replace(config, **overrides)
+
+
+def _check_names(options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}: the options are {', '.join(OPTIONS)}.")
-    return LaunchConfig(**options)
+        raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}: the options are {', '.join(allowed)}.")
 
 
 def _check_nprocs(nprocs: object) -> None:
@@ -175,39 +210,3 @@ def _check_backend(backend: str | None) -> None:
             f"backend={backend!r} is not valid: use one of {', '.join(repr(b) for b in known)}, 'auto' (nccl when "
             "there is a CUDA device per worker, else gloo), or None to initialise process groups yourself."
         )
-
-
-def resolve_backend(backend: str | None, nprocs: int) -> str | None:
-    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available with at least ``nprocs`` devices, else
-    ``"gloo"``; other values are returned as they are. Does not initialise CUDA."""
-    if backend != "auto":
-        return backend
-    import torch
-
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
-
-
-def usable_cpu_count() -> int:
-    """Return the number of CPUs this process may use, at least 1: the smaller of its affinity mask and its
-    cgroup CPU quota (Docker ``--cpus``, Kubernetes limits; v1 and v2), the quota rounded up."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    quota = cpu_limit()
-    if quota is not None:
-        cores = min(cores, math.ceil(quota))
-    return max(1, cores)
-
-
-def resolve_nprocs(nprocs: int | str) -> int:
-    """Turn ``nprocs`` into a number: ``"auto"`` is the number of visible CUDA devices when CUDA is
-    available, otherwise the number of usable CPU cores (affinity mask and cgroup quota). Probing CUDA this
-    way does not initialise it."""
-    if isinstance(nprocs, int):
-        return nprocs
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return usable_cpu_count()

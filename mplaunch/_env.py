@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from mplaunch._errors import InvalidOptionError
+
 #: Variables that describe a rank's place in a job. The parent's values never reach a worker: mplaunch
 #: sets each of them per rank. ``MASTER_ADDR``/``MASTER_PORT`` are kept when the user set them.
 RANK_VARIABLES = (
@@ -97,7 +99,7 @@ def apply_environment(environ: os._Environ[str], env: Mapping[str, str]) -> None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class WorkerInfo:
+class RankInfo:
     """Where the calling process stands in the job, read from torchrun's environment variables.
 
     Attributes:
@@ -118,8 +120,8 @@ class WorkerInfo:
     restart_count: int = 0
 
 
-def worker_info(environ: Mapping[str, str] | None = None) -> WorkerInfo:
-    """Return the calling process's :class:`WorkerInfo`, read from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+def worker_info(environ: Mapping[str, str] | None = None) -> RankInfo:
+    """Return the calling process's :class:`RankInfo`, read from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
     ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (falling back to ``NODE_RANK``) and ``TORCHELASTIC_RESTART_COUNT``.
 
     Works in an mplaunch worker, under torchrun, and in a plain process, which is rank 0 of a world of 1.
@@ -147,7 +149,7 @@ def worker_info(environ: Mapping[str, str] | None = None) -> WorkerInfo:
             raise ValueError(f"environment variable {name}={value!r} is not a whole number") from None
 
     world_size = read("WORLD_SIZE", 1)
-    return WorkerInfo(
+    return RankInfo(
         rank=read("RANK", 0),
         local_rank=read("LOCAL_RANK", 0),
         world_size=world_size,
@@ -174,7 +176,7 @@ def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     "Already launched?"). ``MPLAUNCH_IN_PROCESS=1`` forces ``"forced"``, ``=0`` forces ``None``.
 
     Raises:
-        ValueError: ``MPLAUNCH_IN_PROCESS`` is set to something other than ``0`` or ``1``.
+        InvalidOptionError: ``MPLAUNCH_IN_PROCESS`` is set to something other than ``0`` or ``1``.
 
     Args:
         environ: the variables to read; ``None`` reads ``os.environ``.
@@ -183,7 +185,9 @@ def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
     forced = env.get("MPLAUNCH_IN_PROCESS")
     if forced:
         if forced not in ("0", "1"):
-            raise ValueError(f"MPLAUNCH_IN_PROCESS={forced!r} is not valid: set it to 1 (run in-process), 0 (launch).")
+            raise InvalidOptionError(
+                f"MPLAUNCH_IN_PROCESS={forced!r} is not valid: set it to 1 (run in-process), 0 (launch)."
+            )
         return "forced" if forced == "1" else None
     if env.get(WORKER_VARIABLE) == "1":
         return "mplaunch"
@@ -230,7 +234,7 @@ def node_setup(
     (port 29400) and ``SLURM_JOB_ID``. Returns ``None`` for a single node.
 
     Raises:
-        ValueError: more than one node but no rendezvous endpoint, or a variable that is not a number.
+        InvalidOptionError: more than one node but no rendezvous endpoint, or a variable that is not a number.
     """
     env = os.environ if environ is None else environ
     slurm_per_node = (
@@ -246,13 +250,13 @@ def node_setup(
         return value
 
     count = pick(nnodes, "MPLAUNCH_NNODES", "SLURM_STEP_NUM_NODES")
-    count = int(count) if count is not None else 1
+    count = _whole("nnodes (MPLAUNCH_NNODES)", count) if count is not None else 1
     if count <= 1:
         return None
     rank = pick(node_rank, "MPLAUNCH_NODE_RANK", "SLURM_NODEID")
     endpoint = pick(rdzv_endpoint, "MPLAUNCH_RDZV_ENDPOINT", "SLURM_LAUNCH_NODE_IPADDR")
     if endpoint is None:
-        raise ValueError(
+        raise InvalidOptionError(
             f"nnodes={count} needs a rendezvous endpoint that every node can reach: pass rdzv_endpoint='host:port' "
             "or set MPLAUNCH_RDZV_ENDPOINT."
         )
@@ -261,4 +265,12 @@ def node_setup(
     run_id = env.get("MPLAUNCH_RUN_ID") or (
         f"{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}" if slurm_per_node else "mplaunch"
     )
-    return NodeSetup(count, None if rank is None else int(rank), endpoint, run_id)
+    return NodeSetup(count, None if rank is None else _whole("node_rank (MPLAUNCH_NODE_RANK)", rank), endpoint, run_id)
+
+
+def _whole(name: str, value: Any) -> int:
+    """``value`` (an option or a variable's text) as an int, or an :class:`InvalidOptionError` naming it."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number.") from None

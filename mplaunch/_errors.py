@@ -20,9 +20,11 @@ The design of shipping a worker's exception back as its own type with the remote
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 __all__ = [
+    "FailureInfo",
     "InvalidOptionError",
     "LaunchRefusedError",
     "LaunchTimeoutError",
@@ -31,6 +33,7 @@ __all__ = [
     "RemoteTraceback",
     "WorkerExitedError",
     "WorkerFailedError",
+    "failure_info",
 ]
 
 
@@ -142,3 +145,54 @@ def signal_name(exitcode: int | None) -> str | None:
         return signal.Signals(-exitcode).name
     except ValueError:
         return f"signal {-exitcode}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureInfo:
+    """Where a failure re-raised by a launch came from, read with :func:`failure_info`.
+
+    Attributes:
+        rank: the global rank whose failure it is.
+        pid: that worker's process id, or ``None`` if it never started.
+        failures: the other ranks' own failures in the same attempt, by rank (never a rank the launch
+            stopped).
+        earlier_attempts: the failures that ended earlier attempts (``max_restarts``), oldest first.
+    """
+
+    rank: int
+    pid: int | None
+    failures: tuple[BaseException, ...] = ()
+    earlier_attempts: tuple[BaseException, ...] = ()
+
+
+def failure_info(error: BaseException) -> FailureInfo | None:
+    """Return where ``error`` came from if a launch raised it for a worker, else ``None``.
+
+    A worker's exception is re-raised in the parent as its own type (``except ValueError:`` works) with
+    ``rank``, ``pid``, ``failures`` and ``earlier_attempts`` set on it; type checkers cannot know those
+    attributes on a ``ValueError``. This reads them, typed.
+
+    Args:
+        error: any exception, e.g. the one caught around a call of a parallel function.
+
+    Returns:
+        A :class:`FailureInfo`, or ``None`` when ``error`` carries no rank (it did not come from a worker:
+        a refused launch, a timeout, an exception of the parent's own).
+
+    Example:
+        >>> try:  # doctest: +SKIP
+        ...     train(0.1)
+        ... except ValueError as error:
+        ...     info = failure_info(error)
+        ...     print(info.rank if info else "raised here")
+    """
+    rank = getattr(error, "rank", None)
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return None
+    pid = getattr(error, "pid", None)
+    return FailureInfo(
+        rank=rank,
+        pid=pid if isinstance(pid, int) else None,
+        failures=tuple(getattr(error, "failures", ())),
+        earlier_attempts=tuple(getattr(error, "earlier_attempts", ())),
+    )

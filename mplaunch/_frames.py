@@ -1,5 +1,5 @@
 """The first frame outside mplaunch: where a warning points (the user's line) and where a worker's traceback
-starts (the user's function).
+starts (the user's function); and finding an object by module and qualified name.
 
 A frame is mplaunch's when the module that runs it is ``mplaunch`` or one of its submodules, as its globals'
 ``__name__`` says. Module names do not change when files move, and a user's file that happens to sit next
@@ -8,9 +8,11 @@ to mplaunch's is not mistaken for it.
 
 from __future__ import annotations
 
+import pkgutil
 import sys
 import warnings
 from types import FrameType, TracebackType
+from typing import Any
 
 PACKAGE = __name__.partition(".")[0]
 
@@ -37,3 +39,14 @@ def without_our_frames(tb: TracebackType | None) -> TracebackType | None:
     while tb is not None and tb.tb_next is not None and is_ours(tb.tb_frame):
         tb = tb.tb_next
     return tb
+
+
+def resolve(module: str, qualname: str) -> Any:
+    """The object that ``module``'s ``qualname`` names (``pkgutil.resolve_name``), or ``None``; only a module
+    that is already imported is looked in (nothing is imported to decide)."""
+    if module not in sys.modules or not qualname:
+        return None
+    try:
+        return pkgutil.resolve_name(f"{module}:{qualname}")
+    except (AttributeError, ImportError, ValueError):
+        return None

@@ -15,10 +15,11 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-from mplaunch._config import LaunchConfig
+from mplaunch._config import ParallelConfig
 from mplaunch._env import NodeSetup
 from mplaunch._errors import LaunchTimeoutError
 from mplaunch._output.pump import routed, worker_fds
+from mplaunch._platform.environ import environ_kept
 from mplaunch._wire import transport
 from mplaunch._wire.records import (
     REMOTE_RANK0,
@@ -40,19 +41,16 @@ _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 def _caller_state_kept() -> Iterator[None]:
     """Put back the signal handlers and environment variables that elastic changes."""
     handlers = {signum: signal.getsignal(signum) for signum in _HANDLED}
-    environ = dict(os.environ)
     try:
-        yield
+        with environ_kept():
+            yield
     finally:
         for signum, handler in handlers.items():
             if handler is not None:
                 signal.signal(signum, handler)
-        if dict(os.environ) != environ:
-            os.environ.clear()
-            os.environ.update(environ)
 
 
-def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig) -> list[Any]:
+def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> list[Any]:
     """Run this node's share of a multi-node launch; return the values of rank 0 (``return_all=False``) or of
     this node's ranks, in rank order."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
@@ -95,7 +93,7 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: LaunchConfig) -> li
     return _collect(spec, failed, config)
 
 
-def _collect(spec: WorkerSpec, failed: dict[int, Any], config: LaunchConfig) -> list[Any]:
+def _collect(spec: WorkerSpec, failed: dict[int, Any], config: ParallelConfig) -> list[Any]:
     """Raise this node's first real failure (the first raised in time; a rank ended by elastic's own stop, lowest
     rank first, only when no rank raised), else rank 0's (fetched from node 0); else return the values."""
     ranks = sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None)

@@ -15,24 +15,9 @@ from typing import Any
 import torch
 
 from mplaunch._errors import LaunchRefusedError
+from mplaunch._parent import policy
 from mplaunch._wire import transport
 from mplaunch._wire.importable import WorkerImports, rerun_main_file, script_source
-
-
-def is_interactive() -> bool:
-    """Whether this is an interactive session: the REPL, ``python -i``, or an IPython/Jupyter shell."""
-    if hasattr(sys, "ps1") or sys.flags.interactive:
-        return True
-    ipython = sys.modules.get("IPython")
-    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
-
-
-def default_start_method() -> str:
-    """The start method used when none is given: ``fork`` in an interactive session where ``fork`` exists and
-    CUDA is not initialised, ``spawn`` otherwise (spawn works there too: see :func:`main_is_importable`)."""
-    if is_interactive() and "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
-        return "fork"
-    return "spawn"
 
 
 def main_is_importable() -> bool:
@@ -102,7 +87,7 @@ def check_cuda_fork(start_method: str) -> None:
         "start_method='spawn' or 'forkserver', or do not touch CUDA (tensors or models on the GPU, "
         "torch.cuda.* calls other than is_available()/device_count()) before launching."
     )
-    if is_interactive():
+    if policy.is_interactive():
         message += (
             " In a notebook, restart the kernel and launch before any CUDA use, or use start_method='spawn', "
             "which works with functions defined in cells."

@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mplaunch._config import LaunchConfig, resolve_backend
+from mplaunch._config import ParallelConfig
 from mplaunch._env import apply_environment, rank_environment
 from mplaunch._parent.checks import check_arguments, check_log_dir
+from mplaunch._parent.policy import resolve_backend
 from mplaunch._parent.store import rendezvous
+from mplaunch._platform.environ import environ_kept
 from mplaunch._worker.process_group import process_group
 
 
-def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:
+def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
     """Already one rank of an outer launcher's job (torchrun, SLURM, MPI, or an mplaunch worker calling a
     parallel function): run the function here, as that rank, and return its value (a one-element list with
     ``return_all``); nothing is launched. With ``backend=``, an existing process group is reused."""
@@ -23,19 +25,13 @@ def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return [value] if config.return_all else value
 
 
-def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig) -> Any:
+def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
     """Run ``function`` (a ``ParallelFunction``) in this process as rank 0 of a world of 1, set up as a worker
     is: torchrun's environment (put back as it was afterwards), a store hosted here for ``MASTER_PORT``, and
     the process group when ``backend=`` is set. For debuggers and profilers."""
     check_arguments(function, args, kwargs)
     check_log_dir(config.log_dir)
-    saved = dict(os.environ)
-    with rendezvous(lazy=False) as store:  # the function runs in this thread: nobody else could serve it
-        try:
-            environment = rank_environment(0, 1, store.addr, store.port, agent_store=store.agent_store)
-            apply_environment(os.environ, environment)
-            return run_in_process(function, args, kwargs, config)
-        finally:
-            if dict(os.environ) != saved:
-                os.environ.clear()
-                os.environ.update(saved)
+    # the function runs in this thread: nobody else could serve the store, so it starts at once
+    with rendezvous(lazy=False) as store, environ_kept():
+        apply_environment(os.environ, rank_environment(0, 1, store.addr, store.port, agent_store=store.agent_store))
+        return run_in_process(function, args, kwargs, config)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from mplaunch._config import LaunchConfig, resolve_backend, resolve_nprocs
-from mplaunch._env import NodeSetup, node_setup, outer_launcher
+from mplaunch._config import ParallelConfig
+from mplaunch._env import node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import checks, policy
@@ -65,34 +65,29 @@ def launch(
     function: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    config: LaunchConfig,
+    config: ParallelConfig,
     frame: Any,
     control: LaunchControl | None = None,
 ) -> Any:
     """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s);
     ``control`` (a submitted launch's) can stop it."""
     checks.check_not_bootstrapping(_name(function))
-    try:
-        outer = outer_launcher()
-    except ValueError as error:
-        raise InvalidOptionError(str(error)) from None
-    if outer is not None:
+    if outer_launcher() is not None:
         return run_in_process(function, args, kwargs, config)
     with parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
         return _launch(function, args, kwargs, config, frame, control or LaunchControl())
 
 
-def check_call(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: LaunchConfig, frame: Any) -> bool:
+def check_call(
+    function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig, frame: Any
+) -> bool:
     """Run, in the caller's thread, the checks of a call that depend on where it was made (the main guard
     looks at the caller's current line); return whether the call will start workers (else it runs in-process)."""
     checks.check_not_bootstrapping(_name(function))
-    try:
-        if outer_launcher() is not None:
-            return False
-    except ValueError as error:
-        raise InvalidOptionError(str(error)) from None
+    if outer_launcher() is not None:
+        return False
     checks.check_arguments(function, args, kwargs)
-    checks.check_main_guard(config.start_method or checks.default_start_method(), frame, _name(function))
+    checks.check_main_guard(config.start_method or policy.default_start_method(), frame, _name(function))
     return True
 
 
@@ -105,15 +100,15 @@ def _launch(
     function: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    config: LaunchConfig,
+    config: ParallelConfig,
     frame: Any,
     control: LaunchControl,
 ) -> Any:
     checks.check_arguments(function, args, kwargs)
     checks.check_log_dir(config.log_dir)
-    nprocs = resolve_nprocs(config.nprocs)
-    nodes = _nodes(config)
-    start_method = config.start_method or checks.default_start_method()
+    nprocs = policy.resolve_nprocs(config.nprocs)
+    nodes = node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
+    start_method = config.start_method or policy.default_start_method()
     checks.check_cuda_fork(start_method)
     checks.check_main_guard(start_method, frame, _name(function))
     imports = worker_imports() if start_method != "fork" or nodes is not None else None
@@ -143,7 +138,7 @@ def _launch(
             num_threads=policy.worker_threads(nprocs, start_method),
             reporting_ranks=frozenset(range(world_size)) if config.return_all else frozenset({0}),
             environ=dict(os.environ) if start_method == "forkserver" and nodes is None else None,
-            backend=resolve_backend(config.backend, nprocs),
+            backend=policy.resolve_backend(config.backend, nprocs),
             prefix_output=config.prefix_output,
             console_ranks=config.console_ranks,
             log_dir=config.log_dir,
@@ -173,7 +168,7 @@ def _launch(
 def _attempt(
     spec: WorkerSpec,
     payload: Payload | None,
-    config: LaunchConfig,
+    config: ParallelConfig,
     preload: list[str],
     control: LaunchControl,
     restart: int,
@@ -213,13 +208,6 @@ def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | 
         ) from error
 
 
-def _nodes(config: LaunchConfig) -> NodeSetup | None:
-    try:
-        return node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
-    except ValueError as error:
-        raise InvalidOptionError(str(error)) from None
-
-
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
     """Modules the fork server imports once, when it starts, so that its workers do not: torch, NumPy's
     random module when this process uses NumPy (restoring its state imports it), mplaunch's worker side, and
@@ -240,7 +228,7 @@ def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
 def _run_workers(
     spec: WorkerSpec,
     payload: Payload | None,
-    config: LaunchConfig,
+    config: ParallelConfig,
     preload: list[str],
     pump: Pump | None,
     control: LaunchControl,

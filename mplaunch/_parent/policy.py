@@ -1,11 +1,8 @@
-"""How many intra-op threads each worker uses, and keeping forked workers clear of OpenMP's thread pool.
+"""Launch policy, decided in the parent: the start method when none is given, ``nprocs="auto"``,
+``backend="auto"``, and how many intra-op threads each worker uses.
 
-GNU OpenMP (libgomp, which PyTorch's Linux wheels ship) keeps a pool of threads after the first parallel
-region. ``fork`` copies only the calling thread, so a forked child that enters a parallel region waits
-forever for pool threads that do not exist in it. OpenMP 5.0's ``omp_pause_resource_all(omp_pause_hard)``
-(OpenMP API 5.0, section 3.2.43) frees the pool; libgomp, LLVM's libomp and Intel's libiomp implement it.
-Calling it in the parent just before forking gives every forked worker a clean runtime that starts its own
-pool, so workers keep ``cores // nprocs`` threads; the parent's pool is rebuilt on its next parallel region
+Forked workers keep ``cores // nprocs`` threads because the parent frees its OpenMP pools right before
+forking (see :mod:`mplaunch._platform.openmp`); the parent's pool is rebuilt on its next parallel region
 (a few threads created, microseconds). Only where no runtime can be paused (another thread of the parent is
 inside a parallel region, or an OpenMP without the call) do forked workers fall back to one thread, as
 PyTorch's own DataLoader workers always do.
@@ -13,21 +10,52 @@ PyTorch's own DataLoader workers always do.
 
 from __future__ import annotations
 
-import ctypes
+import multiprocessing
 import os
-import re
 import sys
-from collections.abc import Callable
-from typing import Any
 
-from mplaunch._config import usable_cpu_count
+import torch
+
 from mplaunch._frames import warn_at_user
+from mplaunch._platform import openmp
+from mplaunch._platform.cpus import usable_cpu_count
 
-_OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_soft = 1, omp_pause_hard = 2
-_RUNTIME_PATH = re.compile(r"(/[^ \n]*/lib(?:gomp|omp|iomp5?)(?:[-.][^/ \n]*)?\.so[^/ \n]*)$", re.MULTILINE)
-_pausers: dict[str, Callable[[int], int]] = {}
 _warned = False
-_scanned: tuple[int, list[str]] = (-1, [])  # (len(sys.modules) when scanned, runtimes found)
+
+
+def is_interactive() -> bool:
+    """Whether this is an interactive session: the REPL, ``python -i``, or an IPython/Jupyter shell."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
+
+
+def default_start_method() -> str:
+    """The start method used when none is given: ``fork`` in an interactive session where ``fork`` exists and
+    CUDA is not initialised, ``spawn`` otherwise (functions of notebook cells travel by value there)."""
+    if is_interactive() and "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
+
+
+def resolve_nprocs(nprocs: int | str) -> int:
+    """Turn ``nprocs`` into a number: ``"auto"`` is the number of visible CUDA devices when CUDA is
+    available, otherwise the number of usable CPU cores (affinity mask and cgroup quota). Probing CUDA this
+    way does not initialise it."""
+    if isinstance(nprocs, int):
+        return nprocs
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return usable_cpu_count()
+
+
+def resolve_backend(backend: str | None, nprocs: int) -> str | None:
+    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available with at least ``nprocs`` devices, else
+    ``"gloo"``; other values are returned as they are. Does not initialise CUDA."""
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
 
 
 def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
@@ -39,58 +67,15 @@ def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.
     return max(1, usable_cpu_count() // nprocs)
 
 
-def _loaded_runtimes(maps: str = "/proc/self/maps") -> list[str]:
-    """Paths of the OpenMP runtimes mapped into this process, from ``/proc/self/maps``."""
-    try:
-        with open(maps) as file:
-            text = file.read()
-    except OSError:
-        return []
-    return list(dict.fromkeys(_RUNTIME_PATH.findall(text)))
-
-
-def _pauser(path: str) -> Callable[[int], int] | None:
-    """``omp_pause_resource_all`` of an already loaded runtime (``RTLD_NOLOAD``: never loads one)."""
-    if path not in _pausers:
-        try:
-            library: Any = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            function = library.omp_pause_resource_all
-        except (OSError, AttributeError):
-            return None
-        function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
-        _pausers[path] = function
-    return _pausers[path]
-
-
-def release_openmp_pools() -> bool:
-    """Free the thread pool of every OpenMP runtime loaded in this process, in the parent, before forking.
-
-    Returns:
-        True when no runtime is loaded or every loaded one freed its pool (forked workers may then use
-        several threads); False when one could not (the call is missing, or another thread is inside a
-        parallel region), in which case a forked worker that runs a parallel region could hang.
-    """
-    if not sys.platform.startswith("linux"):
-        return True
-    global _scanned
-    if _scanned[0] != len(sys.modules):  # reading /proc/self/maps costs milliseconds: only after new imports
-        _scanned = (len(sys.modules), _loaded_runtimes())
-    for path in _scanned[1]:
-        pause = _pauser(path)
-        if pause is None or pause(_OMP_PAUSE_HARD) != 0:
-            return False
-    return True
-
-
 def worker_threads(nprocs: int, start_method: str) -> int:
-    """Intra-op threads for each worker of a launch, decided in the parent.
+    """Intra-op threads for each worker of a launch.
 
     Under ``fork`` the parent's OpenMP pools are released first (see the module docstring); if that fails,
     forked workers get one thread and a one-time ``RuntimeWarning`` pointing at the caller's line says so.
     """
     global _warned
     wanted = wanted_threads(nprocs)
-    if start_method != "fork" or wanted == 1 or release_openmp_pools():
+    if start_method != "fork" or wanted == 1 or openmp.release_pools():
         return wanted
     if not _warned:
         _warned = True

@@ -9,6 +9,8 @@ import os
 import sys
 from collections.abc import Iterator
 
+from mplaunch._platform.environ import environ_kept
+
 
 @contextlib.contextmanager
 def main_prepared() -> Iterator[None]:
@@ -52,15 +54,9 @@ def spawn_hash_seed(start_method: str) -> Iterator[None]:
     no handler of ours runs in between), and removed at once. The same seed serves every launch of this
     process, so ranks of successive launches agree too.
     """
-    previous = os.environ.get("PYTHONHASHSEED")
-    if start_method != "spawn" or previous not in (None, "", "random"):
+    if start_method != "spawn" or os.environ.get("PYTHONHASHSEED") not in (None, "", "random"):
         yield
         return
-    os.environ["PYTHONHASHSEED"] = _hash_seed()
-    try:
+    with environ_kept():
+        os.environ["PYTHONHASHSEED"] = _hash_seed()
         yield
-    finally:
-        if previous is None:
-            del os.environ["PYTHONHASHSEED"]
-        else:
-            os.environ["PYTHONHASHSEED"] = previous

@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
 import warnings
 from typing import Any
 
-from mplaunch._frames import warn_at_user
+from mplaunch._frames import resolve, warn_at_user
 from mplaunch._state.logs import LoggingState
 
 _warned: set[str] = set()
@@ -94,10 +93,7 @@ def _carried_filters() -> tuple[tuple[Any, ...], tuple[str, ...]]:
     kept, dropped = [], []
     for item in warnings.filters:
         category: Any = item[2]
-        holder: Any = sys.modules.get(category.__module__)
-        for part in category.__qualname__.split("."):
-            holder = getattr(holder, part, None)
-        if holder is category:
+        if resolve(category.__module__, category.__qualname__) is category:
             kept.append(item)
         else:
             dropped.append(f"the warning filter {item[0]!r} for {category.__qualname__} (not importable by name)")

@@ -1,4 +1,5 @@
-"""Moving results to the CPU, and giving a worker private copies of shared tensors."""
+"""Giving a worker private copies of the shared memory in its arguments (``unshare``), and deciding in the
+parent whether forked workers need to look."""
 
 from __future__ import annotations
 
@@ -16,43 +17,6 @@ import torch
 from mplaunch._wire.transport import in_shared_mapping, make_private
 
 T = TypeVar("T")
-
-
-def _apply(obj: Any, dtype: type, function: Any) -> Any:
-    # imported on first use: lightning_utilities costs ~35 ms to import, more than all of mplaunch
-    from lightning_utilities import apply_to_collection
-
-    return apply_to_collection(obj, dtype, function)
-
-
-def _module_to_cpu(module: torch.nn.Module) -> torch.nn.Module:
-    return module.cpu()
-
-
-def _tensor_to_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.cpu()
-
-
-def to_cpu(obj: T) -> T:
-    """Return ``obj`` with every tensor on the CPU, recursing into dicts, lists, tuples, named tuples and
-    dataclasses (``lightning_utilities.apply_to_collection``).
-
-    Runs in the calling process. Tensors already on the CPU are returned as they are (no copy); other
-    tensors are copied, one copy per tensor (tensors that shared a storage no longer do). An ``nn.Module`` is
-    moved in place with ``Module.cpu()``. mplaunch itself does not need it for results: the transport copies
-    each storage of a result to the CPU once, whatever object holds it, so views and tied weights stay tied.
-
-    Args:
-        obj: any object; typically a ``state_dict`` or a nested collection of tensors.
-
-    Returns:
-        The same structure with CPU tensors.
-
-    Example:
-        >>> to_cpu({"w": torch.ones(2)})["w"].device
-        device(type='cpu')
-    """
-    return _apply(_apply(obj, torch.nn.Module, _module_to_cpu), torch.Tensor, _tensor_to_cpu)  # type: ignore[no-any-return]
 
 
 #: Types that hold no tensor; a container of nothing else is skipped with one pass in C (``set(map(type, ...))``).

@@ -27,6 +27,8 @@ from multiprocessing import process
 from types import ModuleType
 from typing import Any, TypeGuard
 
+from mplaunch._frames import resolve
+
 
 def worker_sys_path() -> tuple[str, ...]:
     """The ``sys.path`` a worker started now gets, as ``multiprocessing.spawn.get_preparation_data`` sends it."""
@@ -69,7 +71,7 @@ class WorkerImports:
         if not isinstance(module_name, str) or not isinstance(qualname, str) or "<locals>" in qualname:
             return False
         module = self.main if module_name == "__main__" else sys.modules.get(module_name)
-        if module is None or _lookup(module, qualname) is not obj:
+        if module is None or module is not sys.modules.get(module_name) or resolve(module_name, qualname) is not obj:
             return False  # e.g. a script that cProfile or trace run in a namespace of their own
         if module_name != "__main__":
             return self.module_importable(module_name)
@@ -132,13 +134,6 @@ class WorkerImports:
             if found is not None:
                 return found
         return None
-
-
-def _lookup(module: ModuleType, qualname: str) -> Any:
-    holder: Any = module
-    for part in qualname.split("."):
-        holder = getattr(holder, part, None)
-    return holder
 
 
 def _same_origin(found: ModuleSpec, spec: ModuleSpec) -> bool:

@@ -97,7 +97,7 @@ def test_parent_thread_settings_are_untouched() -> None:
 
 
 def test_worker_threads_default_to_cores_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mplaunch._config import usable_cpu_count
+    from mplaunch._platform.cpus import usable_cpu_count
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     result = parallel(nprocs=1, start_method="forkserver", timeout=TIMEOUT)(workers.rank_and_env)()

@@ -88,7 +88,7 @@ def test_all_is_sorted_and_complete() -> None:
 
 
 def test_backend_is_validated_and_auto_resolves_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mplaunch._config import resolve_backend
+    from mplaunch._parent.policy import resolve_backend
 
     with pytest.raises(InvalidOptionError, match="backend='nccll'.*'gloo'"):
         parallel(backend="nccll")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mplaunch import _config
+from mplaunch._parent import policy
+from mplaunch._platform import cpus
 from mplaunch._platform.cgroup import cpu_limit
 
 V1_MOUNTS = """\
@@ -112,16 +113,16 @@ def test_escaped_mount_points_and_missing_files_are_handled(tmp_path: Path) -> N
 
 def test_usable_cpu_count_is_the_smaller_of_affinity_and_quota_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    monkeypatch.setattr(_config, "cpu_limit", lambda: 2.5)
-    assert _config.usable_cpu_count() == 3
-    monkeypatch.setattr(_config, "cpu_limit", lambda: 0.2)
-    assert _config.usable_cpu_count() == 1
-    monkeypatch.setattr(_config, "cpu_limit", lambda: None)
-    assert _config.usable_cpu_count() == 64
+    monkeypatch.setattr(cpus, "cpu_limit", lambda: 2.5)
+    assert cpus.usable_cpu_count() == 3
+    monkeypatch.setattr(cpus, "cpu_limit", lambda: 0.2)
+    assert cpus.usable_cpu_count() == 1
+    monkeypatch.setattr(cpus, "cpu_limit", lambda: None)
+    assert cpus.usable_cpu_count() == 64
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(_config, "cpu_limit", lambda: 16.0)
-    assert _config.usable_cpu_count() == 2
-    assert _config.resolve_nprocs(5) == 5
+    monkeypatch.setattr(cpus, "cpu_limit", lambda: 16.0)
+    assert cpus.usable_cpu_count() == 2
+    assert policy.resolve_nprocs(5) == 5
 
 
 def _make_cgroup() -> tuple[Path, str]:
@@ -155,7 +156,7 @@ def test_a_real_cgroup_quota_is_seen_by_a_process_moved_into_it() -> None:
     program = (
         "import os, sys\n"
         "with open(sys.argv[1], 'w') as procs: procs.write(str(os.getpid()))\n"
-        "from mplaunch._config import usable_cpu_count; from mplaunch._platform.cgroup import cpu_limit\n"
+        "from mplaunch._platform.cpus import usable_cpu_count; from mplaunch._platform.cgroup import cpu_limit\n"
         "print(cpu_limit(), usable_cpu_count())"
     )
     try:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from mplaunch import LaunchRefusedError, to_cpu
-from mplaunch._parent import checks
+from mplaunch import LaunchRefusedError
+from mplaunch._parent import checks, policy
 from mplaunch._wire import importable
 
 
@@ -43,18 +43,18 @@ def test_cuda_probe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cuda_message_helps_notebook_users(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(checks, "is_interactive", lambda: True)
+    monkeypatch.setattr(policy, "is_interactive", lambda: True)
     with pytest.raises(LaunchRefusedError, match="restart the kernel"):
         checks.check_cuda_fork("fork")
 
 
 def test_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checks, "is_interactive", lambda: False)
-    assert checks.default_start_method() == "spawn"
-    monkeypatch.setattr(checks, "is_interactive", lambda: True)
-    assert checks.default_start_method() == "fork"
+    monkeypatch.setattr(policy, "is_interactive", lambda: False)
+    assert policy.default_start_method() == "spawn"
+    monkeypatch.setattr(policy, "is_interactive", lambda: True)
+    assert policy.default_start_method() == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert checks.default_start_method() == "spawn"
+    assert policy.default_start_method() == "spawn"
 
 
 def test_main_importability(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,12 +145,6 @@ def test_describe_unpicklable_names_the_argument() -> None:
     with open(__file__) as file:
         text = checks.describe_unpicklable((), {"f": file}, None)
     assert text.startswith("keyword argument 'f' (TextIOWrapper)") and "open it inside" in text
-
-
-def test_to_cpu_keeps_structure() -> None:
-    data = {"a": [torch.ones(1)], "b": (torch.zeros(2), 3)}
-    out = to_cpu(data)
-    assert out["a"][0] is data["a"][0] and out["b"][1] == 3
 
 
 def test_unshare_copies_only_shared_tensors_in_place() -> None:

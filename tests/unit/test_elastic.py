@@ -13,7 +13,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from mplaunch import WorkerExitedError
-from mplaunch._config import LaunchConfig
+from mplaunch._config import ParallelConfig
 from mplaunch._multinode.elastic import _collect
 from mplaunch._wire import transport
 from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned, Signalled, WorkerSpec, outcome_name
@@ -40,7 +40,7 @@ def collect(directory: Path, failed: dict[int, Any] | None = None, return_all: b
         num_threads=1,
         reporting_ranks=frozenset({0}),
     )
-    return _collect(spec, failed or {}, LaunchConfig(return_all=return_all))
+    return _collect(spec, failed or {}, ParallelConfig(return_all=return_all))
 
 
 def failure(pid: int, exitcode: int) -> ProcessFailure:
