@@ -15,30 +15,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
 
+from mplaunch._parent.processes import start_reaper
+
 _DIR_PREFIX = "mplaunch-"
-_REAPER = """
-import os, shutil, sys
-root, prefix = sys.argv[1], sys.argv[2]
-while os.read(0, 4096):
-    pass
-for entry in os.listdir(root):
-    if entry.startswith(prefix):
-        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-"""
 _ENSURING = threading.Lock()
-
-
-def _new_ensuring_lock() -> None:
-    global _ENSURING  # a forked child may get the lock locked by another thread
-    _ENSURING = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_ensuring_lock)
+os.register_at_fork(after_in_child=_ENSURING._at_fork_reinit)  # type: ignore[attr-defined] # maybe held by a thread
 _reapers: dict[tuple[int, str], int] = {}  # (pid, root) -> pid of this process's reaper for root
 
 
@@ -108,32 +93,9 @@ def _start_reaper(root: str) -> None:
             if os.waitpid(_reapers[key], os.WNOHANG) == (0, 0):
                 return  # still running
     remove_stale_directories(root)
-    read_end, write_end = os.pipe()
-    try:
-        reaper = os.posix_spawn(
-            sys.executable,
-            [sys.executable, "-S", "-I", "-c", _REAPER, root, own_prefix()],
-            os.environ,
-            file_actions=[
-                (os.POSIX_SPAWN_DUP2, read_end, 0),
-                (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-                (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
-            ],
-            setsid=True,  # a terminal's Ctrl-C to our process group must not end it before us
-        )
-    except OSError:  # no reaper: directories of a killed parent are then removed by a later launch
-        os.close(write_end)
-        return
-    finally:
-        os.close(read_end)
-    _reapers[key] = reaper
-    # the pipe must close when this process dies: forked children (workers, the user's) must not hold it
-    os.register_at_fork(after_in_child=lambda: _close_quietly(write_end))
-
-
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
+    started = start_reaper(root, own_prefix())
+    if started is not None:  # else directories of a killed parent are removed by a later launch
+        _reapers[key] = started
 
 
 @contextlib.contextmanager
@@ -141,14 +103,8 @@ def launch_directory() -> Iterator[str]:
     """Create this launch's directory, yield its path, and remove it (with whatever is left in it) after."""
     root = shm_root()
     _ensure_reaper(root)
-    directory = tempfile.mkdtemp(prefix=own_prefix(), dir=root)
-    try:
+    with tempfile.TemporaryDirectory(prefix=own_prefix(), dir=root, ignore_cleanup_errors=True) as directory:
         yield directory
-    finally:
-        try:
-            os.rmdir(directory)  # what a launch wrote, it has read and removed: the directory is empty
-        except OSError:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def space_hint(directory: str) -> str:

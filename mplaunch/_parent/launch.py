@@ -10,12 +10,10 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
-import threading
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from mplaunch._config import ParallelConfig
 from mplaunch._env import node_setup, outer_launcher
@@ -25,9 +23,9 @@ from mplaunch._parent import checks, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory, space_hint
 from mplaunch._parent.in_process import run_in_process
-from mplaunch._parent.processes import main_prepared, spawn_hash_seed
+from mplaunch._parent.processes import start_workers
 from mplaunch._parent.restarts import run_attempts
-from mplaunch._parent.signals import parent_signals, signals_held
+from mplaunch._parent.signals import parent_signals
 from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.supervise import Supervisor
 from mplaunch._state.python import warn_not_carried
@@ -36,20 +34,6 @@ from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.importable import WorkerImports, worker_imports
 from mplaunch._wire.records import PAYLOAD, Payload, WorkerSpec, outcome_name
-from mplaunch._worker.entry import run
-
-#: Held while a launch starts its workers. multiprocessing makes a worker's sentinel pipe, forks, then closes
-#: the pipe's write end here: a fork from another thread (a concurrent ``submit()``) in between would give
-#: that end to the other launch's worker, and this launch would never see its own worker end.
-_STARTING = threading.Lock()
-
-
-def _new_starting_lock() -> None:
-    global _STARTING  # a forked child gets the lock as its parent held it: locked
-    _STARTING = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_starting_lock)
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
@@ -234,7 +218,6 @@ def _run_workers(
     control: LaunchControl,
     store: Rendezvous,
 ) -> list[Any]:
-    context = mp.get_context(spec.start_method)
     processes: list[BaseProcess] = []
     supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control, store)
     pipe: tuple[int, int] | None = None  # large fork arguments: see _answer_unshare
@@ -242,17 +225,7 @@ def _run_workers(
         if spec.start_method == "fork" and spec.unshare is None:
             pipe = os.pipe()
             spec = dataclasses.replace(spec, unshare_pipe=pipe)
-        with main_prepared():
-            if spec.start_method == "forkserver":
-                context.set_forkserver_preload(preload)
-                multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-            with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
-                for rank in range(spec.nprocs):
-                    process = context.Process(  # type: ignore[attr-defined]
-                        target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
-                    )
-                    process.start()
-                    supervisor.started(process)
+        start_workers(spec, payload, preload, supervisor.started)
         if pipe is not None:
             _answer_unshare(pipe, spec.nprocs)
         if pump is not None:

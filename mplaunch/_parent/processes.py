@@ -1,15 +1,63 @@
-"""What holds in the parent while it starts workers: a ``__main__`` that multiprocessing can describe to a
-spawned child, and one string-hashing seed for spawned workers."""
+"""The only code that starts and signals processes: a launch's workers (through ``torch.multiprocessing``),
+the fork server, the launch-directory reaper; and SIGTERM/SIGKILL to a worker or its process group.
+
+While workers start, the parent holds: a ``__main__`` that multiprocessing can describe to a spawned child,
+one string-hashing seed for spawned workers, SIGINT/SIGTERM, and a lock against concurrent starts."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import multiprocessing.forkserver
 import os
+import platform
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from typing import Any
 
+import torch.multiprocessing as mp
+
+from mplaunch._parent.signals import signals_held
 from mplaunch._platform.environ import environ_kept
+from mplaunch._wire.records import Payload, WorkerSpec
+from mplaunch._worker.entry import run
+
+#: Held while a launch starts its workers. multiprocessing makes a worker's sentinel pipe, forks, then closes
+#: the pipe's write end here: a fork from another thread (a concurrent ``submit()``) in between would give
+#: that end to the other launch's worker, and this launch would never see its own worker end. A forked child
+#: gets it as its parent held it, so it is made new there (CPython's own re-initialisation, as logging's).
+_STARTING = threading.Lock()
+os.register_at_fork(after_in_child=_STARTING._at_fork_reinit)  # type: ignore[attr-defined]
+
+
+def start_workers(
+    spec: WorkerSpec, payload: Payload | None, preload: list[str], started: Callable[[BaseProcess], None]
+) -> None:
+    """Start ``spec.nprocs`` workers, rank 0 first, each running :func:`mplaunch._worker.entry.run`; hand
+    each to ``started`` as soon as it runs (the supervisor opens its pidfd before anything can reap it).
+
+    Args:
+        spec: the launch's worker spec (start method, nprocs, ...).
+        payload: the call, for forked workers to inherit; ``None`` where workers read it from the launch
+            directory.
+        preload: modules the fork server imports once, when this launch starts it.
+        started: called with each started process, in rank order.
+    """
+    context = mp.get_context(spec.start_method)
+    with main_prepared():
+        if spec.start_method == "forkserver":
+            context.set_forkserver_preload(preload)
+            multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
+        with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
+            for rank in range(spec.nprocs):
+                process = context.Process(  # type: ignore[attr-defined]
+                    target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
+                )
+                process.start()
+                started(process)
 
 
 @contextlib.contextmanager
@@ -60,3 +108,90 @@ def spawn_hash_seed(start_method: str) -> Iterator[None]:
     with environ_kept():
         os.environ["PYTHONHASHSEED"] = _hash_seed()
         yield
+
+
+def signal_worker(process: BaseProcess, signum: int, *, group: bool, group_only: bool = False) -> None:
+    """Signal a worker, or with ``group`` its process group (it makes one of its own at start; a worker that
+    has not made it yet is signalled alone). ``group_only``: only the group, whose leader may be gone."""
+    pid = process.pid
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group_only:
+            os.killpg(pid, signum)
+        elif group and os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            _to_main_thread(pid, signum)
+
+
+#: tgkill's system call number by machine (Linux has no libc wrapper before glibc 2.30).
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131, "riscv64": 131, "ppc64le": 250, "s390x": 241}
+
+
+@functools.lru_cache(maxsize=1)
+def _tgkill() -> Any:
+    if not sys.platform.startswith("linux") or platform.machine() not in _SYS_TGKILL:
+        return None
+    return functools.partial(ctypes.CDLL(None, use_errno=True).syscall, _SYS_TGKILL[platform.machine()])
+
+
+def _to_main_thread(pid: int, signum: int) -> None:
+    """Send ``signum`` to the main thread of process ``pid`` (``tgkill``), else to the process.
+
+    A signal sent to a process goes to any of its threads that does not block it. Python runs its handlers in
+    the main thread, but a main thread blocked in a system call (a DataLoader waiting for a batch) is woken
+    only by a signal delivered to it; otherwise the worker would sit until SIGKILL. A thread-directed signal
+    interrupts that call, so the handler runs at once.
+    """
+    tgkill = _tgkill()
+    if tgkill is None or tgkill(pid, pid, signum) != 0:
+        os.kill(pid, signum)
+
+
+#: The reaper's whole program: wait for the pipe to close (its parent died), then remove the directories.
+_REAPER = """
+import os, shutil, sys
+root, prefix = sys.argv[1], sys.argv[2]
+while os.read(0, 4096):
+    pass
+for entry in os.listdir(root):
+    if entry.startswith(prefix):
+        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+"""
+
+
+def start_reaper(root: str, prefix: str) -> int | None:
+    """Start the reaper of this process's launch directories in ``root`` (named ``prefix...``): a tiny Python
+    (no site, no torch) in a session of its own, holding the read end of a pipe whose write end only this
+    process keeps; when the pipe closes (this process died, however), it removes the directories.
+
+    Returns:
+        The reaper's pid, or ``None`` when it could not be started.
+    """
+    read_end, write_end = os.pipe()
+    try:
+        reaper = os.posix_spawn(
+            sys.executable,
+            [sys.executable, "-S", "-I", "-c", _REAPER, root, prefix],
+            os.environ,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, read_end, 0),
+                (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+            ],
+            setsid=True,  # a terminal's Ctrl-C to our process group must not end it before us
+        )
+    except OSError:
+        os.close(write_end)
+        return None
+    finally:
+        os.close(read_end)
+    # the pipe must close when this process dies: forked children (workers, the user's) must not hold it
+    os.register_at_fork(after_in_child=lambda: _close_quietly(write_end))
+    return reaper
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

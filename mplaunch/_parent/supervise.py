@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
-import platform
 import signal
-import sys
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -16,6 +12,7 @@ from typing import Any
 
 from mplaunch._errors import LaunchTimeoutError, RemoteError
 from mplaunch._parent.control import LaunchControl, LaunchStopped
+from mplaunch._parent.processes import signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.store import Rendezvous
 from mplaunch._wire import transport
@@ -177,7 +174,7 @@ class Supervisor:
         try:
             for rank, process in alive:
                 self.stopped.add(rank)
-                _signal(process, signal.SIGTERM, group=False)
+                signal_worker(process, signal.SIGTERM, group=False)
             deadline = time.monotonic() + self.grace_period
             remaining = [rank for rank, _ in alive]
             while remaining and time.monotonic() < deadline:
@@ -186,49 +183,10 @@ class Supervisor:
         finally:
             for _, process in alive:
                 if process.exitcode is None:
-                    _signal(process, signal.SIGKILL, group=True)
+                    signal_worker(process, signal.SIGKILL, group=True)
             for process in self.processes:
                 process.join()
-                _signal(process, signal.SIGKILL, group=True, group_only=True)  # grandchildren left behind
+                signal_worker(process, signal.SIGKILL, group=True, group_only=True)  # grandchildren left behind
             for fd in self._pidfds.values():
                 os.close(fd)
             self._pidfds.clear()
-
-
-def _signal(process: BaseProcess, signum: int, *, group: bool, group_only: bool = False) -> None:
-    """Signal a worker, or with ``group`` its process group (it makes one of its own at start; a worker that
-    has not made it yet is signalled alone). ``group_only``: only the group, whose leader may be gone."""
-    pid = process.pid
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if group_only:
-            os.killpg(pid, signum)
-        elif group and os.getpgid(pid) == pid:
-            os.killpg(pid, signum)
-        else:
-            _to_main_thread(pid, signum)
-
-
-#: tgkill's system call number by machine (Linux has no libc wrapper before glibc 2.30).
-_SYS_TGKILL = {"x86_64": 234, "aarch64": 131, "riscv64": 131, "ppc64le": 250, "s390x": 241}
-
-
-@functools.lru_cache(maxsize=1)
-def _tgkill() -> Any:
-    if not sys.platform.startswith("linux") or platform.machine() not in _SYS_TGKILL:
-        return None
-    return functools.partial(ctypes.CDLL(None, use_errno=True).syscall, _SYS_TGKILL[platform.machine()])
-
-
-def _to_main_thread(pid: int, signum: int) -> None:
-    """Send ``signum`` to the main thread of process ``pid`` (``tgkill``), else to the process.
-
-    A signal sent to a process goes to any of its threads that does not block it. Python runs its handlers in
-    the main thread, but a main thread blocked in a system call (a DataLoader waiting for a batch) is woken
-    only by a signal delivered to it; otherwise the worker would sit until SIGKILL. A thread-directed signal
-    interrupts that call, so the handler runs at once.
-    """
-    tgkill = _tgkill()
-    if tgkill is None or tgkill(pid, pid, signum) != 0:
-        os.kill(pid, signum)

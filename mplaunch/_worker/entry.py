@@ -39,6 +39,7 @@ from mplaunch._wire.records import (
     WorkerSpec,
     outcome_name,
 )
+from mplaunch._worker.children import stop_children
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
 
@@ -95,7 +96,8 @@ def _on_signal(signum: int, frame: object) -> None:
     if first:
         _signal_received = signum
     if first and not _outcome_decided:
-        _terminate_children()  # before unwinding: e.g. DataLoader workers would print about a vanished rank
+        # before unwinding: e.g. DataLoader workers would print about a vanished rank
+        stop_children(0.25, kill=False)
         _quiet_consequences()
         raise Terminated(128 + signum) if signum == signal.SIGTERM else Interrupted()
 
@@ -110,32 +112,6 @@ def _quiet_consequences() -> None:
 
 def _ignore(*args: object) -> None:
     """Swallow an unraisable or thread exception (see :func:`_quiet_consequences`)."""
-
-
-def _terminate_children() -> None:
-    """SIGTERM the rest of this worker's process group (what it started), quietly: the DataLoader's SIGCHLD
-    handler, which would raise about its workers' deaths, is reset first. This worker ignores the SIGTERM it
-    sends itself (a stop signal has been received already)."""
-    if not _children():
-        return
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    with contextlib.suppress(OSError):
-        if os.getpgid(0) == os.getpid():
-            os.killpg(0, signal.SIGTERM)
-    # and let them die before this worker unwinds and closes its connections to them (a DataLoader worker
-    # that sees its rank hang up mid-transfer prints a traceback); a moment at most, they are not waited for
-    deadline = time.monotonic() + 0.25
-    while any(_running(pid) for pid in _children()) and time.monotonic() < deadline:
-        time.sleep(0.005)
-
-
-def _running(pid: int) -> bool:
-    """Whether child ``pid`` still runs (a zombie has ended; it is left for its owner to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _default_signals() -> None:
@@ -227,48 +203,6 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
         return replacement
 
 
-def _children() -> list[int]:
-    """Direct children of this process (Linux: /proc/self/task/*/children), else an empty list."""
-    try:  # one system call says whether there are any (WNOWAIT: an ended child stays for its owner to reap)
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return []
-    except (OSError, AttributeError):  # no waitid here: list them
-        pass
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as file:
-                found.extend(int(pid) for pid in file.read().split())
-    return found
-
-
-def _stop_children(grace_period: float) -> None:
-    """A worker that is done stops what it started: SIGTERM to its process group (it made one of its own),
-    then SIGKILL to its children still alive after part of the grace period; the parent kills the rest of
-    the group after the worker exits. Exit handlers would otherwise join non-daemon children forever."""
-    children = _children()
-    if not children:
-        return
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # e.g. DataLoader's handler would raise for its workers
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(OSError):
-        if os.getpgid(0) == os.getpid():
-            os.killpg(0, signal.SIGTERM)
-        else:
-            for pid in children:
-                os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + min(1.0, grace_period / 2)
-    while (children := _children()) and time.monotonic() < deadline:
-        for pid in children:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.01)
-    for pid in children:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _exit_code(outcome: Outcome | None) -> int:
     if isinstance(outcome, Returned):
         return 0
@@ -287,7 +221,7 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
     try:
         if outcome is not None and not written:
             outcome = _write_outcome(spec, rank, outcome)
-        _stop_children(spec.grace_period)
+        stop_children(min(1.0, spec.grace_period / 2), kill=True)
         multiprocessing.util._exit_function()  # type: ignore[attr-defined] # finalizers, e.g. semaphores
         atexit._run_exitfuncs()
         close_files()  # what a normal exit does for data: logging.shutdown, open files flushed and closed
@@ -372,7 +306,7 @@ def elastic_entry(spec: WorkerSpec) -> int:
         pass
     if not isinstance(outcome, Returned):
         _finish(spec, rank, outcome, written=written)
-    _stop_children(spec.grace_period)
+    stop_children(min(1.0, spec.grace_period / 2), kill=True)
     return rank
 
 

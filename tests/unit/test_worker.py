@@ -11,24 +11,24 @@ from typing import Any
 import pytest
 
 from mplaunch._state.snapshot import ForkState, register_state, unregister_state
-from mplaunch._worker import entry
+from mplaunch._worker import children
 
 
 def _check_children() -> None:
-    assert entry._children() == []
+    assert children.children() == []
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         time.sleep(0.3)
         os._exit(7)
-    assert entry._children() == [pid]
+    assert children.children() == [pid]
     deadline = time.monotonic() + 10
-    while entry._running(pid) and time.monotonic() < deadline:
+    while children.running(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not entry._running(pid)
-    assert entry._children() == [pid]  # ended, not reaped: still this process's to reap
+    assert not children.running(pid)
+    assert children.children() == [pid]  # ended, not reaped: still this process's to reap
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 7
-    assert entry._children() == []
+    assert children.children() == []
 
 
 def test_children_are_found_while_running_and_after_ending_and_stay_reapable() -> None:
