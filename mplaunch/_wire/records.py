@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from mplaunch._errors import RemoteError, RemoteTraceback, WorkerExitedError, WorkerFailedError
 from mplaunch._frames import without_our_frames
-from mplaunch._state.snapshot import ForkState, GlobalState
 
 if TYPE_CHECKING:
     from mplaunch._output.fds import RankFds
+    from mplaunch._state.snapshot import ForkState, GlobalState
 
 #: Name of the call in the launch directory.
 PAYLOAD = "payload"
