@@ -1,14 +1,15 @@
-# `make demo` trains the example on real data; `make test` runs the test suite.
+# `make demo` trains the example on real data; `make test` runs the test suite; `make check` runs the linters,
+# the strict type check, the import contracts and the docs build (CI runs it before `make test`).
 # Each creates the virtual environment it needs (.venv) with the CPU build of torch pinned in constraints.txt.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench notebook clean
+.PHONY: demo test check docs bench notebook clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,examples]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,examples,docs]"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -17,9 +18,19 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest
 
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check mplaunch tests benchmarks examples
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mkdocs build --strict --site-dir $$(mktemp -d)
+
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs serve
+
 bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,bench]"
 	$(PY) benchmarks/run.py --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache *.egg-info site

@@ -74,6 +74,7 @@ class ParallelFunction(Generic[P, T]):
             LaunchTimeoutError: the launch ran past ``timeout`` seconds.
             KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
         try:
             return launch.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
         except BaseException as error:
