@@ -8,7 +8,7 @@ from concurrent.futures import Future
 import torch
 from typing_extensions import assert_type
 
-from mplaunch import parallel
+from mplaunch import LaunchOptions, failure_info, parallel
 
 
 @parallel
@@ -46,3 +46,13 @@ configured.options(nprocs="all")  # type: ignore[arg-type]
 configured.options(nprocs=1)(0.1, epoch=5)  # type: ignore[call-arg]
 assert_type(every_rank.options(nprocs=4)(1), list[int])
 every_rank.options(nprocs=4)("x")  # type: ignore[arg-type]
+
+# The options are one TypedDict: a user's wrapper can forward them typed; a failure's rank reads typed.
+options: LaunchOptions = {"nprocs": 2, "timeout": 30.0}
+assert_type(configured.options(**options)(0.1), dict[str, torch.Tensor])
+bad_options: LaunchOptions = {"nprocs": "all"}  # type: ignore[typeddict-item]
+info = failure_info(ValueError("x"))
+if info is not None:
+    assert_type(info.rank, int)
+    assert_type(info.pid, int | None)
+    assert_type(info.failures, tuple[BaseException, ...])
