@@ -23,6 +23,8 @@ from mplaunch._errors import (
 )
 from mplaunch._parent.checks import record_cuda_init
 from mplaunch._parent.restarts import RestartWarning
+from mplaunch._parent.stream import Stream
+from mplaunch._parent.warm import Workers
 from mplaunch._state.sharing import unshare
 from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
 
@@ -41,8 +43,10 @@ __all__ = [
     "RemoteTraceback",
     "RestartWarning",
     "StartMethod",
+    "Stream",
     "WorkerExitedError",
     "WorkerFailedError",
+    "Workers",
     "failure_info",
     "outer_launcher",
     "parallel",

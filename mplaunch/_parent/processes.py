@@ -14,7 +14,7 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -34,10 +34,17 @@ os.register_at_fork(after_in_child=_STARTING._at_fork_reinit)  # type: ignore[at
 
 
 def start_workers(
-    spec: WorkerSpec, payload: Payload | None, preload: list[str], started: Callable[[BaseProcess], None]
+    spec: WorkerSpec,
+    payload: Payload | None,
+    preload: list[str],
+    started: Callable[[BaseProcess], None],
+    *,
+    target: Callable[..., None] = run,
+    rank_args: Sequence[tuple[Any, ...]] = (),
 ) -> None:
-    """Start ``spec.nprocs`` workers, rank 0 first, each running :func:`mplaunch._worker.entry.run`; hand
-    each to ``started`` as soon as it runs (the supervisor opens its pidfd before anything can reap it).
+    """Start ``spec.nprocs`` workers, rank 0 first, each running ``target`` (a launch's
+    :func:`mplaunch._worker.entry.run`); hand each to ``started`` as soon as it runs (the supervisor opens
+    its pidfd before anything can reap it).
 
     Args:
         spec: the launch's worker spec (start method, nprocs, ...).
@@ -45,6 +52,9 @@ def start_workers(
             directory.
         preload: modules the fork server imports once, when this launch starts it.
         started: called with each started process, in rank order.
+        target: what each worker runs, called as ``target(rank, spec, payload, *rank_args[rank])``.
+        rank_args: per rank, more arguments for ``target`` (e.g. a warm worker's end of its pipe);
+            empty: none.
     """
     context = mp.get_context(spec.start_method)
     with main_prepared():
@@ -54,7 +64,10 @@ def start_workers(
         with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
             for rank in range(spec.nprocs):
                 process = context.Process(  # type: ignore[attr-defined]
-                    target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
+                    target=target,
+                    args=(rank, spec, payload, *(rank_args[rank] if rank_args else ())),
+                    name=f"mplaunch-rank{rank}",
+                    daemon=False,
                 )
                 process.start()
                 started(process)

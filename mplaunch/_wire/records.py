@@ -110,6 +110,38 @@ class Payload:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """One call to warm workers (:class:`mplaunch.Workers`), written once to the launch directory as
+    :func:`call_name` and read by every rank: the plain function and its arguments."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def call_name(number: int) -> str:
+    """The name of warm call ``number`` in the launch directory."""
+    return f"call{number}"
+
+
+def result_name(number: int, rank: int) -> str:
+    """The name of rank ``rank``'s outcome of warm call ``number`` (read by the parent, then removed)."""
+    return f"result{number}-{rank}"
+
+
+def item_name(number: int, rank: int, index: int) -> str:
+    """The name of the ``index``-th value that rank ``rank`` yielded in warm call ``number``."""
+    return f"item{number}-{rank}-{index}"
+
+
+#: Control messages on a warm rank's pipe (small tuples; the objects travel as files, see above).
+#: Parent to rank: ``(CALL, number)`` run call ``number``; ``(CANCEL, number)`` it is no longer wanted (sent
+#: before the SIGINT that interrupts it); ``(EXIT,)`` leave. Rank to parent: ``(ITEM, number, index)`` a value
+#: was yielded; ``(DONE, number)`` the outcome is written.
+CALL, CANCEL, EXIT, ITEM, DONE = "call", "cancel", "exit", "item", "done"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Returned:
     """The function returned ``value`` (``None`` for ranks that do not report)."""
 

@@ -177,14 +177,15 @@ def _must_unshare(spec: WorkerSpec) -> bool:
         os.close(read_end)
 
 
-def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
-    """Write the outcome; a result that cannot be pickled or written is replaced by the error saying so.
-    Returns what was written."""
+def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | None = None) -> Outcome:
+    """Write the outcome (as ``name``, by default the rank's :func:`outcome_name`); a result that cannot be
+    pickled or written is replaced by the error saying so. Returns what was written."""
+    name = name or outcome_name(rank)
     try:
-        transport.dump(outcome, spec.directory, outcome_name(rank))
+        transport.dump(outcome, spec.directory, name)
         return outcome
     except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
-        transport.remove(spec.directory, outcome_name(rank))
+        transport.remove(spec.directory, name)
         if not isinstance(outcome, Returned):
             raise
         kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
@@ -199,7 +200,7 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
         )
         failure.__cause__ = error
         replacement = Raised.of(failure)
-        transport.dump(replacement, spec.directory, outcome_name(rank))
+        transport.dump(replacement, spec.directory, name)
         return replacement
 
 
@@ -253,6 +254,28 @@ def _start(spec: WorkerSpec) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
 
 
+def set_up(rank: int, spec: WorkerSpec) -> None:
+    """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`_start`), the
+    output descriptors, and torchrun's environment."""
+    _start(spec)
+    take_fds(spec.output_fds, rank, rank)
+    if spec.environ is not None:
+        os.environ.clear()
+        os.environ.update(spec.environ)
+    apply_environment(
+        os.environ,
+        rank_environment(
+            rank,
+            spec.nprocs,
+            spec.master_addr,
+            spec.master_port,
+            agent_store=spec.agent_store,
+            restart_count=spec.restart_count,
+            max_restarts=spec.max_restarts,
+        ),
+    )
+
+
 def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     """The target of every worker process: set up the rank, run the function, write the outcome, exit.
 
@@ -261,23 +284,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     """
     outcome: Outcome | None = None
     try:
-        _start(spec)
-        take_fds(spec.output_fds, rank, rank)
-        if spec.environ is not None:
-            os.environ.clear()
-            os.environ.update(spec.environ)
-        apply_environment(
-            os.environ,
-            rank_environment(
-                rank,
-                spec.nprocs,
-                spec.master_addr,
-                spec.master_port,
-                agent_store=spec.agent_store,
-                restart_count=spec.restart_count,
-                max_restarts=spec.max_restarts,
-            ),
-        )
+        set_up(rank, spec)
         outcome = _execute(rank, rank, spec, payload)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
         pass
