@@ -16,7 +16,7 @@ from typing_extensions import ParamSpec, Unpack
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config, replace_options
 from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
 from mplaunch._frames import resolve
-from mplaunch._parent import futures, in_process, launch
+from mplaunch._parent import futures, in_process, launch, warm
 from mplaunch._parent.control import LaunchControl
 from mplaunch._state.snapshot import GlobalState
 
@@ -61,7 +61,10 @@ class ParallelFunction(Generic[P, T]):
 
         Returns:
             Rank 0's return value with every tensor on the CPU, or, with ``return_all=True``, a list of every
-            rank's value ordered by rank.
+            rank's value ordered by rank. For a generator function, at once a :class:`~mplaunch.Stream`: an
+            iterator (and async iterator) over the values rank 0 yields, as they are yielded (``(rank,
+            value)`` pairs from every rank with ``return_all=True``); the workers stop when it ends or is
+            closed (see the guide's "Interactive work").
 
         Raises:
             BaseException: the exception a worker raised, as its own type, with ``rank`` and ``pid``
@@ -76,6 +79,8 @@ class ParallelFunction(Generic[P, T]):
         """
         __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
         try:
+            if inspect.isgeneratorfunction(self.__wrapped__):
+                return warm.launch_stream(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
             return launch.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
         except BaseException as error:
             if not _ours(error):
@@ -120,6 +125,8 @@ class ParallelFunction(Generic[P, T]):
 
         Returns:
             A future of rank 0's return value (with ``return_all=True``, of the list of every rank's value).
+            For a generator function, a future of its return value whose ``items`` attribute iterates over
+            the values yielded, as they arrive.
 
         Raises:
             RuntimeError: the interpreter is shutting down, so no thread can start.
@@ -130,6 +137,8 @@ class ParallelFunction(Generic[P, T]):
             (False, True)
         """
         frame = sys._getframe(1)
+        if inspect.isgeneratorfunction(self.__wrapped__):
+            return warm.submit_stream(self, args, kwargs, self.config)
         control = LaunchControl(stoppable=True)
         try:
             control.in_process = not launch.check_call(self, args, kwargs, self.config, frame)

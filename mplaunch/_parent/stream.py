@@ -13,6 +13,8 @@ import queue
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Generic, TypeVar
 
+from mplaunch._errors import MplaunchError, RemoteTraceback
+
 T = TypeVar("T")
 _END = object()
 
@@ -43,6 +45,7 @@ class Stream(Generic[T]):
         self._release = release
         self._return_all = return_all
         self._done = False
+        self._after: list[Callable[[], None]] = []  # run once the call has ended (a launch closes its workers)
         self.value: Any = None
 
     def __iter__(self) -> Stream[T]:
@@ -62,11 +65,18 @@ class Stream(Generic[T]):
             rank, value = next(self._exchange)
         except StopIteration as stop:
             self._end()
-            self.value = self._finish(stop.value)
+            try:
+                self.value = self._finish(stop.value)
+            except BaseException as error:
+                if not ours(error):
+                    raise
+                raise error.with_traceback(None) from error.__cause__  # as a call raises it
             raise StopIteration(self.value) from None
-        except BaseException:
+        except BaseException as error:
             self._end()
-            raise
+            if not ours(error):
+                raise
+            raise error.with_traceback(None) from error.__cause__
         return (rank, value) if self._return_all else value  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -82,7 +92,11 @@ class Stream(Generic[T]):
     def _end(self) -> None:
         if not self._done:
             self._done = True
-            self._release()
+            try:
+                self._release()
+            finally:
+                for after in self._after:
+                    after()
 
     def __enter__(self) -> Stream[T]:
         return self
@@ -128,12 +142,13 @@ class Queued(Generic[T]):
         self._ended = False
 
     def feed(self, stream: Iterator[T]) -> None:
-        """Put every value of ``stream`` (in the thread that runs it), then the end."""
-        try:
-            for value in stream:
-                self._queue.put(value)
-        finally:
-            self._queue.put(_END)
+        """Put every value of ``stream`` (in the thread that runs it)."""
+        for value in stream:
+            self._queue.put(value)
+
+    def end(self) -> None:
+        """Mark the end (after the last value, or a failure: the future holds it)."""
+        self._queue.put(_END)
 
     def __iter__(self) -> Queued[T]:
         return self
@@ -146,3 +161,9 @@ class Queued(Generic[T]):
             self._ended = True
             raise StopIteration
         return value  # type: ignore[no-any-return]
+
+
+def ours(error: BaseException) -> bool:
+    """Whether ``error`` is one that mplaunch raises by design (see ``mplaunch._api._ours``): its frames in
+    between say nothing and are cut."""
+    return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)

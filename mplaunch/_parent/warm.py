@@ -21,12 +21,14 @@ from typing import Any
 from typing_extensions import Unpack
 
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config
-from mplaunch._errors import InvalidOptionError, LaunchRefusedError, MplaunchError, RemoteTraceback
+from mplaunch._env import outer_launcher
+from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._frames import warn_at_user
 from mplaunch._parent import checks, futures, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import space_hint
-from mplaunch._parent.stream import Queued, Stream
+from mplaunch._parent.in_process import run_in_process
+from mplaunch._parent.stream import Queued, Stream, ours
 from mplaunch._parent.team import Team
 from mplaunch._wire import transport
 from mplaunch._wire.importable import worker_imports
@@ -164,7 +166,7 @@ class Workers:
                 return self._stream(target, args, kwargs)
             return self._call(target, args, kwargs, None)
         except BaseException as error:
-            if not _ours(error):
+            if not ours(error):
                 raise
             raise error.with_traceback(None) from error.__cause__
 
@@ -186,9 +188,12 @@ class Workers:
         items: Queued[Any] = Queued()
 
         def run(control: LaunchControl) -> Any:
-            stream = self._stream(target, args, kwargs, control)
-            items.feed(stream)
-            return stream.value
+            try:
+                stream = self._stream(target, args, kwargs, control)
+                items.feed(stream)
+                return stream.value
+            finally:
+                items.end()
 
         future = futures.submit(run, control, name)
         future.items = items  # type: ignore[attr-defined]
@@ -335,6 +340,51 @@ def _returned(exchange: Any) -> Any:
             return stop.value
 
 
-def _ours(error: BaseException) -> bool:
-    """Whether ``error`` is one that mplaunch raises by design (see ``mplaunch._api._ours``)."""
-    return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
+def launch_stream(
+    function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig, frame: Any
+) -> Any:
+    """Call a decorated generator function: start its ranks, and return the :class:`Stream` of its values;
+    the ranks are closed when the stream ends (exhausted, closed, failed, or garbage collected). Under an
+    outer launcher, the generator runs here, as any call does.
+
+    Raises:
+        InvalidOptionError: ``max_restarts`` or ``nnodes`` > 1, which a stream cannot honour.
+    """
+    checks.check_not_bootstrapping(getattr(function, "__name__", "the function"))
+    if outer_launcher() is not None:
+        return run_in_process(function, args, kwargs, config)
+    checks.check_arguments(function, args, kwargs)
+    workers = Workers._of(config, frame)
+    try:
+        stream = workers._stream(function._mplaunch_target, args, kwargs)
+    except BaseException:
+        workers.close()
+        raise
+    stream._after.append(workers.close)
+    return stream
+
+
+def submit_stream(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Future[Any]:
+    """``submit()`` of a decorated generator function: a future of its return value, whose ``items``
+    iterate over its values as they come (see :meth:`Workers.submit`)."""
+    control = LaunchControl(stoppable=True)
+    try:
+        checks.check_arguments(function, args, kwargs)
+    except Exception as error:  # noqa: BLE001 - the future's outcome, as calling would raise it
+        control.close()
+        return futures.failed(error)
+    items: Queued[Any] = Queued()
+
+    def run(control: LaunchControl) -> Any:
+        workers = Workers._of(config, None)
+        try:
+            stream = workers._stream(function._mplaunch_target, args, kwargs, control)
+            items.feed(stream)
+            return stream.value
+        finally:
+            items.end()
+            workers.close()
+
+    future = futures.submit(run, control, getattr(function, "__qualname__", "launch"))
+    future.items = items  # type: ignore[attr-defined]
+    return future
