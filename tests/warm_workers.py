@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 from mplaunch import worker_info
 
@@ -48,7 +48,7 @@ def sleep_forever(started: str) -> None:
         time.sleep(0.05)
 
 
-def values_then_wait(path: str) -> Iterator[int]:
+def values_then_wait(path: str) -> Generator[int, None, int]:
     """Rank 0 yields 1, then waits for ``path`` (created by the test once it has received 1), then yields 2."""
     yield 1
     while not os.path.exists(path):
@@ -64,12 +64,14 @@ def pids_forever() -> Iterator[int]:
 
 
 def values_then_raise() -> Iterator[int]:
+    """Every rank yields 1 and 2; then rank 0 raises."""
     yield 1
     yield 2
-    raise ValueError("after two values")
+    if worker_info().rank == 0:
+        raise ValueError("after two values")
 
 
-def ranked_values(count: int) -> Iterator[int]:
+def ranked_values(count: int) -> Generator[int, None, int]:
     for index in range(count):
         yield worker_info().rank * 100 + index
     return worker_info().rank

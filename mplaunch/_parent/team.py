@@ -189,8 +189,7 @@ class Team:
                     if message[0] == ITEM and message[1] == number:
                         name = item_name(number, rank, message[2])
                         value = transport.load(self.spec.directory, name, private=False, remove=True)
-                        if rank not in interrupted:
-                            yield rank, value
+                        yield rank, value  # yielded before any interruption reached the rank
                         del value
                     elif message[0] == DONE and message[1] == number:
                         pending.discard(rank)

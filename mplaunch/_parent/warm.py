@@ -43,7 +43,8 @@ class _Held:
         self.closed = False
         self.lock = threading.Lock()  # one call at a time
         self.owner: threading.Thread | None = None  # the thread whose call holds the lock
-        self.stream: Stream[Any] | None = None  # that call's stream, if it is one
+        self.stream: weakref.ref[Stream[Any]] | None = None  # that call's stream, if it is one (weak: a stream
+        # dropped after a `break` must be freed at once, which closes it)
 
     def close(self) -> None:
         self.closed = True
@@ -225,7 +226,7 @@ class Workers:
     def _busy(self) -> Any:
         """Hold the call lock (see :meth:`run`)."""
         held = self._held
-        stream = held.stream
+        stream = None if held.stream is None else held.stream()
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)
             stream.close()
@@ -296,7 +297,7 @@ class Workers:
         except BaseException:
             busy.__exit__(None, None, None)
             raise
-        self._held.stream = stream
+        self._held.stream = weakref.ref(stream)
         return stream
 
     def _outcome(self, team: Team, states: dict[int, RankState]) -> Any:
