@@ -204,7 +204,7 @@ class Team:
                 if grace is None and any(isinstance(s, BaseException) for s in states.values()) and pending:
                     grace = self._interrupt(pending, number, interrupted)
         except BaseException:
-            if pending:
+            if pending and not self._closed:  # closed (at exit, or by another thread): nothing left to stop
                 self._abandon(pending, number, interrupted)
             raise
         finally:
@@ -300,6 +300,8 @@ class Team:
     def terminate(self) -> None:
         """Stop every worker: SIGTERM, SIGKILL to its process group after ``grace_period`` seconds; reap."""
         self.broken = True
+        if self._closed:
+            return
         alive = [p for p in self.processes if p.exitcode is None]
         for process in alive:
             signal_worker(process, signal.SIGTERM, group=False)
