@@ -75,3 +75,8 @@ def ranked_values(count: int) -> Generator[int, None, int]:
     for index in range(count):
         yield worker_info().rank * 100 + index
     return worker_info().rank
+
+
+def say(word: str) -> None:
+    """Print without a newline (a partial line), as a progress bar does."""
+    print(f"{word} from rank {worker_info().rank}", end="")

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from mplaunch._config import ParallelConfig
 from mplaunch._errors import LaunchTimeoutError, RemoteError
-from mplaunch._output.pump import routed, worker_fds
+from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import policy
 from mplaunch._parent.control import LaunchStopped
 from mplaunch._parent.directory import launch_directory
@@ -79,6 +79,7 @@ class Team:
         self._pidfds: list[int] = []
         self._stack = contextlib.ExitStack()
         self._closed = False
+        self.pump: Pump | None = None
         try:
             self._start(config, nprocs, start_method)
         except BaseException:
@@ -109,7 +110,7 @@ class Team:
             master_port=self.store.port,
             agent_store=self.store.agent_store,
         )
-        pump = stack.enter_context(routed(list(range(nprocs)), spec))
+        self.pump = pump = stack.enter_context(routed(list(range(nprocs)), spec))
         self.spec = spec = dataclasses.replace(spec, output_fds=worker_fds(pump, start_method, nprocs))
         state: GlobalState | ForkState
         payload: Payload | None = None
@@ -161,6 +162,8 @@ class Team:
         states: dict[int, RankState] = {}
         interrupted: set[int] = set()
         grace: float | None = None  # once interrupted: when the ranks must have answered
+        if self.pump is not None:
+            self.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
         for conn in self._conns:
             conn.send((CALL, number))
         try:
@@ -209,6 +212,8 @@ class Team:
             raise
         finally:
             self._clean(number)
+            if self.pump is not None and not self._closed:
+                self.pump.sync()  # the call's output before its value
         for rank in range(self.spec.nprocs):
             states.setdefault(rank, Stopped(rank))
         return states

@@ -16,6 +16,7 @@ and is ignored between calls; SIGTERM ends the worker, as in a launch. The paren
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import inspect
 import os
@@ -135,6 +136,9 @@ def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int) -> N
         del error
     if os.getpid() != entry._worker_pid:  # a process the function forked, returning: not the worker
         os._exit(0 if isinstance(outcome, Returned) else 1)
+    for stream in (sys.stdout, sys.stderr):  # the call's output reaches the parent before its outcome
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
     entry._write_outcome(spec, rank, outcome, result_name(number, rank))
     del outcome
     conn.send((DONE, number))

@@ -210,3 +210,15 @@ def test_options_that_warm_workers_cannot_honour_are_refused() -> None:
         Workers(nprocs=2, start_method="fork", max_restarts=1)
     with pytest.raises(mplaunch.InvalidOptionError, match="nprocs"):
         Workers(nprocs=0)
+
+
+def test_a_calls_output_is_written_before_it_returns(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ranks' pipes outlive the call: their text is flushed and written out before run() returns, to the
+    caller's sys.stdout of this call (a notebook cell's)."""
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, prefix_output=True) as workers:
+        workers.run(warm_workers.say, "first")
+        first = capsys.readouterr().out
+        workers.run(warm_workers.say, "second")
+        second = capsys.readouterr().out
+    assert "[rank 0] first from rank 0" in first and "[rank 1] first from rank 1" in first, first
+    assert "second from rank 0" in second and "second from rank 1" in second, second

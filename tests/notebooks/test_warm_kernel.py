@@ -43,6 +43,7 @@ print("RESULT", json.dumps(workers.run(bump)))
 
 LATER = """\
 def read():  # defined after the ranks started; reads the global the ranks own
+    print("printed by rank", worker_info().rank, flush=True)
     return counter * 10
 
 print("RESULT", json.dumps(workers.run(read)))
@@ -88,6 +89,7 @@ def test_warm_workers_across_cells_interrupt_and_shutdown(tmp_path: Path) -> Non
     pids = [pid for pid, _ in first]
     assert [count for _, count in first] == [1, 1], _outputs(nb.cells[1])
     assert _result_line(nb.cells[2], "RESULT") == [10, 10], _outputs(nb.cells[2])
+    assert all(f"printed by rank {rank}" in _outputs(nb.cells[2]) for rank in range(2)), _outputs(nb.cells[2])
     assert [e.ename for e in _errors(nb.cells[3])] == ["KeyboardInterrupt"], _outputs(nb.cells[3])
     assert _result_line(nb.cells[4], "RESULT") == [[pid, 2] for pid in pids], _outputs(nb.cells[4])
     deadline = time.monotonic() + 15
