@@ -80,3 +80,13 @@ def ranked_values(count: int) -> Generator[int, None, int]:
 def say(word: str) -> None:
     """Print without a newline (a partial line), as a progress bar does."""
     print(f"{word} from rank {worker_info().rank}", end="")
+
+
+def all_reduce_once() -> tuple[int, int]:
+    """Sum rank + 1 over the process group that the workers keep; return (sum, id of the group)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([worker_info().rank + 1])
+    dist.all_reduce(value)
+    return int(value.item()), id(dist.group.WORLD)

@@ -222,3 +222,10 @@ def test_a_calls_output_is_written_before_it_returns(capsys: pytest.CaptureFixtu
         second = capsys.readouterr().out
     assert "[rank 0] first from rank 0" in first and "[rank 1] first from rank 1" in first, first
     assert "second from rank 0" in second and "second from rank 1" in second, second
+
+
+def test_the_process_group_is_made_once_and_kept() -> None:
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, backend="gloo") as workers:
+        first = workers.run(warm_workers.all_reduce_once)
+        second = workers.run(warm_workers.all_reduce_once)
+    assert first == second and first[0] == 3
