@@ -250,6 +250,9 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries
             the earlier ones in ``earlier_attempts``. Multi-node: passed on to elastic.
         rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``.
+        post_mortem: the first rank that raises opens pdb at its failing line, on the caller's terminal,
+            before the launch stops the others (``q`` or ``c`` ends the session; the failure is then raised
+            as usual). Without a terminal (a notebook), a ``RuntimeWarning`` points to :meth:`debug`.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that

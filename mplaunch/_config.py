@@ -35,6 +35,7 @@ class LaunchOptions(TypedDict, total=False):
     rdzv_endpoint: str | None
     max_restarts: int
     rdzv_timeout: float
+    post_mortem: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +63,7 @@ class ParallelConfig:
         max_restarts: how often all workers are restarted after a failure (by mplaunch on one node, by
             torch.distributed.elastic on several), as torchrun's ``--max-restarts``.
         rdzv_timeout: seconds to wait for every node to join a multi-node launch.
+        post_mortem: open pdb, on the caller's terminal, at the failing frame of the first rank that raises.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
@@ -82,11 +84,12 @@ class ParallelConfig:
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
     rdzv_timeout: float = 600.0
+    post_mortem: bool = False
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
         _check_start_method(self.start_method)
-        for name in ("return_all", "prefix_output"):
+        for name in ("return_all", "prefix_output", "post_mortem"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidOptionError(f"{name}={getattr(self, name)!r} is not valid: pass True or False.")
         _check_seconds("timeout", self.timeout, "> 0, or None for no limit", optional=True)

@@ -101,6 +101,7 @@ class Team:
             environ=dict(os.environ) if start_method == "forkserver" else None,
             backend=backend,
             prefix_output=config.prefix_output,
+            post_mortem=config.post_mortem,
             console_ranks=config.console_ranks,
             log_dir=config.log_dir,
             grace_period=config.grace_period,
@@ -288,6 +289,8 @@ class Team:
 
     def _clean(self, number: int) -> None:
         """Remove what call ``number`` left in the launch directory (values nobody read, the call)."""
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.spec.directory, "post-mortem"))  # the next call's failure may debug
         prefixes = (
             f"call{number}.",
             f".call{number}.",

@@ -9,6 +9,7 @@ and Ray's actors (a process that keeps its state between tasks), with mplaunch's
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import inspect
 import itertools
 import sys
@@ -119,6 +120,8 @@ class Workers:
         self.start_method = config.start_method or policy.default_start_method()
         checks.check_cuda_fork(self.start_method)
         checks.check_main_guard(self.start_method, frame, "Workers")
+        config = dataclasses.replace(config, post_mortem=checks.post_mortem_terminal(config.post_mortem))
+        self.config = config
         self._numbers = itertools.count()
         self._held = held = _Held()
         self._finalizer = weakref.finalize(self, held.close)
@@ -257,7 +260,11 @@ class Workers:
         imports = None if fork else worker_imports()
         try:
             transport.dump(
-                Call(function, args, kwargs), team.spec.directory, call_name(number), by_value=fork, imports=imports
+                Call(function, args, kwargs, getattr(getattr(function, "__code__", None), "co_filename", None)),
+                team.spec.directory,
+                call_name(number),
+                by_value=fork,
+                imports=imports,
             )
         except OSError as error:
             raise LaunchRefusedError(

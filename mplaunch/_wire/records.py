@@ -73,6 +73,8 @@ class WorkerSpec:
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output.fds`).
+        post_mortem: the first rank that raises opens pdb on the terminal (see
+            :mod:`mplaunch._worker.debugger`).
     """
 
     directory: str
@@ -96,6 +98,7 @@ class WorkerSpec:
     restart_count: int = 0
     max_restarts: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
+    post_mortem: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,11 +115,13 @@ class Payload:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Call:
     """One call to warm workers (:class:`mplaunch.Workers`), written once to the launch directory as
-    :func:`call_name` and read by every rank: the plain function and its arguments."""
+    :func:`call_name` and read by every rank: the plain function, its arguments, and the file it was defined
+    in (tracebacks and debuggers show it, where a function sent by value would say ``<dynamic-code>``)."""
 
     function: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    filename: str | None = None  # the function's source file: cloudpickle sends code without it
 
 
 def call_name(number: int) -> str:

@@ -40,6 +40,7 @@ from mplaunch._wire.records import (
     outcome_name,
 )
 from mplaunch._worker.children import stop_children
+from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
 
@@ -161,6 +162,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
                 raise
         return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
+        if spec.post_mortem and _signal_received is None:
+            post_mortem(error, spec, rank)
         return _decide(Raised.of(error, when=raised_at))
 
 

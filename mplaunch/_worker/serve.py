@@ -47,6 +47,7 @@ from mplaunch._wire.records import (
     result_name,
 )
 from mplaunch._worker import entry
+from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.process_group import process_group
 
 _in_call = False  # SIGINT raises KeyboardInterrupt only while a call runs
@@ -117,7 +118,7 @@ def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int) -> N
             if conn.poll(0) and _cancelled(conn, number):  # a SIGINT may have come before _in_call was set
                 raise _Cancelled()
             call: Call = transport.load(spec.directory, call_name(number), private=True, remove=False)
-            function = _in_main(call.function)
+            function = _in_main(call.function, call.filename)
             value = function(*call.args, **call.kwargs)
             del call
             if inspect.isgenerator(value):
@@ -132,6 +133,8 @@ def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int) -> N
     except BaseException as error:  # noqa: BLE001 - every failure of the call is its outcome
         if entry._signal_received is not None:
             raise  # SIGTERM: the worker ends
+        if spec.post_mortem:
+            post_mortem(error, spec, rank)
         outcome = Raised.of(error, when=raised_at)
         del error
     if os.getpid() != entry._worker_pid:  # a process the function forked, returning: not the worker
@@ -172,15 +175,17 @@ def _stream(generator: Generator[Any, Any, Any], rank: int, spec: WorkerSpec, co
         generator.close()
 
 
-def _in_main(function: Any) -> Any:
+def _in_main(function: Any, filename: str | None) -> Any:
     """The plain function to call: a decorated function's target; a function of ``__main__`` that travelled
     by value runs in this worker's ``__main__`` namespace, so that the globals the ranks set there persist
     from call to call, as they do for an imported module's functions.
 
     The globals it brought from the parent (the values of the names it uses) are set there first, except
     those that a function run here assigns (``global model; model = ...``): from the first such call on,
-    they belong to the ranks."""
+    they belong to the ranks. A function sent by value gets back its ``filename``."""
     function = getattr(function, "_mplaunch_target", function)
+    if isinstance(function, types.FunctionType) and filename and function.__code__.co_filename != filename:
+        function.__code__ = _in_file(function.__code__, filename)
     main = sys.modules.get("__main__")
     if not isinstance(function, types.FunctionType) or function.__module__ != "__main__" or main is None:
         return function
@@ -210,3 +215,9 @@ def _assigned_globals(code: types.CodeType) -> set[str]:
         if isinstance(constant, types.CodeType):
             names |= _assigned_globals(constant)
     return names
+
+
+def _in_file(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` (and the code nested in it) as defined in ``filename``."""
+    consts = tuple(_in_file(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
