@@ -16,7 +16,7 @@ from typing_extensions import ParamSpec, Unpack
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config, replace_options
 from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
 from mplaunch._frames import resolve
-from mplaunch._parent import futures, in_process, launch, warm
+from mplaunch._parent import futures, generators, in_process, launch
 from mplaunch._parent.control import LaunchControl
 from mplaunch._state.snapshot import GlobalState
 
@@ -80,7 +80,7 @@ class ParallelFunction(Generic[P, T]):
         __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
         try:
             if inspect.isgeneratorfunction(self.__wrapped__):
-                return warm.launch_stream(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
+                return generators.launch_stream(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
             return launch.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
         except BaseException as error:
             if not _ours(error):
@@ -138,7 +138,7 @@ class ParallelFunction(Generic[P, T]):
         """
         frame = sys._getframe(1)
         if inspect.isgeneratorfunction(self.__wrapped__):
-            return warm.submit_stream(self, args, kwargs, self.config)
+            return generators.submit_stream(self, args, kwargs, self.config)
         control = LaunchControl(stoppable=True)
         try:
             control.in_process = not launch.check_call(self, args, kwargs, self.config, frame)

@@ -8,7 +8,6 @@ and Ray's actors (a process that keeps its state between tasks), with mplaunch's
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import inspect
 import itertools
@@ -22,46 +21,17 @@ from typing import Any
 from typing_extensions import Unpack
 
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config
-from mplaunch._env import outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._frames import warn_at_user
 from mplaunch._parent import checks, futures, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import space_hint
-from mplaunch._parent.in_process import run_in_process
+from mplaunch._parent.exchange import exchange
 from mplaunch._parent.stream import Queued, Stream, ours
-from mplaunch._parent.team import Team
+from mplaunch._parent.team import Busy, Held, Team
 from mplaunch._wire import transport
 from mplaunch._wire.importable import worker_imports
 from mplaunch._wire.records import Call, RankState, Returned, Stopped, call_name, set_attribute
-
-
-class _Held:
-    """What a :class:`Workers` owns, apart from it, so that its finalizer and the exit handler can close it."""
-
-    def __init__(self) -> None:
-        self.team: Team | None = None
-        self.closed = False
-        self.lock = threading.Lock()  # one call at a time
-        self.owner: threading.Thread | None = None  # the thread whose call holds the lock
-        self.stream: weakref.ref[Stream[Any]] | None = None  # that call's stream, if it is one (weak: a stream
-        # dropped after a `break` must be freed at once, which closes it)
-
-    def close(self) -> None:
-        self.closed = True
-        team, self.team = self.team, None
-        if team is not None:
-            team.close()
-
-
-_open: weakref.WeakSet[_Held] = weakref.WeakSet()
-_exit_registered = False
-
-
-def _close_all() -> None:
-    """At exit, before ``multiprocessing`` joins its children: close every open set of warm workers."""
-    for held in list(_open):
-        held.close()
 
 
 class Workers:
@@ -105,7 +75,6 @@ class Workers:
         return workers
 
     def _setup(self, config: ParallelConfig, frame: Any) -> None:
-        global _exit_registered
         if config.max_restarts:
             raise InvalidOptionError(
                 f"max_restarts={config.max_restarts} is not valid for Workers: the next run() starts again the "
@@ -123,13 +92,9 @@ class Workers:
         config = dataclasses.replace(config, post_mortem=checks.post_mortem_terminal(config.post_mortem))
         self.config = config
         self._numbers = itertools.count()
-        self._held = held = _Held()
+        self._held = held = Held()
         self._finalizer = weakref.finalize(self, held.close)
         self._finalizer.atexit = False  # _close_all does it, in the right order
-        if not _exit_registered:
-            atexit.register(_close_all)  # after multiprocessing's handler, so it runs first (last in, first out)
-            _exit_registered = True
-        _open.add(held)
         held.team = Team(config, self.nprocs, self.start_method)
 
     @property
@@ -233,7 +198,7 @@ class Workers:
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)
             stream.close()
-        return _Busy(held)
+        return Busy(held)
 
     def _team(self) -> Team:
         """The ranks for the next call: started again (with a warning) if any died or was stopped."""
@@ -282,8 +247,8 @@ class Workers:
         with self._busy():
             team = self._team()
             number = self._send(team, function, args, kwargs)
-            exchange = team.exchange(number, None if control is None else control.fileno(), self.config.timeout)
-            states = _returned(exchange)
+            calling = exchange(team, number, None if control is None else control.fileno(), self.config.timeout)
+            states = _returned(calling)
             return self._outcome(team, states)
 
     def _stream(
@@ -294,9 +259,9 @@ class Workers:
         try:
             team = self._team()
             number = self._send(team, function, args, kwargs)
-            exchange = team.exchange(number, None if control is None else control.fileno(), self.config.timeout)
+            calling = exchange(team, number, None if control is None else control.fileno(), self.config.timeout)
             stream: Stream[Any] = Stream(
-                exchange,
+                calling,
                 lambda states: self._outcome(team, states),
                 lambda: busy.__exit__(None, None, None),
                 self.config.return_all,
@@ -323,22 +288,6 @@ class Workers:
         return values if self.config.return_all else values[0]
 
 
-class _Busy:
-    """The call lock of one :class:`Workers`, noting the thread that holds it."""
-
-    def __init__(self, held: _Held) -> None:
-        self._held = held
-
-    def __enter__(self) -> None:
-        self._held.lock.acquire()
-        self._held.owner = threading.current_thread()
-
-    def __exit__(self, *exc: object) -> None:
-        self._held.owner = None
-        self._held.stream = None
-        self._held.lock.release()
-
-
 def _returned(exchange: Any) -> Any:
     """Run ``exchange`` to its end and return its return value."""
     while True:
@@ -346,53 +295,3 @@ def _returned(exchange: Any) -> Any:
             next(exchange)
         except StopIteration as stop:
             return stop.value
-
-
-def launch_stream(
-    function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig, frame: Any
-) -> Any:
-    """Call a decorated generator function: start its ranks, and return the :class:`Stream` of its values;
-    the ranks are closed when the stream ends (exhausted, closed, failed, or garbage collected). Under an
-    outer launcher, the generator runs here, as any call does.
-
-    Raises:
-        InvalidOptionError: ``max_restarts`` or ``nnodes`` > 1, which a stream cannot honour.
-    """
-    checks.check_not_bootstrapping(getattr(function, "__name__", "the function"))
-    if outer_launcher() is not None:
-        return run_in_process(function, args, kwargs, config)
-    checks.check_arguments(function, args, kwargs)
-    workers = Workers._of(config, frame)
-    try:
-        stream = workers._stream(function._mplaunch_target, args, kwargs)
-    except BaseException:
-        workers.close()
-        raise
-    stream._after.append(workers.close)
-    return stream
-
-
-def submit_stream(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Future[Any]:
-    """``submit()`` of a decorated generator function: a future of its return value, whose ``items``
-    iterate over its values as they come (see :meth:`Workers.submit`)."""
-    control = LaunchControl(stoppable=True)
-    try:
-        checks.check_arguments(function, args, kwargs)
-    except Exception as error:  # noqa: BLE001 - the future's outcome, as calling would raise it
-        control.close()
-        return futures.failed(error)
-    items: Queued[Any] = Queued()
-
-    def run(control: LaunchControl) -> Any:
-        workers = Workers._of(config, None)
-        try:
-            stream = workers._stream(function._mplaunch_target, args, kwargs, control)
-            items.feed(stream)
-            return stream.value
-        finally:
-            items.end()
-            workers.close()
-
-    future = futures.submit(run, control, getattr(function, "__qualname__", "launch"))
-    future.items = items  # type: ignore[attr-defined]
-    return future
