@@ -65,6 +65,8 @@ def exchange(
         conn.send((CALL, number))
     try:
         while pending:
+            if team.closed:
+                raise _closed_error()
             ends = {team.ends[rank]: rank for rank in pending}
             conns = {team.conns[rank]: rank for rank in pending}
             listener = team.store.fileno()
@@ -103,8 +105,12 @@ def exchange(
                 team.broken = True
             if grace is None and any(isinstance(s, BaseException) for s in states.values()) and pending:
                 grace = _interrupt(team, pending, number, interrupted)
-    except BaseException:
-        if pending and not team.closed:  # closed (at exit, or by another thread): nothing left to stop
+    except BaseException as error:
+        if team.closed:  # at exit, or by another thread: nothing left to stop
+            if isinstance(error, (GeneratorExit, KeyboardInterrupt, RuntimeError)):
+                raise
+            raise _closed_error() from None
+        if pending:
             _abandon(team, pending, number, interrupted)
         raise
     finally:
@@ -211,3 +217,7 @@ def _timeout_error(timeout: float, running: list[int]) -> LaunchTimeoutError:
         timeout,
         tuple(running),
     )
+
+
+def _closed_error() -> RuntimeError:
+    return RuntimeError("the mplaunch.Workers were closed while this call ran; its ranks were stopped")

@@ -229,3 +229,28 @@ def test_the_process_group_is_made_once_and_kept() -> None:
         first = workers.run(warm_workers.all_reduce_once)
         second = workers.run(warm_workers.all_reduce_once)
     assert first == second and first[0] == 3
+
+
+def test_cancelling_a_submitted_call_interrupts_it_and_keeps_the_ranks(tmp_path: Path) -> None:
+    started = str(tmp_path / "started")
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
+        pids = workers.pids
+        future = workers.submit(warm_workers.sleep_forever, started)
+        while not (os.path.exists(f"{started}0") and os.path.exists(f"{started}1")):
+            time.sleep(0.01)
+        assert future.cancel() and future.cancelled()
+        assert workers.run(warm_workers.bump)[2] == 1
+        assert workers.pids == pids
+
+
+def test_closing_while_a_call_runs_in_another_thread_stops_it(tmp_path: Path) -> None:
+    started = str(tmp_path / "started")
+    workers = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1.0)
+    pids = workers.pids
+    future = workers.submit(warm_workers.sleep_forever, started)
+    while not (os.path.exists(f"{started}0") and os.path.exists(f"{started}1")):
+        time.sleep(0.01)
+    workers.close()
+    with pytest.raises(RuntimeError, match="closed while this call ran"):
+        future.result(TIMEOUT)
+    assert _gone(pids, 0.1)
