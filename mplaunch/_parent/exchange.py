@@ -41,13 +41,16 @@ from mplaunch._wire.records import (
 )
 
 _INTERRUPTED = 128 + signal.SIGINT  # the exit code a KeyboardInterrupt's record carries
+#: What :func:`exchange` yields first, once the call is sent (not a value: skipped by :func:`start`).
+STARTED = (-1, None)
 
 
 def exchange(
     team: Team, number: int, stop: int | None, timeout: float | None
 ) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
-    """Tell every rank to run call ``number`` (already written); yield ``(rank, value)`` for each value a
-    reporting rank yields, as it comes; return each rank's state once all have answered.
+    """Tell every rank to run call ``number`` (already written) and yield :data:`STARTED`; then yield
+    ``(rank, value)`` for each value a reporting rank yields, as it comes; return each rank's state once all
+    have answered.
 
     A failure (a rank raising, or dying) interrupts the ranks still running; ``stop`` (a descriptor)
     becoming readable, ``timeout`` seconds passing, or the generator being closed or interrupted (Ctrl-C)
@@ -62,8 +65,10 @@ def exchange(
     if team.pump is not None:
         team.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
     for conn in team.conns:
-        conn.send((CALL, number))
+        with contextlib.suppress(OSError):  # a rank that died: its pidfd tells
+            conn.send((CALL, number))
     try:
+        yield STARTED  # the caller takes this at once: the ranks run the call whether or not it is read
         while pending:
             if team.closed:
                 raise _closed_error()
@@ -120,6 +125,15 @@ def exchange(
     for rank in range(team.spec.nprocs):
         states.setdefault(rank, Stopped(rank))
     return states
+
+
+def start(
+    team: Team, number: int, stop: int | None, timeout: float | None
+) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
+    """:func:`exchange`, with the call already sent to the ranks; closing it interrupts the call."""
+    calling = exchange(team, number, stop, timeout)
+    next(calling)
+    return calling
 
 
 def _result(team: Team, number: int, rank: int, interrupted: bool) -> RankState:

@@ -26,7 +26,7 @@ from mplaunch._frames import warn_at_user
 from mplaunch._parent import checks, futures, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import space_hint
-from mplaunch._parent.exchange import exchange
+from mplaunch._parent.exchange import start
 from mplaunch._parent.stream import Queued, Stream, ours
 from mplaunch._parent.team import Busy, Held, Team
 from mplaunch._wire import transport
@@ -247,7 +247,7 @@ class Workers:
         with self._busy():
             team = self._team()
             number = self._send(team, function, args, kwargs)
-            calling = exchange(team, number, None if control is None else control.fileno(), self.config.timeout)
+            calling = start(team, number, None if control is None else control.fileno(), self.config.timeout)
             states = _returned(calling)
             return self._outcome(team, states)
 
@@ -259,7 +259,7 @@ class Workers:
         try:
             team = self._team()
             number = self._send(team, function, args, kwargs)
-            calling = exchange(team, number, None if control is None else control.fileno(), self.config.timeout)
+            calling = start(team, number, None if control is None else control.fileno(), self.config.timeout)
             stream: Stream[Any] = Stream(
                 calling,
                 lambda states: self._outcome(team, states),

@@ -20,6 +20,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -237,12 +239,15 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
         os._exit(_exit_code(outcome))
 
 
-def _start(spec: WorkerSpec) -> None:
-    """Signals, parent-death and exit handlers: the first things a worker does."""
+def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None) -> None:
+    """Signals, parent-death and exit handlers: the first things a worker does. ``on_interrupt``: the
+    SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call)."""
     global _worker_pid
     _worker_pid = os.getpid()
     for signum in _STOP_SIGNALS:
         signal.signal(signum, _on_signal)
+    if on_interrupt is not None:
+        signal.signal(signal.SIGINT, on_interrupt)
     os.register_at_fork(after_in_child=_default_signals)  # the worker's children (DataLoader's...) get Python's
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
@@ -257,10 +262,10 @@ def _start(spec: WorkerSpec) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
 
 
-def set_up(rank: int, spec: WorkerSpec) -> None:
-    """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`_start`), the
-    output descriptors, and torchrun's environment."""
-    _start(spec)
+def set_up(rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None) -> None:
+    """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`_start`, which
+    takes ``on_interrupt``), the output descriptors, and torchrun's environment."""
+    _start(spec, on_interrupt)
     take_fds(spec.output_fds, rank, rank)
     if spec.environ is not None:
         os.environ.clear()

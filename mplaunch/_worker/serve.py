@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 import types
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -75,8 +75,7 @@ def serve(rank: int, spec: WorkerSpec, payload: Payload | None, conn: Connection
     """
     outcome: Outcome | None = None
     try:
-        entry.set_up(rank, spec)
-        signal.signal(signal.SIGINT, _on_interrupt)
+        entry.set_up(rank, spec, _on_interrupt)  # a SIGINT while starting must not end the rank
         entry._set_threads(spec.num_threads)
         if payload is None:
             payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
@@ -147,9 +146,22 @@ def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int) -> N
     conn.send((DONE, number))
 
 
+@contextlib.contextmanager
+def _whole() -> Iterator[None]:
+    """Hold SIGINT while a message is read or written during a call: a ``KeyboardInterrupt`` between the
+    reads of a message's length and of its body would leave the pipe out of step. A SIGINT that came
+    meanwhile raises when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _cancelled(conn: Connection, number: int) -> bool:
     """Whether the message waiting on ``conn`` cancels call ``number`` (only a CANCEL can follow a CALL)."""
-    message = conn.recv()
+    with _whole():
+        message = conn.recv()
     if message[0] == CANCEL:
         return bool(message[1] == number)
     _early.append(message)
@@ -168,7 +180,8 @@ def _stream(generator: Generator[Any, Any, Any], rank: int, spec: WorkerSpec, co
                 return stop.value
             if reporting:
                 transport.dump(item, spec.directory, item_name(number, rank, index))
-                conn.send((ITEM, number, index))
+                with _whole():
+                    conn.send((ITEM, number, index))
                 index += 1
             del item
     finally:

@@ -101,3 +101,26 @@ def test_submit_gives_the_values_and_a_future_of_the_return_value() -> None:
     future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(warm_workers.ranked_values).submit(3)
     assert list(future.items) == [0, 1, 2]  # type: ignore[attr-defined]
     assert cast(int, future.result(TIMEOUT)) == 0
+
+
+def test_streams_closed_at_once_leave_the_ranks_and_their_pipes_in_step() -> None:
+    """A stream closed right after it started: the CANCEL and the SIGINT reach a rank as it starts the call.
+    A KeyboardInterrupt between the reads of a message's length and body put its pipe out of step, and
+    the rank ended ("exited with code 0 before returning"). A race: repeated."""
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
+        pids = workers.pids
+        for _ in range(200):
+            workers.run(warm_workers.ranked_values, 3).close()
+        assert list(workers.run(warm_workers.ranked_values, 3)) == [0, 1, 2]
+        assert workers.pids == pids
+
+
+def test_a_stream_closed_while_the_ranks_start_keeps_them() -> None:
+    """The SIGINT of a stream closed at once reached ranks still starting, whose SIGINT handler then ended
+    them (the next call warned that state was lost). A race: repeated."""
+    for _ in range(10):
+        with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
+            pids = workers.pids
+            workers.run(warm_workers.ranked_values, 3).close()
+            assert workers.run(warm_workers.bump)[2] == 1
+            assert workers.pids == pids
