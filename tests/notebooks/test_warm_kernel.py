@@ -23,6 +23,7 @@ from tests.notebooks.test_notebooks import (
     _notebook,
     _outputs,
     _result_line,
+    _run,
 )
 
 pytestmark = pytest.mark.slow
@@ -97,3 +98,15 @@ def test_warm_workers_across_cells_interrupt_and_shutdown(tmp_path: Path) -> Non
         time.sleep(0.1)
     assert [pid for pid in pids if _alive(pid)] == [], "a rank outlived the kernel"
     _assert_no_launch_directories(facts["kernel_pid"])
+
+
+def test_interactive_example_notebook_runs_top_to_bottom(tmp_path: Path) -> None:
+    """examples/interactive.ipynb runs headless without an error: training across cells, live values."""
+    nb = nbformat.read(Path(__file__).resolve().parents[2] / "examples" / "interactive.ipynb", as_version=4)
+    _run(nb, tmp_path, own=False)
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert not _errors(cell), f"cell {index} failed:\n{_outputs(cell)}"
+    text = "".join(_outputs(cell) for cell in nb.cells if cell.cell_type == "code")
+    assert "rank 0 of 2 ready" in text and "loss after 20 more" in text, text
+    assert "step  90" in text and "final loss" in text, text
