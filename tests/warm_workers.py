@@ -90,3 +90,11 @@ def all_reduce_once() -> tuple[int, int]:
     value = torch.tensor([worker_info().rank + 1])
     dist.all_reduce(value)
     return int(value.item()), id(dist.group.WORLD)
+
+
+def large_tensors(count: int) -> Iterator[object]:
+    """Yield ``count`` tensors of 1 MiB (through the data file, not inside the pickle), each filled with its index."""
+    import torch
+
+    for index in range(count):
+        yield torch.full((256 * 1024,), float(index))

@@ -11,6 +11,7 @@ from typing import Any, cast
 import pytest
 
 from mplaunch import StartMethod, Stream, Workers, parallel
+from mplaunch._wire import transport
 from tests import warm_workers
 
 TIMEOUT = 90
@@ -124,3 +125,11 @@ def test_a_stream_closed_while_the_ranks_start_keeps_them() -> None:
             workers.run(warm_workers.ranked_values, 3).close()
             assert workers.run(warm_workers.bump)[2] == 1
             assert workers.pids == pids
+
+
+def test_large_yielded_tensors_travel_like_results() -> None:
+    function = parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(warm_workers.large_tensors)
+    values = list(cast(Stream[Any], function(3)))
+    assert [tuple(v.shape) for v in values] == [(256 * 1024,)] * 3
+    assert [float(v[0]) for v in values] == [0.0, 1.0, 2.0] and all(bool((v == v[0]).all()) for v in values)
+    assert all(transport.in_shared_mapping(v.data_ptr()) for v in values)  # mapped from the data file: one copy
