@@ -133,7 +133,7 @@ def _launch(
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
         if start_method != "fork" or nodes is not None:
-            _write_payload(payload, spec, imports)
+            spec = _write_payload(payload, spec, imports)
         if nodes is not None:
             from mplaunch._multinode.elastic import launch_nodes
 
@@ -174,10 +174,11 @@ def _attempt(
             return _run_workers(spec, payload, config, preload, pump, control, store)
 
 
-def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> None:
-    """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled."""
+def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> WorkerSpec:
+    """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled.
+    Returns ``spec`` with the call's objects that travel with each worker's start (queues, locks...)."""
     try:
-        transport.dump(payload, spec.directory, PAYLOAD, imports=imports)
+        found = transport.dump(payload, spec.directory, PAYLOAD, imports=imports, start_objects=True)
     except OSError as error:
         raise LaunchRefusedError(
             f"cannot write the call's arguments to {os.path.dirname(spec.directory)}: {error}. "
@@ -190,6 +191,9 @@ def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | 
             "every argument is pickled; pass picklable values, create the object inside the function, or use "
             "start_method='fork'."
         ) from error
+    if spec.start_method != "fork":  # forked workers inherit them: nothing is pickled
+        checks.check_start_objects(found, spec.start_method)
+    return dataclasses.replace(spec, start_objects=tuple(found))
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:

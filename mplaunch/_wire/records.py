@@ -73,6 +73,9 @@ class WorkerSpec:
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output.fds`).
+        start_objects: the call's objects that ``multiprocessing`` sends only to a starting process (queues,
+            locks, ``Pipe`` ends...), which the payload refers to by index: they travel here, pickled by each
+            worker's start (see :mod:`mplaunch._wire.start_objects`).
     """
 
     directory: str
@@ -96,6 +99,7 @@ class WorkerSpec:
     restart_count: int = 0
     max_restarts: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
+    start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

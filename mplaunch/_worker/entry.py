@@ -147,7 +147,9 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
     try:
         _set_threads(spec.num_threads)
         if payload is None:
-            payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+            payload = transport.load(
+                spec.directory, PAYLOAD, private=True, remove=False, start_objects=spec.start_objects
+            )
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
