@@ -534,3 +534,56 @@ def mutate_items(items: dict[str, Any]) -> dict[str, float]:
     return {key: float(items[key].sum()) for key in ("tensor", "array")} | {
         "weight": items["module"].weight.sum().item()
     }
+
+
+# --- objects that multiprocessing sends only to a starting process (test_handles.py) --------------------
+
+
+@dataclasses.dataclass
+class LogQueue:
+    """A logging ``QueueHandler``'s queue, inside a dataclass."""
+
+    queue: Any
+
+
+class Counter:
+    """A plain object holding a shared value and the lock that guards it."""
+
+    def __init__(self, value: Any, lock: Any) -> None:
+        self.value = value
+        self.lock = lock
+
+
+def use_start_objects(queue: Any, sync: dict[str, Any], counters: list[Any], conn: Any, shared: Any) -> int:
+    """Use each object the way mp.spawn code does; the parent checks what the ranks did through them."""
+    import logging.handlers
+
+    rank = worker_info().rank
+    queue.put(rank)
+    if rank == 1:
+        sync["event"].set()
+    elif not sync["event"].wait(60):
+        raise TimeoutError("rank 1 never set the Event")
+    sync["barrier"].wait(60)
+    value, counter = counters
+    with value.get_lock():
+        value.value += 1
+    with counter.lock:
+        counter.value.value += 1
+    shared[rank] = os.getpid()
+    if rank == 0:
+        conn.send("hello from rank 0")
+        tensor = sync["tensors"].get(timeout=60)
+        tensor.add_(1)  # torch shared memory: the parent's tensor changes too
+    logger = logging.getLogger(f"mplaunch-start-objects-{rank}")
+    logger.propagate = False
+    logger.addHandler(logging.handlers.QueueHandler(sync["log"].queue))
+    logger.warning("rank %d logs through the queue", rank)
+    return rank
+
+
+def put_rank(queue: Any) -> int:
+    """Put this rank into ``queue``."""
+    rank = worker_info().rank
+    queue.put(rank)
+    return rank

@@ -1,0 +1,70 @@
+"""Objects that multiprocessing sends only to a starting process (queues, locks, Events, shared values, Pipe ends,
+Manager proxies, torch.multiprocessing queues) as arguments, as ``torch.multiprocessing.spawn(args=...)``
+accepts them: under every start method, nested in containers, dataclasses and plain objects, with a call and
+with ``submit()``."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.managers
+
+import pytest
+import torch
+import torch.multiprocessing
+
+from mplaunch import LaunchRefusedError, StartMethod, parallel
+from tests import workers
+
+ALL_METHODS = ["fork", "forkserver", "spawn"]
+TIMEOUT = 90  # only a deadlock reaches it
+
+
+@pytest.mark.parametrize("start_method", ALL_METHODS)
+def test_start_objects_reach_every_rank(start_method: StartMethod) -> None:
+    context = multiprocessing.get_context(start_method)
+    queue = context.Queue()
+    tensors = torch.multiprocessing.get_context(start_method).Queue()
+    tensor = torch.zeros(3)
+    tensors.put(tensor)  # moved to torch's shared memory: rank 0's in-place update shows here
+    log = workers.LogQueue(context.Queue())
+    sync = {"event": context.Event(), "barrier": context.Barrier(2), "tensors": tensors, "log": log}
+    counters = [context.Value("i", 0), workers.Counter(context.RawValue("i", 0), context.Lock())]
+    receiver, sender = context.Pipe(duplex=False)
+    run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(workers.use_start_objects)
+    try:
+        # a Manager of its own authkey, which only a worker being started receives; shut down here
+        with multiprocessing.managers.SyncManager(authkey=b"mplaunch-test") as manager:
+            shared = manager.dict()
+            assert run(queue, sync, counters, sender, shared=shared) == [0, 1]
+            pids = dict(shared)
+        assert sorted(queue.get(timeout=TIMEOUT) for _ in range(2)) == [0, 1]
+        assert counters[0].value == 2 and counters[1].value.value == 2
+        assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
+        assert receiver.poll(TIMEOUT) and receiver.recv() == "hello from rank 0"
+        assert torch.equal(tensor, torch.ones(3))
+        records = [log.queue.get(timeout=TIMEOUT) for _ in range(2)]
+        assert sorted(r.getMessage() for r in records) == [f"rank {r} logs through the queue" for r in (0, 1)]
+    finally:
+        receiver.close()
+        sender.close()
+        for each in (queue, tensors, log.queue):
+            each.close()
+            each.join_thread()
+
+
+def test_submit_sends_a_queue() -> None:
+    queue = multiprocessing.get_context("forkserver").SimpleQueue()
+    run = parallel(nprocs=2, start_method="forkserver", return_all=True, timeout=TIMEOUT)(workers.put_rank)
+    try:
+        assert run.submit(queue).result(TIMEOUT) == [0, 1]
+        assert sorted([queue.get(), queue.get()]) == [0, 1]
+    finally:
+        queue.close()
+
+
+def test_a_lock_made_in_a_fork_context_is_refused_before_any_worker_starts() -> None:
+    """A spawned or forkserver process cannot open a fork context's semaphore (it is unlinked at once):
+    refused with the fix, as ``Process.start()`` would fail, before any worker starts."""
+    run = parallel(nprocs=2, start_method="spawn", timeout=TIMEOUT)(workers.put_rank)
+    with pytest.raises(LaunchRefusedError, match=r"the Lock .* 'fork' context .*get_context\('spawn'\)"):
+        run([multiprocessing.get_context("fork").Lock()])
