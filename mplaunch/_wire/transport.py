@@ -92,8 +92,10 @@ class _StorageWriter:
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
             untyped, dtype = obj, None
+        elif self.start_objects is None or self._kinds.get(type(obj)) == at_start.NEVER:
+            return NotImplemented  # (the common case, first: one look-up per object)
         else:
-            return NotImplemented
+            return self._reduce_start_object(obj)
         if untyped.device.type == "meta":
             return NotImplemented
         key = untyped._cdata
@@ -109,12 +111,9 @@ class _StorageWriter:
             return (_rebuild_storage, ("inline", index, dtype, bytes(_storage_bytes(untyped))))
         return (_rebuild_storage, ("file", index, dtype, nbytes))
 
-    def _reduce_shared(self, obj: object) -> Any:
-        """A storage, or an object that only a starting process may receive, by reference; else
-        ``NotImplemented``."""
-        reduced = self._reduce_storage(obj)
-        if reduced is not NotImplemented or self.start_objects is None:
-            return reduced
+    def _reduce_start_object(self, obj: object) -> Any:
+        """An object that only a starting process may receive (collecting ``start_objects``), by index; else
+        ``NotImplemented``. Its type is judged on first sight."""
         kind = self._kinds.get(type(obj))
         if kind is None:
             kind = self._kinds[type(obj)] = at_start.kind_of(type(obj))
@@ -122,7 +121,7 @@ class _StorageWriter:
                 kind = self._kinds[type(obj)] = at_start.ALWAYS
         if kind == at_start.NEVER or not at_start.is_start_object(obj, kind):
             return NotImplemented
-        return (_start_object, (self.start_objects.add(obj),))
+        return (_start_object, (self.start_objects.add(obj),))  # type: ignore[union-attr]
 
 
 class _NeedsValue(pickle.PicklingError):
@@ -148,7 +147,7 @@ class _Pickler(_StorageWriter, pickle.Pickler):
         if self._imports is not None and isinstance(obj, (types.FunctionType, type)):
             if self._imports.needs_value(obj):
                 raise _NeedsValue(f"{obj!r} cannot be imported by name in the reader")
-        return self._reduce_shared(obj)
+        return self._reduce_storage(obj)
 
 
 class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
@@ -175,7 +174,7 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
             raise TypeError(f"cannot pickle an open file ({type(obj).__qualname__}); open it inside the function")
-        reduced = self._reduce_shared(obj)
+        reduced = self._reduce_storage(obj)
         if reduced is not NotImplemented:
             return reduced
         if self._imports is not None and isinstance(obj, (types.FunctionType, type)):

@@ -28,17 +28,17 @@ def test_start_objects_reach_every_rank(start_method: StartMethod) -> None:
     tensors.put(tensor)  # moved to torch's shared memory: rank 0's in-place update shows here
     log = workers.LogQueue(context.Queue())
     sync = {"event": context.Event(), "barrier": context.Barrier(2), "tensors": tensors, "log": log}
-    counters = [context.Value("i", 0), workers.Counter(context.RawValue("i", 0), context.Lock())]
+    value, counter = context.Value("i", 0), workers.Counter(context.RawValue("i", 0), context.Lock())
     receiver, sender = context.Pipe(duplex=False)
     run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(workers.use_start_objects)
     try:
         # a Manager of its own authkey, which only a worker being started receives; shut down here
         with multiprocessing.managers.SyncManager(authkey=b"mplaunch-test") as manager:
             shared = manager.dict()
-            assert run(queue, sync, counters, sender, shared=shared) == [0, 1]
+            assert run(queue, sync, [value, counter], sender, shared=shared) == [0, 1]
             pids = dict(shared)
         assert sorted(queue.get(timeout=TIMEOUT) for _ in range(2)) == [0, 1]
-        assert counters[0].value == 2 and counters[1].value.value == 2
+        assert value.value == 2 and counter.value.value == 2
         assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
         assert receiver.poll(TIMEOUT) and receiver.recv() == "hello from rank 0"
         assert torch.equal(tensor, torch.ones(3))

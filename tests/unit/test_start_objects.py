@@ -68,7 +68,12 @@ def test_types_are_judged_once_per_pickle(tmp_path: Path, monkeypatch: pytest.Mo
     """No pass over large arguments: one dict look-up per object, the type judged once."""
     judged: list[type] = []
     kind_of = start_objects.kind_of
-    monkeypatch.setattr(start_objects, "kind_of", lambda kind: judged.append(kind) or kind_of(kind))
+
+    def judge(kind: type) -> int:
+        judged.append(kind)
+        return kind_of(kind)
+
+    monkeypatch.setattr(start_objects, "kind_of", judge)
     assert transport.dump([Plain(i) for i in range(1000)], str(tmp_path), "x", start_objects=True) == []
     assert set(judged) == {Plain, type} and len(judged) == 2  # the instances, and the class itself
     transport.remove(str(tmp_path), "x")
