@@ -260,8 +260,10 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
     Note:
         Under ``spawn`` and ``forkserver`` the function and its arguments are pickled (by reference when a
         worker can import them, by value with cloudpickle otherwise: notebooks, ``python -c``, closures), and
-        a script must call the function under ``if __name__ == "__main__":``. Under ``fork`` nothing is
-        pickled, but CUDA must not be initialised in the parent.
+        a script must call the function under ``if __name__ == "__main__":``. Queues, locks, events, shared
+        values, ``Pipe`` ends and ``Manager`` proxies in the arguments travel with each worker's start, as
+        ``torch.multiprocessing.spawn`` sends its ``args``. Under ``fork`` nothing is pickled, but CUDA must
+        not be initialised in the parent.
 
     The decorator form follows tenacity's ``retry`` and attrs' ``define``; the launcher follows
     ``torch.multiprocessing.start_processes`` and torchrun's environment contract.
