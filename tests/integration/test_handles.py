@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.managers
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ import torch.multiprocessing
 
 from mplaunch import LaunchRefusedError, StartMethod, parallel
 from tests import workers
+from tests.integration.test_multinode import free_port
+from tests.integration.test_scripts import REPO, write_script
 
 ALL_METHODS = ["fork", "forkserver", "spawn"]
 TIMEOUT = 90  # only a deadlock reaches it
@@ -68,3 +74,39 @@ def test_a_lock_made_in_a_fork_context_is_refused_before_any_worker_starts() -> 
     run = parallel(nprocs=2, start_method="spawn", timeout=TIMEOUT)(workers.put_rank)
     with pytest.raises(LaunchRefusedError, match=r"the Lock .* 'fork' context .*get_context\('spawn'\)"):
         run([multiprocessing.get_context("fork").Lock()])
+
+
+NODE = """
+    import multiprocessing, sys
+    from mplaunch import parallel, worker_info
+
+    @parallel(nprocs=1, start_method="spawn", nnodes=2, rdzv_endpoint=sys.argv[1], timeout=120)
+    def work(queue, conn) -> int:
+        queue.put(worker_info().rank)
+        conn.send(worker_info().rank)
+        return worker_info().rank
+
+    if __name__ == "__main__":
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        receiver, sender = context.Pipe(duplex=False)
+        result = work(queue, sender)
+        print("got", result, queue.get(timeout=60), receiver.recv() if receiver.poll(60) else None, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_each_node_sends_its_objects_to_its_own_ranks(tmp_path: Path) -> None:
+    script = write_script(tmp_path, NODE)
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, str(script), endpoint]
+    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=150)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+    assert sorted(outputs) == ["got 0 0 0\n", "got 0 1 1\n"], outputs  # rank 0's value; the node's own rank
