@@ -93,3 +93,36 @@ def test_the_rehearsal_finds_a_lock_of_a_fork_context() -> None:
     failure = start_objects.rehearse([spawn_lock, fork_lock])
     assert failure is not None and failure[0] is fork_lock and "fork context" in str(failure[1])
     assert multiprocessing.context.get_spawning_popen() is None  # left as found
+
+
+def _every_kind() -> dict[str, Any]:
+    import socket
+
+    import torch.multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    lock = context.Lock()
+    made: dict[str, Any] = {
+        name: getattr(context, name)()
+        for name in ("Queue", "SimpleQueue", "JoinableQueue", "Lock", "RLock", "Semaphore", "BoundedSemaphore")
+    }
+    made |= {"Condition": context.Condition(lock), "Event": context.Event(), "Barrier": context.Barrier(2)}
+    made |= {"Value": context.Value("i"), "Array": context.Array("d", 3), "RawValue": context.RawValue("i")}
+    made |= {"RawArray": context.RawArray("d", 3), "Pipe": context.Pipe()[0], "socket": socket.socket()}
+    torch_context = torch.multiprocessing.get_context("spawn")
+    made |= {"torch Queue": torch_context.Queue(), "torch SimpleQueue": torch_context.SimpleQueue()}
+    return made
+
+
+def test_every_kind_is_recognised_and_passes_the_rehearsal(tmp_path: Path) -> None:
+    made = _every_kind()
+    try:
+        found = transport.dump(made, str(tmp_path), "x", start_objects=True)
+        assert len(found) == len(made)
+        assert start_objects.rehearse(found) is None  # multiprocessing would send each with a start
+        back = transport.load(str(tmp_path), "x", private=True, remove=True, start_objects=found)
+        assert all(back[name] is obj for name, obj in made.items())
+    finally:
+        for obj in made.values():
+            if hasattr(obj, "close"):
+                obj.close()
