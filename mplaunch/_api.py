@@ -139,6 +139,7 @@ class ParallelFunction(Generic[P, T]):
         finally:
             del frame
         if not control.in_process:
+            control.queued = self.config.devices is not None  # until the launch holds its devices
             try:
                 control.state = GlobalState.capture()
             except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future

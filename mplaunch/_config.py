@@ -6,10 +6,17 @@ import dataclasses
 import math
 import multiprocessing
 import os
-from collections.abc import Iterable, Mapping
+import string
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
+from mplaunch._env import check_extra_env
 from mplaunch._errors import InvalidOptionError
+
+#: The fields a ``prefix_output`` template may use.
+PREFIX_FIELDS = ("rank", "local_rank", "node_rank", "pid")
+#: The prefix of ``prefix_output=True``.
+DEFAULT_PREFIX = "[rank {rank}] "
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 StartMethod.__doc__ = """The start methods mplaunch accepts (``multiprocessing``'s names), for annotations:
@@ -27,7 +34,7 @@ class LaunchOptions(TypedDict, total=False):
     timeout: float | None
     grace_period: float
     backend: str | None
-    prefix_output: bool
+    prefix_output: bool | str
     console_ranks: Iterable[int] | None
     log_dir: str | os.PathLike[str] | None
     nnodes: int | None
@@ -35,6 +42,9 @@ class LaunchOptions(TypedDict, total=False):
     rdzv_endpoint: str | None
     max_restarts: int
     rdzv_timeout: float
+    devices: int | Sequence[int] | None
+    cpu_binding: Literal["cores", "numa"] | None
+    env: Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +61,8 @@ class ParallelConfig:
         grace_period: seconds a worker gets between SIGTERM and SIGKILL when the launch stops it.
         backend: process-group backend each worker initialises around the function (``"gloo"``,
             ``"nccl"``, ``"auto"``, ...), or ``None`` to leave process groups to the function.
-        prefix_output: prefix each line a worker writes with ``[rank N] ``.
+        prefix_output: prefix each line a worker writes with ``[rank N] `` (``True``), or with a template
+            of the fields ``rank``, ``local_rank``, ``node_rank`` and ``pid`` (e.g. ``"{rank}|{pid} "``).
         console_ranks: the ranks whose output reaches the console, or ``None`` for every rank (any collection
             of ints is accepted and kept as a ``frozenset``).
         log_dir: a directory where each rank's output is also written to ``rank{N}.log``, or ``None`` (any
@@ -62,6 +73,11 @@ class ParallelConfig:
         max_restarts: how often all workers are restarted after a failure (by mplaunch on one node, by
             torch.distributed.elastic on several), as torchrun's ``--max-restarts``.
         rdzv_timeout: seconds to wait for every node to join a multi-node launch.
+        devices: the CUDA devices of each call: a number of free ones, their indices (kept as a tuple), or
+            ``None`` for every visible device, not pooled.
+        cpu_binding: ``"cores"`` (each rank on its own cores), ``"numa"`` (each rank on one NUMA node's
+            cores), or ``None`` (the parent's affinity).
+        env: extra variables for every rank (kept as a ``dict``), or a function of the rank returning them.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
@@ -74,7 +90,7 @@ class ParallelConfig:
     timeout: float | None = None
     grace_period: float = 5.0
     backend: str | None = None
-    prefix_output: bool = False
+    prefix_output: bool | str = False
     console_ranks: frozenset[int] | None = None
     log_dir: str | None = None
     nnodes: int | None = None
@@ -82,13 +98,21 @@ class ParallelConfig:
     rdzv_endpoint: str | None = None
     max_restarts: int = 0
     rdzv_timeout: float = 600.0
+    devices: int | tuple[int, ...] | None = None
+    cpu_binding: Literal["cores", "numa"] | None = None
+    env: dict[str, str] | Callable[[int], Mapping[str, str]] | None = None
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
         _check_start_method(self.start_method)
-        for name in ("return_all", "prefix_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidOptionError(f"{name}={getattr(self, name)!r} is not valid: pass True or False.")
+        if not isinstance(self.return_all, bool):
+            raise InvalidOptionError(f"return_all={self.return_all!r} is not valid: pass True or False.")
+        _check_prefix(self.prefix_output)
+        if self.cpu_binding not in (None, "cores", "numa"):
+            raise InvalidOptionError(
+                f"cpu_binding={self.cpu_binding!r} is not valid: pass 'cores' (each rank on its own cores), "
+                "'numa' (each rank on one NUMA node), or None."
+            )
         _check_seconds("timeout", self.timeout, "> 0, or None for no limit", optional=True)
         _check_seconds("grace_period", self.grace_period, ">= 0", allow_zero=True)
         _check_seconds("rdzv_timeout", self.rdzv_timeout, "> 0")
@@ -114,6 +138,10 @@ class ParallelConfig:
             "timeout": None if self.timeout is None else float(self.timeout),
             "grace_period": float(self.grace_period),
             "rdzv_timeout": float(self.rdzv_timeout),
+            "devices": _check_devices(self.devices),
+            "env": self.env
+            if self.env is None or callable(self.env)
+            else check_extra_env(self.env, "env", devices=self.devices is not None),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
@@ -197,6 +225,48 @@ def _check_ranks(console_ranks: Iterable[int]) -> frozenset[int]:
     if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
         raise InvalidOptionError(message)
     return ranks
+
+
+def _check_prefix(prefix: object) -> None:
+    if isinstance(prefix, bool):
+        return
+    message = (
+        f"prefix_output={prefix!r} is not valid: pass True (``[rank N] ``), False, or a template of the "
+        f"fields {', '.join('{' + name + '}' for name in PREFIX_FIELDS)}, e.g. '{{rank}}|{{pid}} '."
+    )
+    if not isinstance(prefix, str):
+        raise InvalidOptionError(message)
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(prefix) if name is not None}
+        prefix.format(**dict.fromkeys(PREFIX_FIELDS, 0))
+    except (ValueError, KeyError, IndexError, AttributeError):
+        raise InvalidOptionError(message) from None
+    unknown = sorted(field for field in fields if field.split(".")[0].split("[")[0] not in PREFIX_FIELDS)
+    if unknown:
+        raise InvalidOptionError(f"{message} Unknown field(s): {', '.join(unknown)}.")
+
+
+def _check_devices(devices: object) -> int | tuple[int, ...] | None:
+    message = (
+        f"devices={devices!r} is not valid: pass a number of CUDA devices >= 1 (any free ones, e.g. devices=1), "
+        "a list of distinct device indices (e.g. devices=[2, 3]), or None for every visible device."
+    )
+    if devices is None:
+        return None
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if devices < 1:
+            raise InvalidOptionError(message)
+        return devices
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise InvalidOptionError(message)
+    indices = tuple(devices)
+    if (
+        not indices
+        or len(set(indices)) != len(indices)
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in indices)
+    ):
+        raise InvalidOptionError(message)
+    return indices
 
 
 def _check_backend(backend: str | None) -> None:

@@ -89,6 +89,47 @@ def rank_environment(
     return env
 
 
+#: What ``env=`` may not set: each rank's place in the job and the launch's rendezvous store are mplaunch's.
+RESERVED_VARIABLES = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[str, str]:
+    """Return ``env`` (what ``env=`` gives, or its callable returned) as a plain ``dict`` of strings.
+
+    Args:
+        env: the mapping to check.
+        source: how to name it in messages, e.g. ``"env"`` or ``"env(1)"``.
+        devices: the launch has ``devices=``, which owns ``CUDA_VISIBLE_DEVICES``.
+
+    Raises:
+        InvalidOptionError: ``env`` is not a mapping of strings to strings, or sets a variable mplaunch sets
+            for each rank (:data:`RESERVED_VARIABLES`; ``CUDA_VISIBLE_DEVICES`` with ``devices=``).
+    """
+    if not isinstance(env, Mapping):
+        raise InvalidOptionError(
+            f"{source}={env!r} is not valid: pass a mapping of variable names to strings, e.g. "
+            "env={'NCCL_DEBUG': 'INFO'}, or a function of the rank returning one."
+        )
+    wrong = [
+        f"{key!r}: {value!r}" for key, value in env.items() if not isinstance(key, str) or not isinstance(value, str)
+    ]
+    if wrong:
+        raise InvalidOptionError(f"{source} is not valid: names and values must be strings; not {', '.join(wrong)}.")
+    for name in env:
+        if name in RESERVED_VARIABLES:
+            raise InvalidOptionError(
+                f"{source} sets {name}, which mplaunch sets for each rank (torchrun's environment and the "
+                "launch's rendezvous store): leave it out (MASTER_ADDR/MASTER_PORT may be set in this "
+                "process's own environment)."
+            )
+        if devices and name == "CUDA_VISIBLE_DEVICES":
+            raise InvalidOptionError(
+                f"{source} sets CUDA_VISIBLE_DEVICES, which devices= sets for each rank: choose the devices "
+                "with devices= only."
+            )
+    return dict(env)
+
+
 def apply_environment(environ: os._Environ[str], env: Mapping[str, str]) -> None:
     """In a worker: drop the parent's rank variables from ``environ`` (those ``env`` does not set), then set
     ``env``."""

@@ -26,6 +26,7 @@ class LaunchControl:
         state: the parent's :class:`~mplaunch.GlobalState`, captured when the launch was submitted, or ``None``
             to capture it when the launch starts.
         in_process: the call runs the function in this process (already under a launcher): it cannot be stopped.
+        queued: the launch waits for its devices (``devices=``): its future is not running yet.
     """
 
     def __init__(self, *, stoppable: bool = False) -> None:
@@ -33,6 +34,7 @@ class LaunchControl:
         self.failure: BaseException | None = None
         self.state: GlobalState | None = None
         self.in_process = False
+        self.queued = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pipe = os.pipe() if stoppable else None

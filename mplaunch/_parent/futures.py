@@ -40,9 +40,10 @@ class LaunchFuture(Future[T]):
         self._settle_lock = threading.Lock()
 
     def running(self) -> bool:
-        """Return whether the launch is under way (starting, running its workers, or stopping them)."""
+        """Return whether the launch is under way (starting, running its workers, or stopping them); a launch
+        waiting for its devices (``devices=``) is not."""
         thread = self._thread
-        return not self.done() and thread is not None and thread.is_alive()
+        return not self.done() and not self._control.queued and thread is not None and thread.is_alive()
 
     def cancel(self) -> bool:
         """Stop the launch: its workers get SIGTERM, then SIGKILL after ``grace_period`` seconds.

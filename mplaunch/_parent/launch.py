@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -19,7 +20,7 @@ from mplaunch._config import ParallelConfig
 from mplaunch._env import node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._output.pump import Pump, routed, worker_fds
-from mplaunch._parent import checks, policy
+from mplaunch._parent import checks, devices, placement, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory, space_hint
 from mplaunch._parent.in_process import run_in_process
@@ -72,6 +73,7 @@ def check_call(
         return False
     checks.check_arguments(function, args, kwargs)
     checks.check_main_guard(config.start_method or policy.default_start_method(), frame, _name(function))
+    devices.check_request(config.devices)
     return True
 
 
@@ -90,7 +92,22 @@ def _launch(
 ) -> Any:
     checks.check_arguments(function, args, kwargs)
     checks.check_log_dir(config.log_dir)
-    nprocs = policy.resolve_nprocs(config.nprocs)
+    with devices.held(config.devices, control) as names:  # waits while another launch holds the devices
+        control.queued = False
+        return _launch_on(function, args, kwargs, config, frame, control, names)
+
+
+def _launch_on(
+    function: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: ParallelConfig,
+    frame: Any,
+    control: LaunchControl,
+    names: list[str] | None,
+) -> Any:
+    """The launch on the devices ``names`` (``None``: every visible one, as the parent sees them)."""
+    nprocs = len(names) if names is not None and config.nprocs == "auto" else policy.resolve_nprocs(config.nprocs)
     nodes = node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
     start_method = config.start_method or policy.default_start_method()
     checks.check_cuda_fork(start_method)
@@ -113,22 +130,33 @@ def _launch(
     payload = Payload(_function_reference(function, imports), args, kwargs, state)
     if isinstance(state, GlobalState) and state.python is not None and not inherited:
         warn_not_carried(state.python)
+    num_threads = policy.worker_threads(nprocs, start_method)
+    placements = placement.plan(
+        config,
+        nprocs,
+        names,
+        multinode=nodes is not None,
+        threads_kept="OMP_NUM_THREADS" not in os.environ and num_threads >= policy.wanted_threads(nprocs),
+    )
+    env_function = placement.env_function(config, start_method) if nodes is not None else None
     with launch_directory() as directory:
         spec = WorkerSpec(
             directory=directory,
             nprocs=nprocs,
             start_method=start_method,
             parent_pid=os.getpid(),
-            num_threads=policy.worker_threads(nprocs, start_method),
+            num_threads=num_threads,
             reporting_ranks=frozenset(range(world_size)) if config.return_all else frozenset({0}),
             environ=dict(os.environ) if start_method == "forkserver" and nodes is None else None,
-            backend=policy.resolve_backend(config.backend, nprocs),
+            backend=policy.resolve_backend(config.backend, nprocs, None if names is None else len(names)),
             prefix_output=config.prefix_output,
             console_ranks=config.console_ranks,
             log_dir=config.log_dir,
             grace_period=config.grace_period,
             mp_start_method=multiprocessing.get_start_method(allow_none=True),
             unshare=start_method != "fork" or unshare_verdict((args, kwargs)),
+            placements=placements,
+            env_function=env_function,
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
@@ -229,7 +257,7 @@ def _run_workers(
         if spec.start_method == "fork" and spec.unshare is None:
             pipe = os.pipe()
             spec = dataclasses.replace(spec, unshare_pipe=pipe)
-        start_workers(spec, payload, preload, supervisor.started)
+        start_workers(spec, payload, preload, _noting_pids(supervisor.started, pump))
         if pipe is not None:
             _answer_unshare(pipe, spec.nprocs)
         if pump is not None:
@@ -247,6 +275,20 @@ def _run_workers(
                 # leaves it "running" to multiprocessing: its descriptors are closed when it is collected
                 with contextlib.suppress(ValueError):
                     process.close()
+
+
+def _noting_pids(started: Callable[[BaseProcess], None], pump: Pump | None) -> Callable[[BaseProcess], None]:
+    """``started``, also telling the pump each rank's pid (for ``prefix_output`` templates with ``{pid}``)."""
+    if pump is None:
+        return started
+    ranks = iter(range(len(pump.fds)))
+
+    def note(process: BaseProcess) -> None:
+        started(process)
+        if process.pid is not None:
+            pump.pids[next(ranks)] = process.pid
+
+    return note
 
 
 def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:

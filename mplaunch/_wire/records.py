@@ -26,6 +26,7 @@ from mplaunch._frames import without_our_frames
 if TYPE_CHECKING:
     from mplaunch._output.fds import RankFds
     from mplaunch._state.snapshot import ForkState, GlobalState
+    from mplaunch._wire.placement import RankPlacement
 
 #: Name of the call in the launch directory.
 PAYLOAD = "payload"
@@ -76,6 +77,10 @@ class WorkerSpec:
         start_objects: the call's objects that ``multiprocessing`` sends only to a starting process (queues,
             locks, ``Pipe`` ends...), which the payload refers to by index: they travel here, pickled by each
             worker's start (see :mod:`mplaunch._wire.start_objects`).
+        placements: per local rank, its devices, CPUs and extra variables, or ``None`` (see
+            :mod:`mplaunch._wire.placement`).
+        env_function: ``env=``'s function of the global rank, called in each worker of a multi-node launch
+            (where the parent does not know the ranks), else ``None``.
     """
 
     directory: str
@@ -89,7 +94,7 @@ class WorkerSpec:
     agent_store: bool = True
     environ: dict[str, str] | None = None
     backend: str | None = None
-    prefix_output: bool = False
+    prefix_output: bool | str = False
     console_ranks: frozenset[int] | None = None
     log_dir: str | None = None
     grace_period: float = 5.0
@@ -100,6 +105,8 @@ class WorkerSpec:
     max_restarts: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
     start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    placements: tuple[RankPlacement, ...] | None = None
+    env_function: Callable[[int], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from mplaunch._wire.records import (
     WorkerSpec,
     outcome_name,
 )
+from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
@@ -145,7 +146,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
     raised_at = None  # when the function raised: before the process group's teardown makes peers fail too
     try:
-        _set_threads(spec.num_threads)
+        placement.apply(spec, local_rank, rank)  # devices, CPUs, env=: before anything reads them
+        _set_threads(placement.thread_count(spec, local_rank))
         if payload is None:
             payload = transport.load(
                 spec.directory, PAYLOAD, private=True, remove=False, start_objects=spec.start_objects
