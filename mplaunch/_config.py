@@ -231,19 +231,24 @@ def _check_prefix(prefix: object) -> None:
     if isinstance(prefix, bool):
         return
     message = (
-        f"prefix_output={prefix!r} is not valid: pass True (``[rank N] ``), False, or a template of the "
-        f"fields {', '.join('{' + name + '}' for name in PREFIX_FIELDS)}, e.g. '{{rank}}|{{pid}} '."
+        f"prefix_output={prefix!r} is not valid: pass True ('[rank N] '), False, or a template of the fields "
+        f"{', '.join('{' + name + '}' for name in PREFIX_FIELDS)}, e.g. '{{rank}}|{{pid}} '."
     )
     if not isinstance(prefix, str):
         raise InvalidOptionError(message)
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(prefix) if name is not None}
-        prefix.format(**dict.fromkeys(PREFIX_FIELDS, 0))
-    except (ValueError, KeyError, IndexError, AttributeError):
+    except ValueError:
         raise InvalidOptionError(message) from None
     unknown = sorted(field for field in fields if field.split(".")[0].split("[")[0] not in PREFIX_FIELDS)
     if unknown:
-        raise InvalidOptionError(f"{message} Unknown field(s): {', '.join(unknown)}.")
+        raise InvalidOptionError(f"{message} Unknown field(s): {', '.join(map(repr, unknown))}.")
+    if not fields:  # "yes", "True": a flag was meant, not a constant prefix
+        raise InvalidOptionError(f"{message} A template names at least one field.")
+    try:
+        prefix.format(**dict.fromkeys(PREFIX_FIELDS, 0))
+    except (ValueError, KeyError, IndexError, AttributeError, TypeError):
+        raise InvalidOptionError(message) from None
 
 
 def _check_devices(devices: object) -> int | tuple[int, ...] | None:

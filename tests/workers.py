@@ -587,3 +587,32 @@ def put_rank(queue: Any) -> int:
     rank = worker_info().rank
     queue.put(rank)
     return rank
+
+
+def device_trial(directory: str, name: str) -> str:
+    """Write ``name.start`` (when, and the devices seen), wait for the test's ``release`` file, write ``name.end``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    with open(os.path.join(directory, f"{name}.start"), "w") as file:
+        file.write(f"{time.monotonic()} {visible}")
+    while not os.path.exists(os.path.join(directory, "release")):
+        time.sleep(0.01)
+    with open(os.path.join(directory, f"{name}.end"), "w") as file:
+        file.write(str(time.monotonic()))
+    return visible
+
+
+def placement_seen() -> dict[str, Any]:
+    """What placement this rank got: its CPUs, threads and a few variables."""
+    return {
+        "rank": worker_info().rank,
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "threads": torch.get_num_threads(),
+        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "extra": {k: v for k, v in os.environ.items() if k.startswith("PLACEMENT_")},
+    }
+
+
+def touch(path: str) -> None:
+    with open(path, "w"):
+        pass

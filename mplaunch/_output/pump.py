@@ -251,7 +251,7 @@ class Pump:
         rank = source.rank if source.rank is not None else source.local_rank
         if self.template is None:
             return rank, ""
-        pid = source.pid if source.pid is not None else self.pids.get(source.local_rank, "?")
+        pid = source.pid if source.pid is not None else self.pids.get(source.local_rank, 0)
         return rank, self.template.format(rank=rank, local_rank=source.local_rank, node_rank=source.node_rank, pid=pid)
 
     def _take(self, source: _Source, text: str) -> None:

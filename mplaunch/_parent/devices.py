@@ -69,13 +69,22 @@ def check_request(devices: int | tuple[int, ...] | None) -> None:
         )
 
 
+class _Ticket:
+    """One waiting request (compared by identity: two requests for one device are two tickets)."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: int | tuple[int, ...]) -> None:
+        self.request = request
+
+
 class DevicePool:
     """Hands out device indices to launches, each at most to one launch at a time (see the module docstring)."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
         self._busy: set[int] = set()
-        self._waiting: list[int | tuple[int, ...]] = []
+        self._waiting: list[_Ticket] = []
 
     def busy(self) -> frozenset[int]:
         """The indices held by running launches now."""
@@ -101,15 +110,14 @@ class DevicePool:
         """
         check_request(request)
         count = device_count()
-        ticket = request if isinstance(request, int) else tuple(request)
+        ticket = _Ticket(request if isinstance(request, int) else tuple(request))
         with self._condition:
             self._waiting.append(ticket)
             try:
                 while True:
-                    position = next(i for i, t in enumerate(self._waiting) if t is ticket)
-                    earlier = self._waiting[:position]
-                    granted = self._fit(ticket, count)
-                    if granted is not None and all(self._fit(t, count) is None for t in earlier):
+                    earlier = self._waiting[: self._waiting.index(ticket)]
+                    granted = self._fit(ticket.request, count)
+                    if granted is not None and all(self._fit(t.request, count) is None for t in earlier):
                         self._busy.update(granted)
                         return granted
                     if control is not None:
