@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mplaunch import InvalidOptionError, parallel
+from mplaunch import InvalidOptionError, StartMethod, parallel
 from mplaunch._parent import devices
 from tests import workers
 from tests.integration.test_scripts import REPO, run_script, write_script
@@ -39,11 +39,11 @@ def test_one_device_trials_share_two_devices_at_most_two_at_once(tmp_path: Path)
     (tmp_path / "release").touch()
     results = [f.result(timeout=120) for f in futures]
     assert sorted(results) == ["0", "0", "1", "1"]
-    spans = []
+    spans: list[tuple[float, float, str]] = []
     for n in range(4):
-        begin, device = (tmp_path / f"t{n}.start").read_text().split()
-        spans.append((float(begin), float((tmp_path / f"t{n}.end").read_text()), device))
-    for begin, _, device in spans:  # when each trial began, at most 2 ran, never 2 on one device
+        start, device = (tmp_path / f"t{n}.start").read_text().split()
+        spans.append((float(start), float((tmp_path / f"t{n}.end").read_text()), device))
+    for begin, _, _ in spans:  # when each trial began, at most 2 ran, never 2 on one device
         running = [d for b, e, d in spans if b <= begin <= e]
         assert len(running) <= 2 and len(set(running)) == len(running)
     assert devices.POOL.busy() == set()
@@ -108,12 +108,8 @@ def test_cpu_binding_numa_pins_to_a_node_within_the_mask() -> None:
     assert os.sched_getaffinity(0) == mask
 
 
-def _env_of(rank: int) -> dict[str, str]:
-    return {"PLACEMENT_RANK_TIMES_TEN": str(rank * 10)}
-
-
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_env_reaches_each_rank_and_leaves_the_parent_alone(start_method: str) -> None:
+def test_env_reaches_each_rank_and_leaves_the_parent_alone(start_method: StartMethod) -> None:
     seen = parallel(nprocs=2, start_method=start_method, timeout=120, return_all=True)(workers.placement_seen)
     given = {"PLACEMENT_A": "a b", "PLACEMENT_EMPTY": ""}
     assert seen.options(env=given)()[1]["extra"] == given
@@ -126,7 +122,9 @@ def test_env_reaches_each_rank_and_leaves_the_parent_alone(start_method: str) ->
 
 def test_env_function_returning_a_reserved_variable_is_refused_before_any_worker(tmp_path: Path) -> None:
     marker = str(tmp_path / "started")
-    touch = parallel(nprocs=2, start_method="fork", timeout=60, env=lambda rank: {"WORLD_SIZE": "9"})(workers.touch)
+    touch = parallel(nprocs=2, start_method="fork", timeout=60)(workers.touch).options(
+        env=lambda rank: {"WORLD_SIZE": "9"}
+    )
     with pytest.raises(InvalidOptionError, match=r"env\(0\) sets WORLD_SIZE"):
         touch(marker)
     assert not os.path.exists(marker)

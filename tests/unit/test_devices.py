@@ -26,7 +26,7 @@ def test_names_follow_the_parents_cuda_visible_devices(monkeypatch: pytest.Monke
 
 @pytest.mark.usefixtures("two_devices")
 def test_requests_that_can_never_be_granted_name_the_visible_devices() -> None:
-    devices.check_request([0, 1])
+    devices.check_request((0, 1))
     with pytest.raises(InvalidOptionError, match=r"devices=\[0, 5\].*\[5\].*0 \(0\), 1 \(1\)"):
         devices.check_request((0, 5))
     with pytest.raises(InvalidOptionError, match="devices=3.*sees \\(2"):
@@ -40,7 +40,7 @@ def test_pool_never_gives_a_device_twice_and_serves_waiters_when_released() -> N
     second = pool.acquire(1)
     assert {first, second} == {(0,), (1,)} and pool.busy() == {0, 1}
     got: list[tuple[int, ...]] = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire([1])))
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire((1,))))
     waiter.start()
     pool.release(first)  # device 0 is free, but the waiter wants 1
     assert pool.acquire(1) == first  # a later request may take what the waiter cannot use

@@ -20,10 +20,10 @@ def _sysfs(root: Path, siblings: dict[int, str], nodes: dict[int, str], pci: dic
         path.write_text(text + "\n")
     (root / "sys/devices/system/node/possible").parent.mkdir(parents=True, exist_ok=True)
     (root / "sys/devices/system/node/possible").write_text("0-1\n")  # not a node directory
-    for bus, node in (pci or {}).items():
+    for bus, numa_node in (pci or {}).items():
         path = root / f"sys/bus/pci/devices/{bus}/numa_node"
         path.parent.mkdir(parents=True)
-        path.write_text(node + "\n")
+        path.write_text(numa_node + "\n")
     return str(root)
 
 
