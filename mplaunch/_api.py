@@ -222,7 +222,8 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             it before the function (binding ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group``
             after it, also when it raises. ``None`` (default): the function manages process groups itself.
         prefix_output: prefix every line a worker writes to its stdout or stderr (file descriptors 1 and 2:
-            ``print``, logging, C code, subprocesses) with ``[rank N] ``.
+            ``print``, logging, C code, subprocesses) with ``[rank N] `` (``True``), or with a template of
+            the fields ``rank``, ``local_rank``, ``node_rank`` and ``pid``, e.g. ``"{rank}|{pid} "``.
         console_ranks: ranks whose output reaches the console, e.g. ``[0]``; ``None`` (default): all. The
             other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
         log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,
@@ -242,6 +243,22 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries
             the earlier ones in ``earlier_attempts``. Multi-node: passed on to elastic.
         rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``.
+        devices: the call's CUDA devices: a list of indices among the visible ones (``[2, 3]``), a count of
+            any free ones (``2``), or ``None`` (default): every visible device, not pooled. The ranks see
+            exactly these, in order, through ``CUDA_VISIBLE_DEVICES`` (named as this process's own
+            ``CUDA_VISIBLE_DEVICES`` names them), so ``cuda:LOCAL_RANK`` is each rank's device;
+            ``nprocs="auto"`` is their number. One pool per process: a launch whose devices another launch
+            holds waits (a submitted one stays pending, not running) and they are released when it ends.
+            An index or count this process cannot see is an ``InvalidOptionError`` at the call.
+        cpu_binding: ``"cores"``: each rank pinned to its own disjoint set of whole cores within this
+            process's affinity mask, with ``OMP_NUM_THREADS`` its size unless set; ``"numa"``: each rank
+            pinned to one NUMA node's cores (round-robin; the node of its GPU first with ``devices=``), its
+            memory preferred there; ``None`` (default): the parent's affinity. The parent's never changes.
+        env: extra environment variables for the ranks, set after torchrun's: a mapping, or a function of
+            the rank returning one (called in the parent before any worker starts; in each worker in a
+            multi-node launch). Setting a torchrun variable, ``MASTER_ADDR``/``MASTER_PORT``, or
+            ``CUDA_VISIBLE_DEVICES`` with ``devices=``, is an ``InvalidOptionError``. The parent's
+            ``os.environ`` is not changed.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that
