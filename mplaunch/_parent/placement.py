@@ -39,6 +39,7 @@ def plan(
     cpus: list[tuple[int | None, tuple[int, ...] | None]] = [(None, None)] * nprocs
     if config.cpu_binding is not None:
         cpus = _bind(config.cpu_binding, nprocs, names)
+    sharing = {cpu_set: sum(1 for _, other in cpus if other == cpu_set) for _, cpu_set in cpus}
     placements = []
     for rank in range(nprocs):
         node, rank_cpus = cpus[rank]
@@ -47,7 +48,8 @@ def plan(
                 cuda_visible_devices=cuda,
                 cpus=rank_cpus,
                 numa_node=node,
-                num_threads=len(rank_cpus) if rank_cpus and threads_kept else None,
+                # ranks on one NUMA node share its cores: never more threads than cores
+                num_threads=max(1, len(rank_cpus) // sharing[rank_cpus]) if rank_cpus and threads_kept else None,
                 environ=_rank_env(config.env, rank, names is not None) if not multinode else _shared_env(config),
             )
         )

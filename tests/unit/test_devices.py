@@ -100,3 +100,21 @@ def test_placement_options_are_kept_normalised() -> None:
     given["A"] = "2"
     assert config.devices == (2, 3) and config.env == {"A": "1"} and config.prefix_output == "{rank}|{pid} "
     assert parallel(env={"CUDA_VISIBLE_DEVICES": "1"})(len).config.env == {"CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_plan_shares_a_numa_nodes_cores_between_its_ranks_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch._parent import placement
+    from mplaunch._platform import topology
+
+    monkeypatch.setattr(
+        topology,
+        "split_numa",
+        lambda cpus, nprocs, preferred=(): [(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7)), (0, (0, 1, 2, 3))],
+    )
+    config = parallel(cpu_binding="numa", env=lambda rank: {"PLACEMENT_R": str(rank)})(len).config
+    plan = placement.plan(config, 3, ["4", "5"], multinode=False, threads_kept=True)
+    assert plan is not None
+    assert [(p.numa_node, p.num_threads) for p in plan] == [(0, 2), (1, 4), (0, 2)]  # never more threads than cores
+    assert [p.environ for p in plan] == [{"PLACEMENT_R": "0"}, {"PLACEMENT_R": "1"}, {"PLACEMENT_R": "2"}]
+    assert {p.cuda_visible_devices for p in plan} == {"4,5"}
+    assert placement.plan(config, 3, None, multinode=False, threads_kept=False)[0].num_threads is None  # type: ignore[index]
