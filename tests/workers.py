@@ -616,3 +616,8 @@ def placement_seen() -> dict[str, Any]:
 def touch(path: str) -> None:
     with open(path, "w"):
         pass
+
+
+def cuda_seen() -> tuple[str | None, int]:
+    """This rank's CUDA_VISIBLE_DEVICES and the number of devices torch sees."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()

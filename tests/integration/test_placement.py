@@ -164,3 +164,27 @@ def test_debug_sets_env_for_rank_0_and_puts_the_environment_back() -> None:
     seen = parallel(nprocs=2, env=lambda rank: {"PLACEMENT_R": f"r{rank}"})(workers.placement_seen)
     assert seen.debug()["extra"] == {"PLACEMENT_R": "r0"}
     assert "PLACEMENT_R" not in os.environ
+
+
+@pytest.mark.usefixtures("two_devices")
+def test_devices_come_back_when_a_launch_fails_or_times_out(tmp_path: Path) -> None:
+    from mplaunch import LaunchTimeoutError
+
+    failing = parallel(nprocs=1, start_method="fork", timeout=60, devices=[1])(workers.raise_value_error)
+    with pytest.raises(ValueError):
+        failing.options(nprocs=2)()
+    assert devices.POOL.busy() == set()
+    stuck = parallel(start_method="fork", timeout=1, devices=2)(workers.device_trial)  # never released
+    with pytest.raises(LaunchTimeoutError):
+        stuck(str(tmp_path), "stuck")
+    assert devices.POOL.busy() == set()
+
+
+@pytest.mark.cuda
+def test_a_real_device_is_the_ranks_only_one() -> None:
+    import torch
+
+    last = torch.cuda.device_count() - 1
+    seen = parallel(start_method="spawn", timeout=120, return_all=True, devices=[last])(workers.cuda_seen)()
+    names = devices.visible_names()
+    assert seen == [(names[last], 1)]
