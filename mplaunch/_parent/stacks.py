@@ -126,14 +126,19 @@ def innermost_user_frame(text: str) -> Frame | None:
     stacks = [stack for stack in threads(text) if stack]
     if not stacks:
         return None
-    stack = next((s for s in stacks if any(f.file == _WORKER_ENTRY for f in s)), stacks[0])
-    entry = next((i for i, f in enumerate(stack) if f.file == _WORKER_ENTRY), len(stack))
+    stack = next((s for s in stacks if any(_runs_function(f) for f in s)), stacks[0])
+    entry = next((i for i, f in enumerate(stack) if _runs_function(f)), len(stack))
     stack = stack[:entry] or stack  # below the entry: the parent's frames a forked worker inherited
     for tier in (0, 1):
         frame = next((f for f in stack if _tier(f.file) == tier), None)
         if frame is not None:
             return frame
     return stack[0]
+
+
+def _runs_function(frame: Frame) -> bool:
+    """Whether ``frame`` is the worker entry's frame that calls the user's function."""
+    return frame.file == _WORKER_ENTRY and frame.function in ("_execute", "run", "elastic_entry")
 
 
 def summary(stacks: Mapping[int, str]) -> str:
