@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mplaunch._parent.report import RunReport
 
 __all__ = [
     "FailureInfo",
@@ -43,7 +47,14 @@ __all__ = [
 
 
 class MplaunchError(Exception):
-    """Base class of every exception mplaunch raises itself."""
+    """Base class of every exception mplaunch raises itself.
+
+    Attributes:
+        report: the :class:`~mplaunch.RunReport` of the launch that raised it, else ``None`` (an error raised
+            before a launch, e.g. an invalid option).
+    """
+
+    report: RunReport | None = None
 
 
 class InvalidOptionError(MplaunchError, ValueError):
@@ -214,12 +225,14 @@ class FailureInfo:
         failures: the other ranks' own failures in the same attempt, by rank (never a rank the launch
             stopped).
         earlier_attempts: the failures that ended earlier attempts (``max_restarts``), oldest first.
+        report: the launch's :class:`~mplaunch.RunReport` (each rank's exit, memory, CPU and wall time).
     """
 
     rank: int
     pid: int | None
     failures: tuple[BaseException, ...] = ()
     earlier_attempts: tuple[BaseException, ...] = ()
+    report: RunReport | None = None
 
 
 def failure_info(error: BaseException) -> FailureInfo | None:
@@ -252,4 +265,5 @@ def failure_info(error: BaseException) -> FailureInfo | None:
         pid=pid if isinstance(pid, int) else None,
         failures=tuple(getattr(error, "failures", ())),
         earlier_attempts=tuple(getattr(error, "earlier_attempts", ())),
+        report=getattr(error, "report", None),
     )

@@ -20,9 +20,7 @@ from tests import workers
 #: spawn workers import torch each: on a busy two-core machine that takes many seconds, so the clock of a
 #: spawn launch leaves them that long before they reach the function
 STARTS = {"fork": 0.0, "forkserver": 0.0, "spawn": 30.0}
-ALL = pytest.mark.parametrize(
-    "start_method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)]
-)
+ALL = pytest.mark.parametrize("start_method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
 
 
 def _wait_for(paths: list[str], seconds: float = 60) -> None:
@@ -35,9 +33,9 @@ def _wait_for(paths: list[str], seconds: float = 60) -> None:
 @ALL
 def test_timeout_names_where_each_rank_was(start_method: str, tmp_path: Path) -> None:
     timeout = 4.0 + STARTS[start_method]
-    run = parallel(
-        nprocs=2, start_method=start_method, timeout=timeout, grace_period=1.0, log_dir=str(tmp_path)
-    )(workers.stuck_or_in_barrier)
+    run = parallel(nprocs=2, start_method=start_method, timeout=timeout, grace_period=1.0, log_dir=str(tmp_path))(  # type: ignore[call-overload]
+        workers.stuck_or_in_barrier
+    )
     start = time.monotonic()
     with pytest.raises(LaunchTimeoutError) as caught:
         run(120)
@@ -52,7 +50,7 @@ def test_timeout_names_where_each_rank_was(start_method: str, tmp_path: Path) ->
     assert "barrier" in (tmp_path / "rank1.stacks").read_text()
     copy = pickle.loads(pickle.dumps(error))
     assert copy.stacks == error.stacks and copy.running == (0, 1) and copy.report == error.report
-    assert [r.rank for r in error.report.ranks] == [0, 1]
+    assert error.report is not None and [r.rank for r in error.report.ranks] == [0, 1]
 
 
 def test_a_rank_blocked_in_a_c_call_still_dumps(tmp_path: Path) -> None:
@@ -67,7 +65,7 @@ def test_a_rank_blocked_in_a_c_call_still_dumps(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_stall_timeout_catches_the_silent_rank_and_names_it(start_method: str) -> None:
-    run = parallel(nprocs=2, start_method=start_method, timeout=90, stall_timeout=1.0, grace_period=1.0)(
+    run = parallel(nprocs=2, start_method=start_method, timeout=90, stall_timeout=1.0, grace_period=1.0)(  # type: ignore[call-overload]
         workers.beat_then_fall_silent
     )
     with pytest.raises(StallError) as caught:
@@ -137,7 +135,7 @@ def test_kill_9_is_not_the_oom_killer() -> None:
     known = bool(oom_counters(os.getpid()))
     assert error.oom is (False if known else None)
     assert "killed by the out-of-memory killer" not in str(error)
-    assert error.report.ranks[1].oom is error.oom  # type: ignore[attr-defined]
+    assert error.report is not None and error.report.ranks[1].oom is error.oom
     assert pickle.loads(pickle.dumps(error)).oom is error.oom
 
 
