@@ -8,6 +8,7 @@ whichever cgroup's limit was hit. A process in the root cgroup has no count to r
 
 from __future__ import annotations
 
+import functools
 import os
 
 from mplaunch._platform.cgroup import _memberships, _mounts, _read
@@ -21,8 +22,15 @@ def oom_counters(pid: int, root: str = "/") -> tuple[str, ...]:
         root: the directory that stands for ``/``; tests pass a fake tree.
     """
     cgroup = _read(os.path.join(root, f"proc/{pid}/cgroup"))
+    return () if cgroup is None else _counters(root, cgroup)
+
+
+@functools.lru_cache(maxsize=16)
+def _counters(root: str, cgroup: str) -> tuple[str, ...]:
+    """The counter files of a process in ``cgroup`` (the text of its ``/proc/<pid>/cgroup``); remembered, as
+    the mounts do not move and every worker of a launch is usually in the same cgroup."""
     mountinfo = _read(os.path.join(root, "proc/self/mountinfo"))
-    if cgroup is None or mountinfo is None:
+    if mountinfo is None:
         return ()
     mounts = _mounts(mountinfo)
     found = []
