@@ -113,6 +113,11 @@ def _launch(
     start_method = config.start_method or policy.default_start_method()
     checks.check_cuda_fork(start_method)
     checks.check_main_guard(start_method, frame, _name(function))
+    if nodes is not None and config.stall_timeout is not None:
+        raise InvalidOptionError(
+            f"stall_timeout={config.stall_timeout:g} watches the ranks of a one-node launch, and this launch has "
+            f"nnodes={nodes.nnodes}: leave stall_timeout=None (heartbeat() does nothing there)."
+        )
     imports = worker_imports() if start_method != "fork" or nodes is not None else None
     world_size = nprocs * (nodes.nnodes if nodes else 1)
     if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):

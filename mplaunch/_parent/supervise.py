@@ -250,7 +250,7 @@ class Supervisor:
         """Signal ``rank``'s worker to dump its stacks (through its pidfd: never another process)."""
         with self._signalling:
             process, pidfd = self.processes[rank], self._pidfds.get(rank)
-            if process.pid is None or (pidfd is None and rank in self.states):
+            if process.pid is None or STACKS_SIGNAL is None or (pidfd is None and rank in self.states):
                 raise ProcessLookupError(process.pid)
             send_signal(process.pid, pidfd, STACKS_SIGNAL)
 

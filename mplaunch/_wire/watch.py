@@ -16,7 +16,8 @@ import signal
 
 #: The signal that makes a worker write its stacks (``faulthandler.register``). A real-time signal: SIGUSR1
 #: and SIGUSR2 belong to the user (forwarded to ranks), and glibc reserves the first real-time signals.
-STACKS_SIGNAL = signal.SIGRTMAX - 2
+#: ``None`` where there are no real-time signals (macOS): no stacks are collected there.
+STACKS_SIGNAL: int | None = signal.SIGRTMAX - 2 if hasattr(signal, "SIGRTMAX") else None
 #: The board's name in the launch directory.
 BOARD = "board"
 #: Doubles per rank on the board: last beat, peak RSS (bytes), user CPU (s), system CPU (s).

@@ -68,6 +68,8 @@ def watch(spec: WorkerSpec, rank: int) -> None:
     _flight_recorder(spec)
     pending = os.path.join(spec.directory, stacks_pending_name(rank))
     with contextlib.suppress(OSError, ValueError, RuntimeError):
+        if STACKS_SIGNAL is None:
+            raise ValueError("no real-time signals here")
         fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
         os.rename(pending, os.path.join(spec.directory, stacks_name(rank)))  # the parent may signal from now on
@@ -95,8 +97,9 @@ def _forget() -> None:
     """In a process the worker forks (a DataLoader worker): not the rank, so no beat and no dump."""
     global _board, _slots
     _board = _slots = None
-    with contextlib.suppress(RuntimeError, ValueError):
-        faulthandler.unregister(STACKS_SIGNAL)
+    if STACKS_SIGNAL is not None:
+        with contextlib.suppress(RuntimeError, ValueError):
+            faulthandler.unregister(STACKS_SIGNAL)
 
 
 def _flight_recorder(spec: WorkerSpec) -> None:

@@ -131,7 +131,8 @@ def test_board_slots_and_heartbeat(tmp_path: Path) -> None:
 
 
 def test_the_dump_signal_is_not_the_users() -> None:
-    assert STACKS_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2) and signal.SIGRTMIN < STACKS_SIGNAL <= signal.SIGRTMAX
+    assert STACKS_SIGNAL is not None and STACKS_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2)
+    assert signal.SIGRTMIN < STACKS_SIGNAL <= signal.SIGRTMAX
 
 
 V1_MOUNTS = "33 25 0:30 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n"
@@ -210,3 +211,12 @@ def test_stall_timeout_is_validated(value: object) -> None:
     with pytest.raises(InvalidOptionError, match="stall_timeout="):
         ParallelConfig(stall_timeout=value)  # type: ignore[arg-type]
     assert ParallelConfig(stall_timeout=2).stall_timeout == 2.0
+
+
+def test_stall_timeout_is_refused_for_a_multi_node_launch() -> None:
+    from mplaunch import parallel
+    from tests import workers
+
+    run = parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint="127.0.0.1:1", stall_timeout=5)(workers.sleep)
+    with pytest.raises(InvalidOptionError, match="stall_timeout=5 watches the ranks of a one-node launch"):
+        run(0)
