@@ -181,10 +181,10 @@ class Supervisor:
     def _raise_timeout(self, running: list[int]) -> None:
         found = self._stacks_before_stop(running)
         timeout = self.timeout or 0.0
+        where = _where(found, self.spec.log_dir, running)
         raise LaunchTimeoutError(
             f"the launch did not finish within timeout={timeout:g} s; ranks {running} were still running and "
-            f"have been stopped.{_where(found, self.spec.log_dir)} Raise `timeout`, or look for a rank stuck in "
-            "a collective.",
+            f"have been stopped.{where} Raise `timeout`, or look for a rank stuck in a collective.",
             timeout,
             tuple(running),
             found,
@@ -214,9 +214,10 @@ class Supervisor:
         seconds, rank = max(stalled, key=lambda found: (found[0], -found[1]))
         pid = self.processes[rank].pid
         found = self._stacks_before_stop(running)
+        where = _where(found, self.spec.log_dir, running)
         failure = StallError(
             f"rank {rank} (pid {pid}) stalled: its last mplaunch.heartbeat() was {seconds:.1f} s ago, more than "
-            f"stall_timeout={self.stall_timeout:g} s; every worker has been stopped.{_where(found, self.spec.log_dir)}",
+            f"stall_timeout={self.stall_timeout:g} s; every worker has been stopped.{where}",
             rank,
             pid,
             seconds,
@@ -291,9 +292,12 @@ def _ended(fd: int) -> bool:
     return bool(wait([fd], timeout=0))
 
 
-def _where(found: dict[int, str], log_dir: str | None) -> str:
-    """The sentence of an error message that says where each rank was, from their stacks."""
+def _where(found: dict[int, str], log_dir: str | None, running: list[int]) -> str:
+    """The sentences of an error message that say where each rank was, from their stacks."""
+    missing = [rank for rank in running if rank not in found]
+    silent = f" Ranks {missing} sent no stacks (still starting, or no dump within 1 s)." if missing else ""
     if not found:
-        return ""
+        return silent
     kept = " and in log_dir/rank{N}.stacks" if log_dir is not None else ""
-    return f" Where each rank was: {stacks.summary(found)} (every thread's stack is on the error's `stacks`{kept})."
+    where = f" Where each rank was: {stacks.summary(found)} (every thread's stack is on the error's `stacks`{kept})."
+    return where + silent

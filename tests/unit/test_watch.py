@@ -220,3 +220,23 @@ def test_stall_timeout_is_refused_for_a_multi_node_launch() -> None:
     run = parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint="127.0.0.1:1", stall_timeout=5)(workers.sleep)
     with pytest.raises(InvalidOptionError, match="stall_timeout=5 watches the ranks of a one-node launch"):
         run(0)
+
+
+@pytest.mark.parametrize(("backend", "log_dir"), [("nccl", "/logs"), ("gloo", "/logs"), ("nccl", None)])
+def test_nccl_flight_recorder_points_at_log_dir(
+    monkeypatch: pytest.MonkeyPatch, backend: str, log_dir: str | None
+) -> None:
+    from mplaunch._wire.records import WorkerSpec
+
+    environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}  # the user's own value stays
+    monkeypatch.setattr(os, "environ", environ)
+    spec = WorkerSpec("/d", 1, "fork", 1, 1, frozenset({0}), backend=backend, log_dir=log_dir)
+    watch._flight_recorder(spec)
+    if backend == "nccl" and log_dir is not None:
+        assert environ == {
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": "50",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/logs/nccl_trace_rank_",
+        }
+    else:
+        assert environ == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}
