@@ -614,3 +614,11 @@ def allocate_until_killed(rank: int) -> None:
     chunks = []
     while True:
         chunks.append(bytearray(b"\x01") * (32 << 20))
+
+
+def rank1_frozen(ready: str) -> None:
+    """Issue 22: rank 1 stops itself (SIGSTOP): it cannot dump its stacks; rank 0 waits in a user function."""
+    open(f"{ready}.{worker_info().rank}", "w").close()
+    if worker_info().rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    stuck_here(60)

@@ -205,3 +205,13 @@ def test_oom_under_a_memory_limit_is_named() -> None:
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def test_a_rank_that_cannot_dump_delays_the_stop_by_the_bound_at_most(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=3.0, grace_period=0.5)(workers.rank1_frozen)
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as caught:
+        run(str(tmp_path / "ready"))
+    assert time.monotonic() - start < 3.0 + 1.0 + 0.5 + 1.5  # timeout + the dump's bound + grace + slack
+    assert set(caught.value.stacks) == {0} and "stuck_here" in caught.value.stacks[0]
+    assert "Ranks [1] sent no stacks" in str(caught.value)
