@@ -17,14 +17,17 @@ from mplaunch._errors import (
     MplaunchError,
     RemoteError,
     RemoteTraceback,
+    StallError,
     WorkerExitedError,
     WorkerFailedError,
     failure_info,
 )
 from mplaunch._parent.checks import record_cuda_init
+from mplaunch._parent.report import RankReport, RunReport
 from mplaunch._parent.restarts import RestartWarning
 from mplaunch._state.sharing import unshare
 from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
+from mplaunch._worker.watch import heartbeat
 
 __all__ = [
     "FailureInfo",
@@ -37,13 +40,17 @@ __all__ = [
     "ParallelConfig",
     "ParallelFunction",
     "RankInfo",
+    "RankReport",
     "RemoteError",
     "RemoteTraceback",
     "RestartWarning",
+    "RunReport",
+    "StallError",
     "StartMethod",
     "WorkerExitedError",
     "WorkerFailedError",
     "failure_info",
+    "heartbeat",
     "outer_launcher",
     "parallel",
     "record_cuda_init",

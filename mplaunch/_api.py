@@ -18,6 +18,7 @@ from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
 from mplaunch._frames import resolve
 from mplaunch._parent import futures, in_process, launch
 from mplaunch._parent.control import LaunchControl
+from mplaunch._parent.report import RunReport
 from mplaunch._state.snapshot import GlobalState
 
 P = ParamSpec("P")
@@ -38,8 +39,11 @@ class ParallelFunction(Generic[P, T]):
 
     Attributes:
         config: the validated launch options (:class:`~mplaunch.ParallelConfig`).
+        last_report: the :class:`~mplaunch.RunReport` of the last call of this function object that ended
+            (returned or raised), else ``None``; a submitted launch's is ``future.report``.
     """
 
+    last_report: RunReport | None = None
     __wrapped__: Callable[P, Any]
     __name__: str
     __qualname__: str
@@ -71,18 +75,23 @@ class ParallelFunction(Generic[P, T]):
                 that cannot be pickled under spawn/forkserver); no worker was started.
             WorkerExitedError: a worker was killed, exited non-zero, or exited without returning.
             RemoteError: a worker's exception or result could not be pickled or unpickled.
-            LaunchTimeoutError: the launch ran past ``timeout`` seconds.
+            LaunchTimeoutError: the launch ran past ``timeout`` seconds; it carries each rank's stacks.
+            StallError: a rank stopped calling :func:`~mplaunch.heartbeat` for ``stall_timeout`` seconds.
             KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
+        control = LaunchControl()
         try:
-            return launch.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
+            return launch.launch(self, args, kwargs, self.config, sys._getframe(1), control)  # type: ignore[no-any-return]
         except BaseException as error:
             if not _ours(error):
                 raise
             # the caller's line and the worker's own traceback (the cause) tell what happened; the frames of
             # mplaunch in between do not: cut them, as concurrent.futures' result() does
             raise error.with_traceback(None) from error.__cause__
+        finally:
+            if control.report is not None:
+                self.last_report = control.report
 
     def debug(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run the function here, in this process, as rank 0 of a world of 1, set up as a worker would be.
@@ -216,6 +225,13 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             is not initialised, ``spawn`` otherwise.
         return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value.
         timeout: seconds the whole call may take before every worker is stopped, or ``None`` for no limit.
+            Before the stop, each rank's Python stacks are collected (about a second at most):
+            :class:`~mplaunch.LaunchTimeoutError` carries them and names where each rank was.
+        stall_timeout: seconds a rank that has called :func:`~mplaunch.heartbeat` (e.g. once a step) may go
+            without calling it again; then every rank's stacks are collected, the workers are stopped and
+            :class:`~mplaunch.StallError` names the rank (a worker failure: ``max_restarts`` restarts it).
+            A rank that never calls ``heartbeat()`` is not watched. ``None`` (default): no rank is watched.
+            One-node launches only.
         grace_period: seconds between SIGTERM and SIGKILL when workers are stopped early.
         backend: a ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl when CUDA
             is available with a device per worker, else gloo): each worker calls ``init_process_group`` with
@@ -227,7 +243,9 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
         console_ranks: ranks whose output reaches the console, e.g. ``[0]``; ``None`` (default): all. The
             other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
         log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,
-            overwritten at each call (a restart appends to it, after a ``--- restart N ---`` line).
+            overwritten at each call (a restart appends to it, after a ``--- restart N ---`` line); stacks
+            collected on a timeout or a stall go to ``rank{N}.stacks``; with ``backend="nccl"``, NCCL's
+            flight recorder dumps there on a collective's timeout (``nccl_trace_rank_{N}``).
         nnodes: number of nodes (machines) taking part, each running this call with ``nprocs`` workers;
             ``None`` (default) reads ``MPLAUNCH_NNODES`` (or SLURM's, in an ``srun`` step with one task per
             node), else 1. With more than one, the call launches through

@@ -32,6 +32,7 @@ class LaunchOptions(TypedDict, total=False):
     nprocs: int | Literal["auto"]
     start_method: StartMethod | None
     timeout: float | None
+    stall_timeout: float | None
     grace_period: float
     backend: str | None
     prefix_output: bool | str
@@ -58,6 +59,9 @@ class ParallelConfig:
         start_method: ``"spawn"``, ``"fork"``, ``"forkserver"``, or ``None`` to choose at call time.
         return_all: return a list of every rank's value ordered by rank instead of rank 0's value.
         timeout: seconds the whole launch may take (restarts included), or ``None`` for no limit.
+        stall_timeout: seconds a rank that has called :func:`~mplaunch.heartbeat` may go without calling it
+            again before the launch counts it stalled (:class:`~mplaunch.StallError`), or ``None`` to watch
+            no rank.
         grace_period: seconds a worker gets between SIGTERM and SIGKILL when the launch stops it.
         backend: process-group backend each worker initialises around the function (``"gloo"``,
             ``"nccl"``, ``"auto"``, ...), or ``None`` to leave process groups to the function.
@@ -88,6 +92,7 @@ class ParallelConfig:
     start_method: StartMethod | None = None
     return_all: bool = False
     timeout: float | None = None
+    stall_timeout: float | None = None
     grace_period: float = 5.0
     backend: str | None = None
     prefix_output: bool | str = False
@@ -114,6 +119,7 @@ class ParallelConfig:
                 "'numa' (each rank on one NUMA node), or None."
             )
         _check_seconds("timeout", self.timeout, "> 0, or None for no limit", optional=True)
+        _check_seconds("stall_timeout", self.stall_timeout, "> 0, or None to watch no rank", optional=True)
         _check_seconds("grace_period", self.grace_period, ">= 0", allow_zero=True)
         _check_seconds("rdzv_timeout", self.rdzv_timeout, "> 0")
         _check_backend(self.backend)
@@ -136,6 +142,7 @@ class ParallelConfig:
             "console_ranks": None if self.console_ranks is None else _check_ranks(self.console_ranks),
             "log_dir": None if self.log_dir is None else os.path.abspath(os.fspath(self.log_dir)),
             "timeout": None if self.timeout is None else float(self.timeout),
+            "stall_timeout": None if self.stall_timeout is None else float(self.stall_timeout),
             "grace_period": float(self.grace_period),
             "rdzv_timeout": float(self.rdzv_timeout),
             "devices": _check_devices(self.devices),

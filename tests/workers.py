@@ -621,3 +621,91 @@ def touch(path: str) -> None:
 def cuda_seen() -> tuple[str | None, int]:
     """This rank's CUDA_VISIBLE_DEVICES and the number of devices torch sees."""
     return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
+
+
+def stuck_here(seconds: float) -> None:
+    """Issue 22: where a rank is stuck, in the user's code."""
+    time.sleep(seconds)
+
+
+def stuck_or_in_barrier(seconds: float) -> None:
+    """Issue 22: rank 0 stuck in a user function, the others waiting for it in a gloo barrier."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        if dist.get_rank() == 0:
+            stuck_here(seconds)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def blocked_in_read(ready: str) -> None:
+    """Issue 22: every rank blocked in a C call (a read from a pipe nobody writes)."""
+    read_end, write_end = os.pipe()
+    open(f"{ready}.{worker_info().rank}", "w").close()
+    os.read(read_end, 1)
+    os.close(write_end)
+
+
+def waiting_here(ready: str, seconds: float) -> int:
+    """Issue 22: each rank says it runs, then waits (future.stacks() looks meanwhile)."""
+    open(f"{ready}.{worker_info().rank}", "w").close()
+    time.sleep(seconds)
+    return worker_info().rank
+
+
+def silent_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def beat_then_fall_silent(silent_rank: int, beats: int, period: float) -> int:
+    """Issue 22: every rank beats ``beats`` times, ``period`` s apart; ``silent_rank`` then stops beating
+    (and sleeps), the others keep beating until the launch stops them."""
+    import mplaunch
+
+    rank = worker_info().rank
+    for _ in range(beats):
+        mplaunch.heartbeat()
+        time.sleep(period)
+    if rank == silent_rank:
+        silent_here(60)
+    while True:
+        mplaunch.heartbeat()
+        time.sleep(period)
+
+
+def beat_or_not(beating_ranks: tuple[int, ...], seconds: float, period: float) -> int:
+    """Issue 22: the ranks in ``beating_ranks`` beat every ``period`` s, the others never; all return after
+    ``seconds``."""
+    import mplaunch
+
+    rank = worker_info().rank
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if rank in beating_ranks:
+            mplaunch.heartbeat()
+        time.sleep(period)
+    return rank
+
+
+def allocate_until_killed(rank: int) -> None:
+    """Issue 22: ``rank`` allocates (and touches) memory until the out-of-memory killer ends it."""
+    if worker_info().rank != rank:
+        time.sleep(120)
+        return
+    import faulthandler
+
+    faulthandler.disable()  # pytest's crash dump, inherited through fork, would only add noise
+    chunks = []
+    while True:
+        chunks.append(bytearray(b"\x01") * (32 << 20))
+
+
+def rank1_frozen(ready: str) -> None:
+    """Issue 22: rank 1 stops itself (SIGSTOP): it cannot dump its stacks; rank 0 waits in a user function."""
+    open(f"{ready}.{worker_info().rank}", "w").close()
+    if worker_info().rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    stuck_here(60)

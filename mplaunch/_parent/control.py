@@ -7,8 +7,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mplaunch._state.snapshot import GlobalState
+
+if TYPE_CHECKING:
+    from mplaunch._parent.report import RankReport, RunReport
 
 
 class LaunchStopped(BaseException):
@@ -27,6 +32,11 @@ class LaunchControl:
             to capture it when the launch starts.
         in_process: the call runs the function in this process (already under a launcher): it cannot be stopped.
         queued: the launch waits for its devices (``devices=``): its future is not running yet.
+        stacks_source: while workers run, the function that collects their stacks (the supervisor's), else
+            ``None``.
+        restarts: the number of the attempt under way (0: the first).
+        ranks: the :class:`~mplaunch.RankReport` of each rank of the last attempt that started workers.
+        report: the launch's :class:`~mplaunch.RunReport`, once it has ended.
     """
 
     def __init__(self, *, stoppable: bool = False) -> None:
@@ -35,6 +45,10 @@ class LaunchControl:
         self.state: GlobalState | None = None
         self.in_process = False
         self.queued = False
+        self.stacks_source: Callable[[], dict[int, str]] | None = None
+        self.restarts = 0
+        self.ranks: tuple[RankReport, ...] = ()
+        self.report: RunReport | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pipe = os.pipe() if stoppable else None

@@ -15,9 +15,12 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mplaunch._parent.control import LaunchControl, LaunchStopped
+
+if TYPE_CHECKING:
+    from mplaunch._parent.report import RunReport
 
 T = TypeVar("T")
 
@@ -38,6 +41,26 @@ class LaunchFuture(Future[T]):
         self._control = control
         self._thread: threading.Thread | None = None
         self._settle_lock = threading.Lock()
+
+    def stacks(self) -> dict[int, str]:
+        """Return every running rank's Python stacks (all threads), by rank; the workers keep running.
+
+        Each worker writes them with :mod:`faulthandler` on a real-time signal (never SIGUSR1/SIGUSR2, which
+        are the user's), also while it is blocked in C code or a collective. Takes at most about a second.
+
+        Returns:
+            Each rank's stacks as text, by rank; empty when no worker runs (the launch has not started its
+            workers yet, or has ended, or runs in this process). A rank still starting, or that does not
+            dump within the second, is missing.
+        """
+        source = self._control.stacks_source
+        return {} if source is None else source()
+
+    @property
+    def report(self) -> RunReport | None:
+        """The launch's :class:`~mplaunch.RunReport` once it has ended (each rank's exit, peak memory, CPU and
+        wall time), else ``None``."""
+        return self._control.report
 
     def running(self) -> bool:
         """Return whether the launch is under way (starting, running its workers, or stopping them); a launch

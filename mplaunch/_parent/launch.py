@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -25,6 +26,7 @@ from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory, space_hint
 from mplaunch._parent.in_process import run_in_process
 from mplaunch._parent.processes import start_workers
+from mplaunch._parent.report import RunReport
 from mplaunch._parent.restarts import run_attempts
 from mplaunch._parent.signals import parent_signals
 from mplaunch._parent.store import Rendezvous, rendezvous
@@ -34,7 +36,8 @@ from mplaunch._state.sharing import shared_mappings, unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.importable import WorkerImports, worker_imports
-from mplaunch._wire.records import PAYLOAD, Payload, WorkerSpec, outcome_name
+from mplaunch._wire.records import PAYLOAD, Payload, WorkerSpec, outcome_name, set_attribute
+from mplaunch._wire.watch import Board
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
@@ -59,8 +62,23 @@ def launch(
     checks.check_not_bootstrapping(_name(function))
     if outer_launcher() is not None:
         return run_in_process(function, args, kwargs, config)
-    with parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
-        return _launch(function, args, kwargs, config, frame, control or LaunchControl())
+    control = control or LaunchControl()
+    started = time.monotonic()
+    try:
+        with parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
+            return _launch(function, args, kwargs, config, frame, control)
+    except BaseException as error:
+        set_attribute(error, "report", _report(control, started))
+        raise
+    finally:
+        _report(control, started)
+
+
+def _report(control: LaunchControl, started: float) -> RunReport:
+    """The launch's report, made once, when it ends (on ``control``)."""
+    if control.report is None:
+        control.report = RunReport(control.ranks, time.monotonic() - started, control.restarts)
+    return control.report
 
 
 def check_call(
@@ -112,6 +130,11 @@ def _launch_on(
     start_method = config.start_method or policy.default_start_method()
     checks.check_cuda_fork(start_method)
     checks.check_main_guard(start_method, frame, _name(function))
+    if nodes is not None and config.stall_timeout is not None:
+        raise InvalidOptionError(
+            f"stall_timeout={config.stall_timeout:g} watches the ranks of a one-node launch, and this launch has "
+            f"nnodes={nodes.nnodes}: leave stall_timeout=None (heartbeat() does nothing there)."
+        )
     imports = worker_imports() if start_method != "fork" or nodes is not None else None
     world_size = nprocs * (nodes.nnodes if nodes else 1)
     if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
@@ -186,6 +209,7 @@ def _attempt(
     restart: int,
 ) -> list[Any]:
     """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt."""
+    control.restarts = restart
     for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
         transport.remove(spec.directory, outcome_name(rank))
     with rendezvous() as store:
@@ -251,7 +275,13 @@ def _run_workers(
     store: Rendezvous,
 ) -> list[Any]:
     processes: list[BaseProcess] = []
-    supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control, store)
+    try:
+        board: Board | None = Board(spec.directory, spec.nprocs, create=True)  # heartbeats, usage; zeroed
+    except (OSError, ValueError):
+        board = None  # no heartbeats: the launch runs unwatched
+    supervisor = Supervisor(
+        spec, processes, config.timeout, config.grace_period, control, store, config.stall_timeout, board
+    )
     pipe: tuple[int, int] | None = None  # large fork arguments: see _answer_unshare
     try:
         if spec.start_method == "fork" and spec.unshare is None:
@@ -269,7 +299,10 @@ def _run_workers(
             os.close(fd)
         try:
             supervisor.stop()
+            control.ranks = supervisor.report()
         finally:
+            if board is not None:
+                board.close()
             for process in processes:
                 # a Ctrl-C landing just after multiprocessing reaped a worker, before it noted the exit code,
                 # leaves it "running" to multiprocessing: its descriptors are closed when it is collected

@@ -43,6 +43,7 @@ from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
+from mplaunch._worker.watch import record_usage, watch
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
@@ -233,6 +234,7 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
     finally:
+        record_usage()
         # threads the function left running must not keep the worker (and the call) alive
         os._exit(_exit_code(outcome))
 
@@ -282,6 +284,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
                 max_restarts=spec.max_restarts,
             ),
         )
+        watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
         outcome = _execute(rank, rank, spec, payload)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
         pass
