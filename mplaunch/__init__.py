@@ -8,13 +8,14 @@ Example:
 
 from mplaunch._api import ParallelFunction, parallel
 from mplaunch._config import LaunchOptions, ParallelConfig, StartMethod
-from mplaunch._env import RankInfo, outer_launcher, worker_info
+from mplaunch._env import RankInfo, outer_launcher, preempted, worker_info
 from mplaunch._errors import (
     FailureInfo,
     InvalidOptionError,
     LaunchRefusedError,
     LaunchTimeoutError,
     MplaunchError,
+    PreemptedError,
     RemoteError,
     RemoteTraceback,
     StallError,
@@ -39,6 +40,7 @@ __all__ = [
     "MplaunchError",
     "ParallelConfig",
     "ParallelFunction",
+    "PreemptedError",
     "RankInfo",
     "RankReport",
     "RemoteError",
@@ -53,6 +55,7 @@ __all__ = [
     "heartbeat",
     "outer_launcher",
     "parallel",
+    "preempted",
     "record_cuda_init",
     "register_state",
     "unregister_state",

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import multiprocessing
 import os
+import signal
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
@@ -19,6 +20,9 @@ PREFIX_FIELDS = ("rank", "local_rank", "node_rank", "pid")
 DEFAULT_PREFIX = "[rank {rank}] "
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
+#: What ``restart_on`` accepts: ``None`` (every failure), exception classes, or a predicate over the failure.
+RestartOn = type[BaseException] | tuple[type[BaseException], ...] | Callable[[BaseException], bool] | None
+
 StartMethod.__doc__ = """The start methods mplaunch accepts (``multiprocessing``'s names), for annotations:
 ``def run(start_method: mplaunch.StartMethod) -> None``."""
 
@@ -46,6 +50,10 @@ class LaunchOptions(TypedDict, total=False):
     devices: int | Sequence[int] | None
     cpu_binding: Literal["cores", "numa"] | None
     env: Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
+    preempt_signals: Iterable[int | signal.Signals]
+    preempt_grace: float
+    restart_on: RestartOn
+    restart_delay: float
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +90,12 @@ class ParallelConfig:
         cpu_binding: ``"cores"`` (each rank on its own cores), ``"numa"`` (each rank on one NUMA node's
             cores), or ``None`` (the parent's affinity).
         env: extra variables for every rank (kept as a ``dict``), or a function of the rank returning them.
+        preempt_signals: signals that preempt the launch instead of stopping it (any iterable of signal numbers
+            is accepted and kept as a tuple of :class:`signal.Signals`; ``()``: none).
+        preempt_grace: seconds the ranks get, once preempted, to save and return before they are stopped.
+        restart_on: the failures ``max_restarts`` restarts: ``None`` for every failure, exception classes (a
+            class is kept as a one-class tuple), or a predicate ``(failure) -> bool`` run in the parent.
+        restart_delay: seconds before the first restart, doubled for each further one, at most 60.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
@@ -106,6 +120,10 @@ class ParallelConfig:
     devices: int | tuple[int, ...] | None = None
     cpu_binding: Literal["cores", "numa"] | None = None
     env: dict[str, str] | Callable[[int], Mapping[str, str]] | None = None
+    preempt_signals: tuple[signal.Signals, ...] = ()
+    preempt_grace: float = 60.0
+    restart_on: RestartOn = None
+    restart_delay: float = 0.0
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
@@ -122,6 +140,8 @@ class ParallelConfig:
         _check_seconds("stall_timeout", self.stall_timeout, "> 0, or None to watch no rank", optional=True)
         _check_seconds("grace_period", self.grace_period, ">= 0", allow_zero=True)
         _check_seconds("rdzv_timeout", self.rdzv_timeout, "> 0")
+        _check_seconds("preempt_grace", self.preempt_grace, ">= 0", allow_zero=True)
+        _check_seconds("restart_delay", self.restart_delay, ">= 0", allow_zero=True)
         _check_backend(self.backend)
         _check_whole("nnodes", self.nnodes, 1)
         _check_whole("node_rank", self.node_rank, 0)
@@ -149,6 +169,10 @@ class ParallelConfig:
             "env": self.env
             if self.env is None or callable(self.env)
             else check_extra_env(self.env, "env", devices=self.devices is not None),
+            "preempt_signals": _check_signals(self.preempt_signals),
+            "preempt_grace": float(self.preempt_grace),
+            "restart_on": _check_restart_on(self.restart_on),
+            "restart_delay": float(self.restart_delay),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
@@ -292,3 +316,50 @@ def _check_backend(backend: str | None) -> None:
             f"backend={backend!r} is not valid: use one of {', '.join(repr(b) for b in known)}, 'auto' (nccl when "
             "there is a CUDA device per worker, else gloo), or None to initialise process groups yourself."
         )
+
+
+def _check_signals(signals: object) -> tuple[signal.Signals, ...]:
+    """``preempt_signals`` as a tuple of :class:`signal.Signals` (a single signal is accepted too)."""
+    message = (
+        f"preempt_signals={signals!r} is not valid: pass a tuple of signals that can be caught, e.g. "
+        "preempt_signals=(signal.SIGTERM,) or (signal.SIGUSR1,), or () for none."
+    )
+    if isinstance(signals, int) and not isinstance(signals, bool):
+        signals = (signals,)
+    if isinstance(signals, (str, bytes)) or not isinstance(signals, Iterable):
+        raise InvalidOptionError(message)
+    found: list[signal.Signals] = []
+    for item in signals:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise InvalidOptionError(message)
+        try:
+            signum = signal.Signals(item)
+        except ValueError:
+            raise InvalidOptionError(f"{message} {item!r} is no signal of this platform.") from None
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            raise InvalidOptionError(f"{message} {signum.name} cannot be caught, so no process can be told of it.")
+        if signum not in found:
+            found.append(signum)
+    return tuple(found)
+
+
+def _check_restart_on(restart_on: object) -> RestartOn:
+    """``restart_on`` as ``None``, a tuple of exception classes, or a predicate."""
+    if restart_on is None:
+        return None
+    allowed = (
+        "pass exception classes, e.g. restart_on=(ConnectionError, TimeoutError), a function "
+        "(failure) -> bool, or None to restart after every failure."
+    )
+    if isinstance(restart_on, type):
+        restart_on = (restart_on,)
+    if isinstance(restart_on, tuple):
+        for item in restart_on:
+            if not isinstance(item, type) or not issubclass(item, BaseException):
+                raise InvalidOptionError(
+                    f"restart_on={restart_on!r} is not valid: {item!r} is not an exception class; {allowed}"
+                )
+        return restart_on
+    if callable(restart_on):
+        return restart_on
+    raise InvalidOptionError(f"restart_on={restart_on!r} is not valid: {allowed}")

@@ -13,7 +13,8 @@ itself (same type), not wrapped; see :class:`RemoteTraceback`.
     │   ├── WorkerExitedError                 it died (signal, non-zero exit) or exited without a result
     │   ├── RemoteError                       its exception or its result could not be pickled/unpickled
     │   └── StallError                        it stopped calling heartbeat() for ``stall_timeout`` seconds
-    └── LaunchTimeoutError(TimeoutError)    the launch ran past ``timeout``; every worker was stopped
+    ├── LaunchTimeoutError(TimeoutError)    the launch ran past ``timeout``; every worker was stopped
+    └── PreemptedError                      one of ``preempt_signals`` came: the ranks were told, then stopped
 
 Every error of a launch that ran workers also has a ``report`` attribute: the launch's
 :class:`~mplaunch.RunReport` (each rank's exit, peak memory, CPU and wall time).
@@ -37,6 +38,7 @@ __all__ = [
     "LaunchRefusedError",
     "LaunchTimeoutError",
     "MplaunchError",
+    "PreemptedError",
     "RemoteError",
     "RemoteTraceback",
     "StallError",
@@ -192,6 +194,42 @@ class LaunchTimeoutError(MplaunchError, TimeoutError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.args[0], self.timeout, self.running, self.stacks), dict(vars(self)))
+
+
+class PreemptedError(MplaunchError):
+    """The launch was preempted: one of ``preempt_signals`` reached the parent (or ``future.preempt()`` was
+    called), every rank saw ``mplaunch.preempted()`` become true and had ``preempt_grace`` seconds to save and
+    return; the ranks still running then were stopped. Raised even when every rank returned within the grace:
+    the work is not done, and a script should requeue (e.g. exit with ``128 + signum``).
+
+    Attributes:
+        signum: the signal that preempted the launch, or ``None`` for ``future.preempt()`` without one.
+        signal_name: its name, e.g. ``"SIGTERM"``, or ``None``.
+        returned: the ranks that returned within the grace, sorted.
+        values: their return values by rank, as the call would return them: rank 0's (others ``None``), or
+            every rank's with ``return_all=True``.
+        stopped: the ranks still running at the end of the grace (or at a second signal), which were stopped.
+        failures: exceptions raised by ranks during the grace, in rank order.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        signum: int | None,
+        values: dict[int, object] | None = None,
+        stopped: tuple[int, ...] = (),
+        failures: tuple[BaseException, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.signal_name = signal_name(-signum) if signum is not None else None
+        self.values = dict(values or {})
+        self.returned = tuple(sorted(self.values))
+        self.stopped = tuple(stopped)
+        self.failures = tuple(failures)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.signum, self.values, self.stopped, self.failures))
 
 
 class RemoteTraceback(Exception):

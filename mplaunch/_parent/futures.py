@@ -91,6 +91,25 @@ class LaunchFuture(Future[T]):
             self.set_running_or_notify_cancel()  # wakes concurrent.futures.wait() and as_completed()
             return True
 
+    def preempt(self) -> bool:
+        """Preempt the launch, as one of ``preempt_signals`` preempts a call: every rank's
+        ``mplaunch.preempted()`` becomes true, the ranks get ``preempt_grace`` seconds to save and return, the
+        rest are stopped, and ``result()`` raises :class:`~mplaunch.PreemptedError`. A second call ends the
+        grace at once. Returns at once.
+
+        A submitted launch runs in a thread, and Python runs signal handlers only in the main thread, so
+        ``preempt_signals`` are not handled for it: call this from your own handler, e.g.
+        ``signal.signal(signal.SIGTERM, lambda *_: future.preempt())``.
+
+        Returns:
+            ``True`` when the launch is told (now, or as soon as it starts); ``False`` when it has finished or
+            runs in this process (under an outer launcher), which cannot be preempted.
+        """
+        if self.done() or self._control.in_process:
+            return False
+        self._control.preempt()
+        return True
+
     def result(self, timeout: float | None = None) -> T:
         """Wait for the launch and return its result, or raise what the call would raise; Ctrl-C while
         waiting stops the launch (as it stops a call) before ``KeyboardInterrupt`` propagates.

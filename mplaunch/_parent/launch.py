@@ -25,6 +25,7 @@ from mplaunch._parent import checks, devices, placement, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory, space_hint
 from mplaunch._parent.in_process import run_in_process
+from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.processes import start_workers
 from mplaunch._parent.report import RunReport
 from mplaunch._parent.restarts import run_attempts
@@ -127,6 +128,8 @@ def _launch_on(
     """The launch on the devices ``names`` (``None``: every visible one, as the parent sees them)."""
     nprocs = len(names) if names is not None and config.nprocs == "auto" else policy.resolve_nprocs(config.nprocs)
     nodes = node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
+    if nodes is not None:
+        _check_single_node(config)
     start_method = config.start_method or policy.default_start_method()
     checks.check_cuda_fork(start_method)
     checks.check_main_guard(start_method, frame, _name(function))
@@ -192,11 +195,14 @@ def _launch_on(
         else:
             in_memory = payload if start_method == "fork" else None
             preload = _preload(imports, function)
-            results = run_attempts(
-                lambda restart: _attempt(spec, in_memory, config, preload, control, restart),
-                config.max_restarts,
-                control,
-            )
+            with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
+                results = run_attempts(
+                    lambda restart: _attempt(spec, in_memory, config, preload, control, restart, notice),
+                    config.max_restarts,
+                    control,
+                    config.restart_on,
+                    config.restart_delay,
+                )
     return results if config.return_all else results[0]
 
 
@@ -207,9 +213,13 @@ def _attempt(
     preload: list[str],
     control: LaunchControl,
     restart: int,
+    notice: Preemption,
 ) -> list[Any]:
-    """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt."""
+    """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt; none
+    once the launch was preempted (e.g. while it waited to restart)."""
     control.restarts = restart
+    if notice.noticed:
+        raise notice.error({}, 0)
     for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
         transport.remove(spec.directory, outcome_name(rank))
     with rendezvous() as store:
@@ -224,6 +234,20 @@ def _attempt(
         with routed(list(range(spec.nprocs)), spec) as pump:
             spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
             return _run_workers(spec, payload, config, preload, pump, control, store)
+
+
+def _check_single_node(config: ParallelConfig) -> None:
+    """Refuse the options a multi-node launch does not support (torch elastic restarts and signals there)."""
+    given = [
+        f"{name}={getattr(config, name)!r}"
+        for name, default in (("preempt_signals", ()), ("restart_on", None), ("restart_delay", 0.0))
+        if getattr(config, name) != default
+    ]
+    if given:
+        raise InvalidOptionError(
+            f"{', '.join(given)} is not supported with more than one node: torch elastic restarts and handles "
+            "signals there. Leave it out, or run on one node."
+        )
 
 
 def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> WorkerSpec:

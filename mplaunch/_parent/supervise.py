@@ -34,6 +34,12 @@ from mplaunch._wire.records import (
 from mplaunch._wire.watch import BEAT, STACKS_SIGNAL, Board
 
 
+def _earliest(*seconds: float | None) -> float | None:
+    """The shortest of these waits (``None``: no limit)."""
+    known = [s for s in seconds if s is not None]
+    return min(known) if known else None
+
+
 class Supervisor:
     """Waits for the workers of one launch, reads their outcomes, and stops them all.
 
@@ -110,19 +116,31 @@ class Supervisor:
             self._wait({self._end(rank): rank for rank in range(len(self.processes))}, stop, listener)
         finally:
             self.control.stacks_source = None
+        preemption = self.control.preemption
+        if preemption is not None and preemption.noticed:
+            raise preemption.error(self.states, self.spec.nprocs)
         return [state.value if isinstance(state := self.states[r], Returned) else None for r in range(self.spec.nprocs)]
 
     def _wait(self, pending: dict[int, int], stop: int | None, listener: int | None) -> None:
         """Collect each worker as its end becomes readable (``pending``: descriptor -> rank); start the store
         when ``listener`` is; raise as :meth:`wait` says."""
+        preemption = self.control.preemption
+        notice = None if preemption is None else preemption.fileno()
         while pending:
-            watched = [*pending, *(fd for fd in (stop, listener) if fd is not None)]
-            ready = wait(watched, timeout=self._next_look(pending.values()))
+            watched = [*pending, *(fd for fd in (stop, listener, notice) if fd is not None)]
+            grace = preemption.remaining() if preemption else None
+            ready = wait(watched, timeout=_earliest(self._next_look(pending.values()), grace))
+            if preemption is not None and preemption.noticed:
+                if preemption.remaining() == 0.0 or self.control.remaining() == 0.0:
+                    self._raise_preempted()  # the grace (or the timeout in it) is over, or a second notice came
             if not ready:
                 if self.control.remaining() == 0.0:
                     self._raise_timeout(sorted(pending.values()))
-                self._check_stalls(sorted(pending.values()))
+                if preemption is None or not preemption.noticed:  # saving may be silent: the grace bounds it
+                    self._check_stalls(sorted(pending.values()))
                 continue
+            if notice in ready and preemption is not None:
+                preemption.drain()  # the first notice: the ranks are told through the flag, and wait()'s timeout
             if stop in ready:
                 raise LaunchStopped()  # the caller's clean-up stops the workers
             if listener in ready and self.store is not None:
@@ -132,6 +150,8 @@ class Supervisor:
                 rank = pending.pop(sentinel)
                 state = self._collect(rank)
                 if isinstance(state, BaseException):
+                    if preemption is not None and preemption.noticed:
+                        self._raise_preempted()  # a failure while saving: preempted all the same
                     self._raise_failure(state, rank)
 
     def _collect(self, rank: int) -> RankState:
@@ -177,6 +197,16 @@ class Supervisor:
         set_attribute(failure, "failures", tuple(failed[r] for r in sorted(failed)))
         self.control.failure = failure
         raise failure from failure.__cause__
+
+    def _raise_preempted(self) -> None:
+        """Stop the ranks still running and raise the :class:`~mplaunch.PreemptedError`."""
+        preemption = self.control.preemption
+        assert preemption is not None
+        self.stop()
+        for rank in range(self.spec.nprocs):
+            if rank not in self.states and rank < len(self.processes):
+                self._collect(rank)
+        raise preemption.error(self.states, self.spec.nprocs)
 
     def _raise_timeout(self, running: list[int]) -> None:
         found = self._stacks_before_stop(running)

@@ -27,7 +27,7 @@ from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import RemoteError
 from mplaunch._output.fds import take_fds
 from mplaunch._state.sharing import unshare
-from mplaunch._wire import transport
+from mplaunch._wire import flags, transport
 from mplaunch._wire.records import (
     PAYLOAD,
     REMOTE_RANK0,
@@ -285,6 +285,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
             ),
         )
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
+        flags.attach(spec.directory)  # the launch's preemption flag, if it has one: mplaunch.preempted()
         outcome = _execute(rank, rank, spec, payload)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
         pass
