@@ -709,3 +709,56 @@ def rank1_frozen(ready: str) -> None:
     if worker_info().rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     stuck_here(60)
+class Endless(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """0, 1, 2, ... without end (a DataLoader worker process serves it)."""
+
+    def __iter__(self) -> Any:
+        count = 0
+        while True:
+            yield torch.tensor([float(count)])
+            count += 1
+
+
+def save_when_preempted(directory: str) -> int:
+    """Read batches from a DataLoader with one worker process until ``mplaunch.preempted()``; then read one more
+    batch, save ``ckpt_rank{N}.pt`` and return the rank. ``ready-{N}`` holds the pids of the rank and of its
+    DataLoader worker once the loader runs."""
+    import psutil
+
+    from mplaunch import preempted
+
+    rank = worker_info().rank
+    batches = iter(torch.utils.data.DataLoader(Endless(), batch_size=None, num_workers=1))
+    seen = [next(batches)]
+    pids = [os.getpid(), *(child.pid for child in psutil.Process().children())]
+    _write(os.path.join(directory, f"ready-{rank}.tmp"), " ".join(map(str, pids)))
+    os.rename(os.path.join(directory, f"ready-{rank}.tmp"), os.path.join(directory, f"ready-{rank}"))
+    deadline = time.monotonic() + 120
+    while not worker_info().preempted:
+        if time.monotonic() > deadline:
+            raise TimeoutError("never preempted")
+        seen.append(next(batches))
+        time.sleep(0.01)
+    seen.append(next(batches))  # the DataLoader worker still serves after the notice
+    assert preempted()
+    torch.save({"rank": rank, "seen": len(seen), "last": seen[-1]}, os.path.join(directory, f"ckpt_rank{rank}.pt"))
+    return rank
+
+
+def record_start_then_raise(directory: str, kind: str, succeed_at: int = -1) -> int:
+    """Append this attempt's start time to ``starts``; raise ``kind`` (``ValueError``, ``ConnectionError``,
+    ``retry``/``fatal`` as ``RuntimeError``, ``kill`` by SIGKILL) unless the attempt is ``succeed_at``."""
+    info = worker_info()
+    with open(os.path.join(directory, "starts"), "a") as file:
+        file.write(f"{time.monotonic()}\n")
+    if info.restart_count == succeed_at:
+        return info.restart_count
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    errors: dict[str, BaseException] = {
+        "value": ValueError("bad input"),
+        "connection": ConnectionError("peer went away"),
+        "retry": RuntimeError("flaky: retry me"),
+        "fatal": RuntimeError("fatal"),
+    }
+    raise errors[kind]
