@@ -24,6 +24,7 @@ from mplaunch._errors import (
     failure_info,
 )
 from mplaunch._parent.checks import record_cuda_init
+from mplaunch._parent.futures import LaunchFuture
 from mplaunch._parent.report import RankReport, RunReport
 from mplaunch._parent.restarts import RestartWarning
 from mplaunch._state.sharing import unshare
@@ -34,6 +35,7 @@ __all__ = [
     "FailureInfo",
     "GlobalState",
     "InvalidOptionError",
+    "LaunchFuture",
     "LaunchOptions",
     "LaunchRefusedError",
     "LaunchTimeoutError",

@@ -7,7 +7,6 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
-from concurrent.futures import Future
 from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -111,7 +110,7 @@ class ParallelFunction(Generic[P, T]):
         """
         return in_process.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
 
-    def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+    def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> futures.LaunchFuture[T]:
         """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.
 
         The future's ``result()`` returns or raises exactly what calling the function with these arguments
@@ -127,8 +126,13 @@ class ParallelFunction(Generic[P, T]):
         ``CancelledError``). Ctrl-C while waiting in ``result()`` or ``exception()``, interrupting an
         IPython/Jupyter cell, and the interpreter's exit stop running launches too.
 
+        Preempting: ``future.preempt()`` tells the ranks as one of ``preempt_signals`` would (signal handlers
+        run only in the main thread, so a submitted launch handles none itself); see
+        :meth:`~mplaunch.LaunchFuture.preempt`.
+
         Returns:
-            A future of rank 0's return value (with ``return_all=True``, of the list of every rank's value).
+            A :class:`~mplaunch.LaunchFuture` (a :class:`concurrent.futures.Future`) of rank 0's return value
+            (with ``return_all=True``, of the list of every rank's value).
 
         Raises:
             RuntimeError: the interpreter is shutting down, so no thread can start.

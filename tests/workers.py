@@ -709,6 +709,8 @@ def rank1_frozen(ready: str) -> None:
     if worker_info().rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
     stuck_here(60)
+
+
 class Endless(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """0, 1, 2, ... without end (a DataLoader worker process serves it)."""
 
