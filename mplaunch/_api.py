@@ -76,6 +76,8 @@ class ParallelFunction(Generic[P, T]):
             RemoteError: a worker's exception or result could not be pickled or unpickled.
             LaunchTimeoutError: the launch ran past ``timeout`` seconds; it carries each rank's stacks.
             StallError: a rank stopped calling :func:`~mplaunch.heartbeat` for ``stall_timeout`` seconds.
+            PreemptedError: one of ``preempt_signals`` reached the parent; the ranks were told, had
+                ``preempt_grace`` seconds to save and return, and the rest were stopped.
             KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
@@ -263,7 +265,8 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             ``--max-restarts``): each restart is announced with a :class:`~mplaunch.RestartWarning`, workers
             read the count from ``worker_info().restart_count`` (``TORCHELASTIC_RESTART_COUNT``) to resume from
             a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries
-            the earlier ones in ``earlier_attempts``. Multi-node: passed on to elastic.
+            the earlier ones in ``earlier_attempts``. The failure that causes a restart is written to stderr
+            with its rank and traceback. Multi-node: passed on to elastic.
         rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``.
         devices: the call's CUDA devices: a list of indices among the visible ones (``[2, 3]``), a count of
             any free ones (``2``), or ``None`` (default): every visible device, not pooled. The ranks see
@@ -281,6 +284,21 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             multi-node launch). Setting a torchrun variable, ``MASTER_ADDR``/``MASTER_PORT``, or
             ``CUDA_VISIBLE_DEVICES`` with ``devices=``, is an ``InvalidOptionError``. The parent's
             ``os.environ`` is not changed.
+        preempt_signals: signals that preempt the call instead of stopping it, e.g. ``(signal.SIGTERM,)`` or
+            SLURM's ``(signal.SIGUSR1,)``; ``()`` (default): none. When the parent receives one, no rank is
+            signalled: :func:`mplaunch.preempted` becomes true in every rank (and its DataLoader workers and
+            process group keep working), the ranks get ``preempt_grace`` seconds to save and return, the rest
+            are then stopped, and the call raises :class:`~mplaunch.PreemptedError`, also when every rank
+            returned. A second signal ends the grace at once. Handled when the call runs in the main thread;
+            a submitted launch is preempted with ``future.preempt()``. One node only (see the
+            preemption guide); SIGKILL and SIGSTOP cannot be caught and are refused.
+        preempt_grace: seconds the ranks get, once preempted, to save and return (default 60).
+        restart_on: the failures ``max_restarts`` restarts: exception classes (e.g.
+            ``(ConnectionError, WorkerExitedError)``; a worker killed by a signal is a ``WorkerExitedError``),
+            or a predicate ``(failure) -> bool`` called in the parent (never pickled); ``None`` (default): every
+            failure. Another failure is raised at once, with the attempts so far in ``earlier_attempts``.
+        restart_delay: seconds before the first restart (default 0), doubled for each further one, at most
+            60; the wait counts against ``timeout`` and ends at once on ``cancel()``, Ctrl-C or a preemption.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that
