@@ -146,20 +146,42 @@ def _hold(directory: str, seconds: float) -> int:
     deadline = time.monotonic() + seconds
     while not preempted() and time.monotonic() < deadline:
         time.sleep(0.01)
+    if not seconds:
+        time.sleep(60)  # ignores the notice: stopped at the end of the grace
     return 7 if preempted() else 0
 
 
 def test_a_submitted_launch_is_preempted_by_future_preempt(tmp_path: Path) -> None:
     future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(_hold).submit(str(tmp_path), 60)
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / f"ready-{rank}").exists() for rank in range(2)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_ready(tmp_path)
     assert future.preempt()
     with pytest.raises(PreemptedError) as caught:
         future.result(timeout=TIMEOUT)
     error = caught.value
     assert error.signum is None and error.returned == (0, 1) and error.values == {0: 7, 1: None}
     assert not future.preempt()  # finished
+
+
+def _wait_ready(directory: Path, nprocs: int = 2) -> None:
+    deadline = time.monotonic() + 60
+    while not all((directory / f"ready-{rank}").exists() for rank in range(nprocs)):
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("limit", ["grace", "timeout"])
+def test_ranks_that_ignore_the_notice_are_stopped_after_the_grace(tmp_path: Path, limit: str) -> None:
+    """The grace ends, or the launch's timeout ends inside it: the ranks are stopped, and it is a preemption."""
+    grace, timeout = (0.5, TIMEOUT) if limit == "grace" else (60.0, 20.0)
+    run = parallel(nprocs=2, start_method="fork", preempt_grace=grace, timeout=timeout, grace_period=1.0)(_hold)
+    future = run.submit(str(tmp_path), 0.0)  # 0 s: returns only after the stop
+    _wait_ready(tmp_path)
+    start = time.monotonic()
+    future.preempt()
+    with pytest.raises(PreemptedError) as caught:
+        future.result(timeout=TIMEOUT)
+    assert caught.value.stopped == (0, 1) and caught.value.returned == ()
+    assert time.monotonic() - start < 25
 
 
 def _starts(directory: Path) -> list[float]:
