@@ -146,6 +146,7 @@ def _hold(directory: str, seconds: float) -> int:
     deadline = time.monotonic() + seconds
     while not preempted() and time.monotonic() < deadline:
         time.sleep(0.01)
+    Path(directory, f"seen-{worker_info().rank}").write_text(str(time.monotonic()))
     if not seconds:
         time.sleep(60)  # ignores the notice: stopped at the end of the grace
     return 7 if preempted() else 0
@@ -154,12 +155,15 @@ def _hold(directory: str, seconds: float) -> int:
 def test_a_submitted_launch_is_preempted_by_future_preempt(tmp_path: Path) -> None:
     future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(_hold).submit(str(tmp_path), 60)
     _wait_ready(tmp_path)
+    told = time.monotonic()
     assert future.preempt()
     with pytest.raises(PreemptedError) as caught:
         future.result(timeout=TIMEOUT)
     error = caught.value
     assert error.signum is None and error.returned == (0, 1) and error.values == {0: 7, 1: None}
     assert not future.preempt()  # finished
+    seen = [float((tmp_path / f"seen-{rank}").read_text()) for rank in range(2)]
+    assert all(0 <= when - told < 0.5 for when in seen), [when - told for when in seen]  # ~0.01 s when idle
 
 
 def _wait_ready(directory: Path, nprocs: int = 2) -> None:
