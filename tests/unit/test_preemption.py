@@ -194,6 +194,7 @@ def _nothing() -> None:
     ids=["preempt_signals", "restart_on", "restart_delay"],
 )
 def test_multi_node_launches_refuse_the_one_node_options(options: dict[str, Any]) -> None:
-    run = parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint="127.0.0.1:1", timeout=5, **options)(_nothing)
+    decorate: Any = parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint="127.0.0.1:1", timeout=5, **options)
+    run = decorate(_nothing)
     with pytest.raises(InvalidOptionError, match=f"{next(iter(options))}=.*not supported with more than one node"):
         run()
