@@ -13,6 +13,7 @@ from typing import Any, Literal, TypedDict
 
 from mplaunch._env import check_extra_env
 from mplaunch._errors import InvalidOptionError
+from mplaunch._recovery_options import RestartOn, check_restart_on, check_signals
 
 #: The fields a ``prefix_output`` template may use.
 PREFIX_FIELDS = ("rank", "local_rank", "node_rank", "pid")
@@ -20,8 +21,6 @@ PREFIX_FIELDS = ("rank", "local_rank", "node_rank", "pid")
 DEFAULT_PREFIX = "[rank {rank}] "
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
-#: What ``restart_on`` accepts: ``None`` (every failure), exception classes, or a predicate over the failure.
-RestartOn = type[BaseException] | tuple[type[BaseException], ...] | Callable[[BaseException], bool] | None
 
 StartMethod.__doc__ = """The start methods mplaunch accepts (``multiprocessing``'s names), for annotations:
 ``def run(start_method: mplaunch.StartMethod) -> None``."""
@@ -169,9 +168,9 @@ class ParallelConfig:
             "env": self.env
             if self.env is None or callable(self.env)
             else check_extra_env(self.env, "env", devices=self.devices is not None),
-            "preempt_signals": _check_signals(self.preempt_signals),
+            "preempt_signals": check_signals(self.preempt_signals),
             "preempt_grace": float(self.preempt_grace),
-            "restart_on": _check_restart_on(self.restart_on),
+            "restart_on": check_restart_on(self.restart_on),
             "restart_delay": float(self.restart_delay),
         }
         for name, value in normalised.items():
@@ -316,50 +315,3 @@ def _check_backend(backend: str | None) -> None:
             f"backend={backend!r} is not valid: use one of {', '.join(repr(b) for b in known)}, 'auto' (nccl when "
             "there is a CUDA device per worker, else gloo), or None to initialise process groups yourself."
         )
-
-
-def _check_signals(signals: object) -> tuple[signal.Signals, ...]:
-    """``preempt_signals`` as a tuple of :class:`signal.Signals` (a single signal is accepted too)."""
-    message = (
-        f"preempt_signals={signals!r} is not valid: pass a tuple of signals that can be caught, e.g. "
-        "preempt_signals=(signal.SIGTERM,) or (signal.SIGUSR1,), or () for none."
-    )
-    if isinstance(signals, int) and not isinstance(signals, bool):
-        signals = (signals,)
-    if isinstance(signals, (str, bytes)) or not isinstance(signals, Iterable):
-        raise InvalidOptionError(message)
-    found: list[signal.Signals] = []
-    for item in signals:
-        if isinstance(item, bool) or not isinstance(item, int):
-            raise InvalidOptionError(message)
-        try:
-            signum = signal.Signals(item)
-        except ValueError:
-            raise InvalidOptionError(f"{message} {item!r} is no signal of this platform.") from None
-        if signum in (signal.SIGKILL, signal.SIGSTOP):
-            raise InvalidOptionError(f"{message} {signum.name} cannot be caught, so no process can be told of it.")
-        if signum not in found:
-            found.append(signum)
-    return tuple(found)
-
-
-def _check_restart_on(restart_on: object) -> RestartOn:
-    """``restart_on`` as ``None``, a tuple of exception classes, or a predicate."""
-    if restart_on is None:
-        return None
-    allowed = (
-        "pass exception classes, e.g. restart_on=(ConnectionError, TimeoutError), a function "
-        "(failure) -> bool, or None to restart after every failure."
-    )
-    if isinstance(restart_on, type):
-        restart_on = (restart_on,)
-    if isinstance(restart_on, tuple):
-        for item in restart_on:
-            if not isinstance(item, type) or not issubclass(item, BaseException):
-                raise InvalidOptionError(
-                    f"restart_on={restart_on!r} is not valid: {item!r} is not an exception class; {allowed}"
-                )
-        return restart_on
-    if callable(restart_on):
-        return restart_on
-    raise InvalidOptionError(f"restart_on={restart_on!r} is not valid: {allowed}")

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
-from mplaunch._config import RestartOn
 from mplaunch._errors import RemoteTraceback, WorkerFailedError
 from mplaunch._frames import warn_at_user
 from mplaunch._parent.control import LaunchControl
+from mplaunch._recovery_options import RestartOn
 
 #: The longest wait between two attempts, in seconds.
 MAX_DELAY = 60.0

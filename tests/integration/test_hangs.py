@@ -98,14 +98,14 @@ def test_future_stacks_while_it_runs(tmp_path: Path) -> None:
     try:
         _wait_for([f"{ready}.0", f"{ready}.1"])
         start = time.monotonic()
-        stacks = future.stacks()  # type: ignore[attr-defined]
+        stacks = future.stacks()
         assert time.monotonic() - start < 1.5
         assert set(stacks) == {0, 1} and all("waiting_here" in text for text in stacks.values())
         assert future.running()
-        assert "waiting_here" in future.stacks()[1]  # type: ignore[attr-defined] # again: the files start over
+        assert "waiting_here" in future.stacks()[1]  # again: the files start over
     finally:
         assert future.cancel()
-    assert future.stacks() == {}  # type: ignore[attr-defined]
+    assert future.stacks() == {}
 
 
 def test_report_after_a_call() -> None:
@@ -124,7 +124,7 @@ def test_report_after_a_call() -> None:
 def test_report_of_a_forkserver_launch_comes_from_the_workers() -> None:
     future = parallel(nprocs=2, start_method="forkserver", timeout=90)(workers.sleep).submit(0.1)
     assert future.result() == 0
-    report = future.report  # type: ignore[attr-defined]
+    report = future.report
     assert report is not None and all(r.max_rss and r.exitcode == 0 for r in report.ranks)
 
 
