@@ -128,8 +128,8 @@ def notice_name(signum: int | None) -> str:
 def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterator[None]:
     """While the launch runs, let ``signals`` notify ``preemption`` instead of their handlers; put the handlers
     back after. Python runs signal handlers in the main thread only, so another thread (a submitted launch)
-    installs nothing: ``future.preempt()`` is its notice. A signal noticed that no :class:`PreemptedError`
-    reported (it came as the launch was ending) goes on to the handler it had before."""
+    installs nothing: ``future.preempt()`` is its notice. A signal noticed too late for any rank to see (the
+    launch returned all the same) goes on to the handler it had before."""
     if not signals or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -147,6 +147,9 @@ def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterato
         for signum in signals:
             previous[signum] = signal.signal(signum, handler)
         yield
+    except BaseException:
+        preemption.reported = True  # the call ends with an error, which the caller sees: nothing to pass on
+        raise
     finally:
         for signum, old in previous.items():
             signal.signal(signum, signal.SIG_DFL if old is None else old)

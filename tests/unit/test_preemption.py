@@ -161,6 +161,12 @@ def test_the_handlers_are_put_back_and_an_unreported_signal_passes_on() -> None:
             notice.error({}, 1)  # reported
         assert got == [signal.SIGUSR1]
         notice.close()
+        notice = Preemption(60)
+        with pytest.raises(KeyboardInterrupt), preempt_signals(notice, (signal.SIGUSR1,)):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            raise KeyboardInterrupt  # e.g. Ctrl-C during the grace: the call ends with it, the notice is not passed on
+        assert got == [signal.SIGUSR1]
+        notice.close()
     finally:
         signal.signal(signal.SIGUSR1, previous)
 
