@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from typing import Any
 
 from mplaunch._config import ParallelConfig
@@ -39,7 +38,9 @@ def launch_stream(
     return stream
 
 
-def submit_stream(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Future[Any]:
+def submit_stream(
+    function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig
+) -> futures.LaunchFuture[Any]:
     """``submit()`` of a decorated generator function: a future of its return value, whose ``items``
     iterate over its values as they come (see :meth:`Workers.submit`)."""
     control = LaunchControl(stoppable=True)

@@ -15,7 +15,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from typing_extensions import Unpack
@@ -32,6 +31,9 @@ from mplaunch._parent.team import Busy, Held, Team
 from mplaunch._wire import transport
 from mplaunch._wire.importable import worker_imports
 from mplaunch._wire.records import Call, RankState, Returned, Stopped, call_name, set_attribute
+
+#: Options of a launch that warm workers do not honour (yet): refused rather than ignored.
+_LAUNCH_ONLY = ("stall_timeout", "devices", "cpu_binding", "env", "preempt_signals", "restart_on", "restart_delay")
 
 
 class Workers:
@@ -50,7 +52,9 @@ class Workers:
         return_all: :meth:`run` returns every rank's value, in a list ordered by rank.
         **options: the launch options of :func:`~mplaunch.parallel` (``nprocs``, ``start_method``, ``backend``,
             ``timeout`` (seconds per call), ``grace_period``, ``prefix_output``, ``console_ranks``,
-            ``log_dir``); ``nnodes`` > 1 and ``max_restarts`` are refused.
+            ``log_dir``, ``post_mortem``); ``nnodes`` > 1, ``max_restarts`` and the options of launches only
+            (``stall_timeout``, ``devices``, ``cpu_binding``, ``env``, ``preempt_signals``, ``restart_on``,
+            ``restart_delay``) are refused.
 
     Raises:
         InvalidOptionError: an option is invalid, or refused here.
@@ -80,6 +84,13 @@ class Workers:
                 f"max_restarts={config.max_restarts} is not valid for Workers: the next run() starts again the "
                 "ranks that failed. Pass 0."
             )
+        defaults = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
+        for name in _LAUNCH_ONLY:
+            if name in defaults and getattr(config, name) != defaults[name]:
+                raise InvalidOptionError(
+                    f"{name}={getattr(config, name)!r} is not valid for Workers: it applies to launches "
+                    f"(@parallel) only. Leave it out (default {defaults[name]!r})."
+                )
         if config.nnodes is not None and config.nnodes > 1:
             raise InvalidOptionError(f"nnodes={config.nnodes} is not valid for Workers: they run on one node. Pass 1.")
         checks.check_not_bootstrapping("Workers")
@@ -139,7 +150,7 @@ class Workers:
                 raise
             raise error.with_traceback(None) from error.__cause__
 
-    def submit(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+    def submit(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.LaunchFuture[Any]:
         """Run the call in the background; return a :class:`concurrent.futures.Future` of what :meth:`run`
         returns or raises. ``cancel()`` interrupts the call (not the ranks).
 

@@ -30,12 +30,14 @@ import struct
 import threading
 import types
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
 import cloudpickle.cloudpickle_fast
 import torch
 
+from mplaunch._wire import start_objects as at_start
 from mplaunch._wire.importable import WorkerImports
 
 #: Storages and buffers smaller than this many bytes travel inside the pickle instead of in the data file.
@@ -60,14 +62,22 @@ class _StorageWriter:
     """The storage half of a pickler: records every storage once, in the order first seen, and pickles a
     reference to it. It hooks ``reducer_override``, which pickle consults only for objects that are not
     builtin containers or atoms, so a list of a million ints costs nothing extra (``persistent_id`` would
-    be a Python call per object). Large out-of-band buffers are recorded by ``buffer_callback``."""
+    be a Python call per object). Large out-of-band buffers are recorded by ``buffer_callback``.
+
+    Given ``start_objects``, it also puts a placeholder in place of each object that ``multiprocessing``
+    sends only to a starting process (see :mod:`mplaunch._wire.start_objects`), and collects the objects
+    there; its type is judged once per pickle (one dict look-up per object), and, with ``probe``, by the
+    object's own reduction where the type is unknown."""
 
     inline_bytes = INLINE_BYTES
 
-    def _init_storages(self) -> None:
+    def _init_storages(self, start_objects: at_start.StartObjects | None = None, probe: bool = False) -> None:
         self.storages: list[torch.UntypedStorage] = []
         self.buffers: list[pickle.PickleBuffer] = []
         self._seen: dict[int, int] = {}
+        self.start_objects = start_objects
+        self._probe = probe
+        self._kinds: dict[type, int] = {}
 
     def _keep_buffer(self, buffer: pickle.PickleBuffer) -> bool:
         """``buffer_callback``: large contiguous buffers go out of band (return False), others in band."""
@@ -82,8 +92,10 @@ class _StorageWriter:
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
             untyped, dtype = obj, None
+        elif self.start_objects is None or self._kinds.get(type(obj)) == at_start.NEVER:
+            return NotImplemented  # (the common case, first: one look-up per object)
         else:
-            return NotImplemented
+            return self._reduce_start_object(obj)
         if untyped.device.type == "meta":
             return NotImplemented
         key = untyped._cdata
@@ -99,6 +111,18 @@ class _StorageWriter:
             return (_rebuild_storage, ("inline", index, dtype, bytes(_storage_bytes(untyped))))
         return (_rebuild_storage, ("file", index, dtype, nbytes))
 
+    def _reduce_start_object(self, obj: object) -> Any:
+        """An object that only a starting process may receive (collecting ``start_objects``), by index; else
+        ``NotImplemented``. Its type is judged on first sight."""
+        kind = self._kinds.get(type(obj))
+        if kind is None:
+            kind = self._kinds[type(obj)] = at_start.kind_of(type(obj))
+            if kind == at_start.NEVER and self._probe and at_start.refused_outside_start(obj):
+                kind = self._kinds[type(obj)] = at_start.ALWAYS
+        if kind == at_start.NEVER or not at_start.is_start_object(obj, kind):
+            return NotImplemented
+        return (_start_object, (self.start_objects.add(obj),))  # type: ignore[union-attr]
+
 
 class _NeedsValue(pickle.PicklingError):
     """A function or class that the reader cannot import by name: the object must be pickled by value."""
@@ -108,8 +132,14 @@ class _Pickler(_StorageWriter, pickle.Pickler):
     """Pickles by reference, like ``pickle``; storages are recorded, not copied. Given ``imports`` (what the
     reader can import), a function or class the reader cannot import raises :class:`_NeedsValue`."""
 
-    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None) -> None:
-        self._init_storages()
+    def __init__(
+        self,
+        file: io.BytesIO,
+        imports: WorkerImports | None = None,
+        start_objects: at_start.StartObjects | None = None,
+        probe: bool = False,
+    ) -> None:
+        self._init_storages(start_objects, probe)
         self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
@@ -130,8 +160,14 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     worker writing to a file wants.
     """
 
-    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None) -> None:
-        self._init_storages()
+    def __init__(
+        self,
+        file: io.BytesIO,
+        imports: WorkerImports | None = None,
+        start_objects: at_start.StartObjects | None = None,
+        probe: bool = False,
+    ) -> None:
+        self._init_storages(start_objects, probe)
         self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
@@ -151,20 +187,35 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
         return super().reducer_override(obj)
 
 
-def _pickle(obj: object, by_value: bool, imports: WorkerImports | None = None) -> tuple[memoryview, _StorageWriter]:
+def _pickle(
+    obj: object, by_value: bool, imports: WorkerImports | None = None, start_objects: bool = False
+) -> tuple[memoryview, _StorageWriter]:
     """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails or if
     it holds a function or class that ``imports`` says the reader cannot import. Returns the pickle and the
-    pickler, which holds the storages and out-of-band buffers it recorded."""
+    pickler, which holds the storages and out-of-band buffers it recorded, and with ``start_objects`` the
+    objects that travel only with a starting process (found by type; if one of unknown type refuses, again
+    by trying each object's reduction)."""
+    try:
+        return _pickle_once(obj, by_value, imports, at_start.StartObjects() if start_objects else None, False)
+    except RuntimeError as error:
+        if not (start_objects and at_start.says_start_only(error)):
+            raise
+    return _pickle_once(obj, by_value, imports, at_start.StartObjects(), True)
+
+
+def _pickle_once(
+    obj: object, by_value: bool, imports: WorkerImports | None, found: at_start.StartObjects | None, probe: bool
+) -> tuple[memoryview, _StorageWriter]:
     if not by_value:
         buffer = io.BytesIO()
-        pickler: _StorageWriter = _Pickler(buffer, imports)
+        pickler: _StorageWriter = _Pickler(buffer, imports, found, probe)
         try:
             pickler.dump(obj)  # type: ignore[attr-defined]
             return buffer.getbuffer(), pickler
         except _PICKLE_ERRORS:
             pass
     buffer = io.BytesIO()
-    cloud_pickler = _CloudPickler(buffer, imports)
+    cloud_pickler = _CloudPickler(buffer, imports, None if found is None else at_start.StartObjects(), probe)
     cloud_pickler.dump(obj)
     return buffer.getbuffer(), cloud_pickler
 
@@ -186,10 +237,13 @@ def from_bytes(data: bytes) -> Any:
     return _Reader(-1, private=True).load(data, [])
 
 
-def pickle_error(obj: object, *, by_value: bool = False, imports: WorkerImports | None = None) -> Exception | None:
-    """Return why ``obj`` cannot be sent (the pickling exception), or ``None`` if it can."""
+def pickle_error(
+    obj: object, *, by_value: bool = False, imports: WorkerImports | None = None, start_objects: bool = False
+) -> Exception | None:
+    """Return why ``obj`` cannot be sent (the pickling exception), or ``None`` if it can; with
+    ``start_objects``, objects that travel with a starting process are not counted (see :func:`dump`)."""
     try:
-        _pickle(obj, by_value, imports)
+        _pickle(obj, by_value, imports, start_objects)
     except Exception as error:  # noqa: BLE001 - the error is the answer
         return error
     return None
@@ -207,8 +261,14 @@ def _aligned(offset: int) -> int:
 
 
 def dump(
-    obj: object, directory: str, name: str, *, by_value: bool = False, imports: WorkerImports | None = None
-) -> None:
+    obj: object,
+    directory: str,
+    name: str,
+    *,
+    by_value: bool = False,
+    imports: WorkerImports | None = None,
+    start_objects: bool = False,
+) -> list[Any]:
     """Write ``obj`` as ``directory/name.pkl``, plus ``name.bin`` holding its storages and buffers of
     64 KiB or more.
 
@@ -216,11 +276,26 @@ def dump(
     sees a complete object. Tensors on other devices are copied to the CPU first. With ``imports`` (what
     the reading workers can import by name), functions and classes they cannot import travel by value.
 
+    Args:
+        obj: what to write.
+        directory: where to write it.
+        name: its name there.
+        by_value: pickle with cloudpickle from the start.
+        imports: what the readers can import by name (``None``: pickle's and cloudpickle's own rules).
+        start_objects: write a placeholder for each object that ``multiprocessing`` sends only to a starting
+            process (queues, locks, ``Pipe`` ends...: :mod:`mplaunch._wire.start_objects`) and return the
+            objects; the reader passes the same objects, received with its start, to :func:`load`.
+
+    Returns:
+        The objects written as placeholders, in placeholder order (empty without ``start_objects``).
+
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
+        RuntimeError: ``obj`` holds an object that travels only with a starting process, and not
+            ``start_objects``.
         OSError: the directory is missing or full.
     """
-    data, pickler = _pickle(obj, by_value, imports)
+    data, pickler = _pickle(obj, by_value, imports, start_objects)
     pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
     offsets: dict[int, int] = {}  # storage index -> offset
     end = 0
@@ -254,6 +329,7 @@ def dump(
     finally:
         os.close(fd)
     os.replace(staging, os.path.join(directory, f"{name}.pkl"))
+    return [] if pickler.start_objects is None else pickler.start_objects.objects
 
 
 def remove(directory: str, name: str) -> None:
@@ -350,11 +426,14 @@ def make_private(address: int) -> bool:
 class _Reader:
     """Maps the storages of one object being unpickled; :func:`_rebuild_storage` finds it in ``_reading``."""
 
-    def __init__(self, fd: int, private: bool, offsets: dict[int, int] | None = None) -> None:
+    def __init__(
+        self, fd: int, private: bool, offsets: dict[int, int] | None = None, start_objects: Sequence[Any] = ()
+    ) -> None:
         self._fd = fd
         self._private = private
         self._offsets = offsets or {}
         self._storages: dict[int, torch.UntypedStorage] = {}
+        self.start_objects = start_objects
 
     def storage(self, kind: str, index: int, dtype: torch.dtype | None, data: Any) -> Any:
         if kind == "inline":
@@ -394,7 +473,26 @@ def _rebuild_storage(kind: str, index: int, dtype: torch.dtype | None, data: Any
     return reader.storage(kind, index, dtype, data)
 
 
-def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: bool = False) -> Any:
+def _start_object(index: int) -> Any:
+    """Unpickling side of a start object's placeholder: the object the reader received with its start."""
+    reader: _Reader | None = getattr(_reading, "reader", None)
+    if reader is None or index >= len(reader.start_objects):
+        raise pickle.UnpicklingError(
+            "this pickle refers to an object sent with the process start (a queue, lock, Pipe end...) "
+            "that the reader was not given"
+        )
+    return reader.start_objects[index]
+
+
+def load(
+    directory: str,
+    name: str,
+    *,
+    private: bool,
+    remove: bool,
+    missing_ok: bool = False,
+    start_objects: Sequence[Any] = (),
+) -> Any:
     """Read the object ``name`` written by :func:`dump`.
 
     Args:
@@ -404,6 +502,8 @@ def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: 
             instead of shared with the file.
         remove: unlink its files once mapped (the data lives on in the mappings until they are freed).
         missing_ok: return ``None`` when no complete object ``name`` was written, instead of raising.
+        start_objects: what :func:`dump` returned, received with this process's start: the objects its
+            placeholders stand for.
 
     Raises:
         FileNotFoundError: nothing complete was written as ``name`` (and not ``missing_ok``).
@@ -428,7 +528,7 @@ def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: 
             has_data = bool(offsets or extents)
             fd = os.open(data_path, os.O_RDWR) if has_data else -1
             try:
-                reader = _Reader(fd, private, offsets)
+                reader = _Reader(fd, private, offsets, start_objects)
                 with memoryview(view) as pickled, pickled[start + table_size :] as data:
                     # released here, not by the traceback: an error while unpickling must not become
                     # "BufferError: cannot close exported pointers exist" when the file's mapping closes

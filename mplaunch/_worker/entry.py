@@ -29,7 +29,7 @@ from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import RemoteError
 from mplaunch._output.fds import take_fds
 from mplaunch._state.sharing import unshare
-from mplaunch._wire import transport
+from mplaunch._wire import flags, transport
 from mplaunch._wire.records import (
     PAYLOAD,
     REMOTE_RANK0,
@@ -41,10 +41,12 @@ from mplaunch._wire.records import (
     WorkerSpec,
     outcome_name,
 )
+from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
 from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
+from mplaunch._worker.watch import record_usage, watch
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
@@ -148,9 +150,12 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
     raised_at = None  # when the function raised: before the process group's teardown makes peers fail too
     try:
-        _set_threads(spec.num_threads)
+        placement.apply(spec, local_rank, rank)  # devices, CPUs, env=: before anything reads them
+        _set_threads(placement.thread_count(spec, local_rank))
         if payload is None:
-            payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+            payload = transport.load(
+                spec.directory, PAYLOAD, private=True, remove=False, start_objects=spec.start_objects
+            )
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
@@ -235,6 +240,7 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
     finally:
+        record_usage()
         # threads the function left running must not keep the worker (and the call) alive
         os._exit(_exit_code(outcome))
 
@@ -293,6 +299,8 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     outcome: Outcome | None = None
     try:
         set_up(rank, spec)
+        watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
+        flags.attach(spec.directory)  # the launch's preemption flag, if it has one: mplaunch.preempted()
         outcome = _execute(rank, rank, spec, payload)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
         pass

@@ -254,3 +254,8 @@ def test_closing_while_a_call_runs_in_another_thread_stops_it(tmp_path: Path) ->
     with pytest.raises(RuntimeError, match="closed while this call ran"):
         future.result(TIMEOUT)
     assert _gone(pids, 0.1)
+
+
+def test_options_of_launches_only_are_refused() -> None:
+    with pytest.raises(mplaunch.InvalidOptionError, match="cpu_binding"):
+        Workers(nprocs=2, start_method="fork", cpu_binding="cores")
