@@ -131,10 +131,14 @@ def test_restart_resumes_from_a_checkpoint_on_the_second_attempt(tmp_path: Path)
     )
     with pytest.warns(RestartWarning, match=r"attempt 1 of 3 failed \(rank 1 raised ValueError: lost a node\)") as w:
         results = run(str(tmp_path))
-    assert len(w) == 1 and w[0].filename == __file__  # points at the caller's line, not into mplaunch
-    assert [r["step"] for r in results] == [7, 7] and [r["restart_count"] for r in results] == [1, 1]
-    assert results[0]["env"] == ("1", "2") and results[0]["sum"] == 3.0
-    assert _lines(tmp_path / "attempts-0") == ["0", "1"] and _lines(tmp_path / "attempts-1") == ["0", "1"]
+    assert len(w) == 1
+    assert w[0].filename == __file__  # points at the caller's line, not into mplaunch
+    assert [r["step"] for r in results] == [7, 7]
+    assert [r["restart_count"] for r in results] == [1, 1]
+    assert results[0]["env"] == ("1", "2")
+    assert results[0]["sum"] == 3.0
+    assert _lines(tmp_path / "attempts-0") == ["0", "1"]
+    assert _lines(tmp_path / "attempts-1") == ["0", "1"]
 
 
 def test_exhausted_restarts_raise_the_last_failure_with_the_earlier_ones(tmp_path: Path) -> None:
@@ -142,9 +146,12 @@ def test_exhausted_restarts_raise_the_last_failure_with_the_earlier_ones(tmp_pat
     with pytest.warns(RestartWarning, match="attempt 1 of 2") as w, pytest.raises(ValueError) as caught:
         run(str(tmp_path))
     assert len(w) == 1
-    assert str(caught.value) == "attempt 1 failed" and caught.value.rank == 1  # type: ignore[attr-defined]
+    assert str(caught.value) == "attempt 1 failed"
+    assert caught.value.rank == 1  # type: ignore[attr-defined]
     (earlier,) = caught.value.earlier_attempts  # type: ignore[attr-defined]
-    assert isinstance(earlier, ValueError) and str(earlier) == "attempt 0 failed" and earlier.rank == 1  # type: ignore[attr-defined]
+    assert isinstance(earlier, ValueError)
+    assert str(earlier) == "attempt 0 failed"
+    assert earlier.rank == 1  # type: ignore[attr-defined]
     assert _lines(tmp_path / "attempts-1") == ["0", "1"]
 
 
@@ -196,11 +203,14 @@ def test_submit_returns_at_once_with_the_call_result_or_its_exception(tmp_path: 
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep)
     start = time.monotonic()
     future = run.submit(str(tmp_path), 1.0)
-    assert time.monotonic() - start < 0.5 and isinstance(future, concurrent.futures.Future)
-    assert future.result(timeout=TIMEOUT) == 2 and not future.running()
+    assert time.monotonic() - start < 0.5
+    assert isinstance(future, concurrent.futures.Future)
+    assert future.result(timeout=TIMEOUT) == 2
+    assert not future.running()
     failing = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(always_fails).submit(str(tmp_path))
     error = failing.exception(timeout=TIMEOUT)
-    assert isinstance(error, ValueError) and error.rank == 1  # type: ignore[attr-defined]
+    assert isinstance(error, ValueError)
+    assert error.rank == 1  # type: ignore[attr-defined]
     refused = run.submit(str(tmp_path), 1.0, "extra")  # type: ignore[call-arg]
     assert isinstance(refused.exception(timeout=1), TypeError)  # the same refusal as the call, in the future
 
@@ -209,11 +219,13 @@ def test_cancel_stops_a_running_launch_and_leaves_nothing_behind(tmp_path: Path)
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=5)(record_and_sleep)
     future = run.submit(str(tmp_path), 300)
     _wait_for_workers(tmp_path)
-    assert future.running() and not future.done()
+    assert future.running()
+    assert not future.done()
     start = time.monotonic()
     assert future.cancel()
     assert time.monotonic() - start < 5  # within grace_period: the workers end on SIGTERM
-    assert future.cancelled() and future.done()
+    assert future.cancelled()
+    assert future.done()
     with pytest.raises(concurrent.futures.CancelledError):
         future.result()
     assert all(_gone(pid) for pid in _pids(tmp_path))
@@ -226,7 +238,8 @@ def test_two_submitted_launches_run_at_the_same_time(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(meet)
     first, second = run.submit(str(tmp_path), "a", "b"), run.submit(str(tmp_path), "b", "a")
     done, _ = concurrent.futures.wait([first, second], timeout=TIMEOUT)
-    assert len(done) == 2 and (first.result(), second.result()) == ("a", "b")
+    assert len(done) == 2
+    assert (first.result(), second.result()) == ("a", "b")
 
 
 def test_a_launch_started_while_another_starts_its_workers_sees_its_own_end() -> None:
@@ -332,7 +345,8 @@ print("exiting with a running launch", flush=True)
     assert done.returncode == 0, done.stderr
     assert "exiting with a running launch" in done.stdout
     pids = _pids(tmp_path)
-    assert len(pids) == 2 and all(_gone(pid) for pid in pids), pids
+    assert len(pids) == 2, pids
+    assert all(_gone(pid) for pid in pids), pids
     assert _lines(tmp_path / "finally-0") == ["ran"]  # stopped (SIGTERM), not killed with the parent
 
 
@@ -346,7 +360,8 @@ def test_interrupted_notebook_cell_stops_running_launches(tmp_path: Path) -> Non
     futures._after_cell(SimpleNamespace(error_in_exec=None))  # a cell that ended normally changes nothing
     assert future.running()
     futures._after_cell(SimpleNamespace(error_in_exec=KeyboardInterrupt()))
-    assert future.cancelled() and all(_gone(pid) for pid in _pids(tmp_path))
+    assert future.cancelled()
+    assert all(_gone(pid) for pid in _pids(tmp_path))
 
 
 # --- options --------------------------------------------------------------------------------------------------
@@ -356,9 +371,13 @@ def test_options_replace_some_options_and_leave_the_function_unchanged() -> None
     original = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(world)
     config = original.config
     one = original.options(nprocs=1, max_restarts=1)
-    assert one() == (1, 0) and one.config.max_restarts == 1 and one.config.timeout == TIMEOUT
-    assert original.config is config and original() == (2, 0)
-    assert one.__name__ == "world" and one.__wrapped__ is world
+    assert one() == (1, 0)
+    assert one.config.max_restarts == 1
+    assert one.config.timeout == TIMEOUT
+    assert original.config is config
+    assert original() == (2, 0)
+    assert one.__name__ == "world"
+    assert one.__wrapped__ is world
     with pytest.raises(InvalidOptionError, match="nprocs=0 is not valid"):
         original.options(nprocs=0)
     with pytest.raises(TypeError, match="return_all"):
@@ -455,4 +474,5 @@ def test_ctrl_c_while_waiting_for_a_submitted_launch_stops_it(tmp_path: Path) ->
             future.result(timeout=TIMEOUT)
     finally:
         timer.cancel()
-    assert future.cancelled() and all(_gone(pid) for pid in _pids(tmp_path))
+    assert future.cancelled()
+    assert all(_gone(pid) for pid in _pids(tmp_path))

@@ -88,7 +88,8 @@ def test_missing_main_guard_is_refused_in_the_parent(tmp_path: Path, start_metho
     start = time.monotonic()
     done = run_script(write_script(tmp_path, UNGUARDED), start_method)
     assert done.returncode == 1
-    assert "LaunchRefusedError" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+    assert "LaunchRefusedError" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
     assert "script.py (line 10)" in done.stderr
     assert "worker ran" not in done.stdout
     assert time.monotonic() - start < 30
@@ -256,7 +257,8 @@ AFTER_MATMUL = """
     @parallel(nprocs=1, start_method="fork", timeout=60)
     def work() -> int:
         x = torch.randn(10**6)
-        assert torch.isfinite(x.exp().sum()) and torch.isfinite((torch.randn(600, 600) @ torch.randn(600, 600)).sum())
+        assert torch.isfinite(x.exp().sum())
+        assert torch.isfinite((torch.randn(600, 600) @ torch.randn(600, 600)).sum())
         return torch.get_num_threads()
 
     if __name__ == "__main__":
@@ -313,7 +315,8 @@ MANY_LAUNCHES = """
             try:
                 function(*args)
             except Exception as error:
-                assert expected is not None and isinstance(error, expected), repr(error)
+                assert expected is not None, repr(error)
+                assert isinstance(error, expected), repr(error)
         after = counts()
         print("before", before)
         print("after", after)
@@ -328,7 +331,8 @@ def test_two_hundred_launches_leave_nothing_behind(tmp_path: Path) -> None:
     done = run_script(write_script(tmp_path, MANY_LAUNCHES), str(REPO), timeout=600, tmpdir=tmpdir)
     assert done.returncode == 0, done.stderr
     assert "same True" in done.stdout, done.stdout
-    assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
+    assert "resource_tracker" not in done.stderr, done.stderr
+    assert "leaked" not in done.stderr, done.stderr
 
 
 UNDER_TORCHRUN = """
@@ -552,4 +556,5 @@ def test_a_stop_the_user_asked_for_is_quiet(tmp_path: Path, start_method: str, h
             parent.communicate()
     expected = {"timeout": "LaunchTimeoutError", "peer": "RuntimeError", "ctrl-c": "KeyboardInterrupt"}[how]
     assert f"stopped by {expected}" in out, (out, err)
-    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert "Traceback" not in err, err
+    assert "Exception ignored" not in err, err

@@ -101,7 +101,8 @@ def _kernel(client: NotebookClient) -> tuple[AsyncKernelManager, int]:
     manager = client.km
     assert isinstance(manager, AsyncKernelManager)
     provisioner = manager.provisioner
-    assert isinstance(provisioner, LocalProvisioner) and provisioner.pid is not None
+    assert isinstance(provisioner, LocalProvisioner)
+    assert provisioner.pid is not None
     return manager, provisioner.pid
 
 
@@ -367,7 +368,8 @@ def _check_rank_lines(cell: NotebookNode, ranks: list[int], prefix: bool, lines:
             expected = line if line.startswith("\r") else label + line
             assert out.count(expected) == (rank in ranks), (expected, _outputs(cell))
         logged = [line for line in err if f"log of rank {rank}" in line]
-        assert len(logged) == (rank in ranks) and all(line.startswith(label) for line in logged), _outputs(cell)
+        assert len(logged) == (rank in ranks), _outputs(cell)
+        assert all(line.startswith(label) for line in logged), _outputs(cell)
 
 
 @pytest.mark.timeout(200)
@@ -396,7 +398,8 @@ except mplaunch.WorkerExitedError as error:
     assert _result_line(nb.cells[3], "RESULT") == 0
     _check_rank_lines(nb.cells[3], [0], prefix=True)
     log = (tmp_path / "logs" / "rank1.log").read_text()
-    assert "[rank 1] line 199 of rank 1" in log and "[rank 1] echo of rank 1" in log, log
+    assert "[rank 1] line 199 of rank 1" in log, log
+    assert "[rank 1] echo of rank 1" in log, log
     out = _text(nb.cells[4])
     assert out.index("\r[rank 1] progress of rank 1") < out.index("RAISED 1"), _outputs(nb.cells[4])
     _check_rank_lines(nb.cells[4], [0, 1], prefix=True)
@@ -508,7 +511,8 @@ def test_example_notebook_runs_top_to_bottom(tmp_path: Path) -> None:
         if cell.cell_type == "code":
             assert not _errors(cell), f"cell {index} failed:\n{_outputs(cell)}"
     text = "".join(_text(cell) + _outputs(cell) for cell in nb.cells if cell.cell_type == "code")
-    assert "hello from rank 0 of 2" in text and "hello from rank 1 of 2" in text, text
+    assert "hello from rank 0 of 2" in text, text
+    assert "hello from rank 1 of 2" in text, text
     assert "[3.0, 3.0]" in text, text  # the all_reduce, on both ranks
     assert "True" in _text(_cell_with(nb, "isinstance(result, Stats)")), text
     assert "caught ValueError from rank 1" in text, text

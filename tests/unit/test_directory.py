@@ -30,7 +30,8 @@ def make(root: Path, name: str) -> Path:
 
 def test_only_directories_of_dead_parents_of_this_pid_namespace_are_removed(tmp_path: Path) -> None:
     namespace, dead, alive = launch_dir._pid_namespace(), dead_pid(), os.getpid()
-    assert not launch_dir._pid_alive(dead) and launch_dir._pid_alive(alive)
+    assert not launch_dir._pid_alive(dead)
+    assert launch_dir._pid_alive(alive)
     stale = [make(tmp_path, f"mplaunch-{dead}-{namespace}-k2x9q"), make(tmp_path, f"mplaunch-{dead}-{namespace}-")]
     kept = [
         make(tmp_path, f"mplaunch-{alive}-{namespace}-a8c1z"),  # a running launch of this process

@@ -108,7 +108,8 @@ def test_close_does_not_wait_for_a_writer_left_open(monkeypatch: pytest.MonkeyPa
 
 
 def test_routes_when_an_option_is_set_or_the_console_is_not_fd_1(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert should_route(True, None, None) and should_route(False, frozenset({0}), None)
+    assert should_route(True, None, None)
+    assert should_route(False, frozenset({0}), None)
     monkeypatch.setattr("sys.stdout", io.StringIO())  # e.g. a Jupyter kernel's stream, redirect_stdout
     assert should_route(False, None, None)
 
