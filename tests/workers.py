@@ -764,3 +764,20 @@ def record_start_then_raise(directory: str, kind: str, succeed_at: int = -1) -> 
         "fatal": RuntimeError("fatal"),
     }
     raise errors[kind]
+
+
+def _append(path: str, text: str) -> None:
+    with open(path, "a") as file:
+        file.write(text + "\n")
+
+
+def record_and_sleep(directory: str, seconds: float) -> int:
+    """Append ``<pid> <restart_count>`` to ``directory/pid-<rank>``, sleep ``seconds``, then append ``ran`` to
+    ``directory/finally-<rank>`` (also when stopped by SIGTERM)."""
+    info = worker_info()
+    _append(os.path.join(directory, f"pid-{info.rank}"), f"{os.getpid()} {info.restart_count}")
+    try:
+        time.sleep(seconds)
+    finally:
+        _append(os.path.join(directory, f"finally-{info.rank}"), "ran")
+    return info.world_size

@@ -9,7 +9,7 @@ import torch
 
 from mplaunch import parallel
 from tests import workers
-from tests.integration.test_scripts import run_script, write_script
+from tests.helpers import run_script, write_script
 
 pytestmark = pytest.mark.cuda
 

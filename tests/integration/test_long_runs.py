@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mplaunch import InvalidOptionError, LaunchTimeoutError, RestartWarning, parallel, worker_info
+from tests.workers import record_and_sleep
 
 TIMEOUT = 90
 
@@ -65,16 +66,6 @@ def fail_then_hang(seconds: float) -> None:
         time.sleep(seconds)
         raise ValueError("first attempt failed")
     time.sleep(60)
-
-
-def record_and_sleep(directory: str, seconds: float) -> int:
-    info = worker_info()
-    _append(os.path.join(directory, f"pid-{info.rank}"), f"{os.getpid()} {info.restart_count}")
-    try:
-        time.sleep(seconds)
-    finally:
-        _append(os.path.join(directory, f"finally-{info.rank}"), "ran")
-    return info.world_size
 
 
 def meet(directory: str, mine: str, theirs: str) -> str:
@@ -334,7 +325,7 @@ def test_submitted_launches_are_stopped_when_the_interpreter_exits(tmp_path: Pat
 import os, sys, time
 sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 from mplaunch import parallel
-from tests.integration.test_long_runs import record_and_sleep
+from tests.workers import record_and_sleep
 
 future = parallel(nprocs=2, start_method="fork")(record_and_sleep).submit({str(tmp_path)!r}, 300)
 while not all(os.path.exists(os.path.join({str(tmp_path)!r}, f"pid-{{rank}}")) for rank in range(2)):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_scripts import REPO, write_script
+from tests.helpers import REPO, write_script
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mplaunch import parallel
-from tests.integration.test_scripts import REPO, run_script, write_script
+from tests.helpers import REPO, run_script, write_script
 
 CHATTY = """
     import sys

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,30 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, run_script, write_script
+
 Starter = Callable[..., "tuple[subprocess.Popen[str], list[int]]"]
-
-
-def write_script(tmp_path: Path, body: str) -> Path:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(body))
-    return script
-
-
-def run_script(
-    script: Path, *args: str, timeout: float = 120, tmpdir: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if tmpdir is not None:  # a temp dir of its own, so that other processes' files do not count
-        env["TMPDIR"] = str(tmpdir)
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=script.parent,
-    )
 
 
 GUARDED = """

@@ -11,7 +11,7 @@ from typing import Any
 import nbformat
 import pytest
 
-from tests.notebooks.test_notebooks import (
+from tests.notebooks.kernels import (
     IMPORTS,
     _alive,
     _client,

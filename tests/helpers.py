@@ -1,0 +1,38 @@
+"""Helpers shared by test files: scripts written to ``tmp_path`` and run in a fresh interpreter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+#: The repository root: on ``PYTHONPATH`` of every script, so that it imports this checkout's mplaunch.
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_script(tmp_path: Path, body: str) -> Path:
+    """Write ``body`` (dedented) to ``tmp_path/script.py`` and return its path."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    return script
+
+
+def run_script(
+    script: Path, *args: str, timeout: float = 120, tmpdir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with ``args`` in a fresh interpreter in the script's folder; ``timeout`` in seconds.
+
+    ``tmpdir``: the script's ``TMPDIR``, when the test counts the files left in it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if tmpdir is not None:  # a temp dir of its own, so that other processes' files do not count
+        env["TMPDIR"] = str(tmpdir)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=script.parent,
+    )
