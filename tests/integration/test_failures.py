@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -39,6 +40,7 @@ def test_worker_exception_keeps_its_type_rank_and_traceback(start_method: str) -
     error = caught.value
     assert error.rank == 1  # type: ignore[attr-defined]
     assert isinstance(error.pid, int)  # type: ignore[attr-defined]
+    assert error.pid != os.getpid()  # type: ignore[attr-defined]
     assert isinstance(error.__cause__, RemoteTraceback)
     assert "raise ValueError(message)" in str(error.__cause__)
     assert "rank 1" in str(error.__cause__)
@@ -166,7 +168,8 @@ def test_failures_of_ranks_that_raised_at_the_same_time_are_kept() -> None:
 def test_an_exception_whose_str_raises_still_arrives() -> None:
     with pytest.raises(workers.BrokenStr) as caught:
         launch(workers.raise_broken_str)()
-    assert caught.value.rank in (0, 1)  # type: ignore[attr-defined]
+    assert caught.value.rank == 1  # type: ignore[attr-defined]
+    assert caught.value.failures == ()  # type: ignore[attr-defined]
 
 
 def test_nccl_without_cuda_is_refused_before_launching() -> None:

@@ -12,7 +12,9 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import psutil
@@ -97,6 +99,42 @@ def _wait_for_workers(directory: Path, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+def _ctrl_c_when(ready: Callable[[], bool]) -> Callable[[], None]:
+    """From another thread, send SIGINT to this process as soon as ``ready()`` holds (polled every 10 ms).
+    Returns the function that stops the thread (call it in a ``finally``)."""
+    stop = threading.Event()
+
+    def send() -> None:
+        while not stop.is_set():
+            if ready():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            stop.wait(0.01)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+
+    def cancel() -> None:
+        stop.set()
+        sender.join()
+
+    return cancel
+
+
+def _waiting_in(function_name: str, path_end: str) -> Callable[[], bool]:
+    """Whether the main thread is inside ``function_name`` of a file whose path ends with ``path_end``."""
+
+    def check() -> bool:
+        frame: FrameType | None = sys._current_frames().get(threading.main_thread().ident or 0)
+        while frame is not None:
+            if frame.f_code.co_name == function_name and frame.f_code.co_filename.endswith(path_end):
+                return True
+            frame = frame.f_back
+        return False
+
+    return check
+
+
 def _pids(directory: Path) -> list[int]:
     return [int(line.split()[0]) for rank in range(2) for line in _lines_of(directory / f"pid-{rank}")]
 
@@ -172,8 +210,7 @@ def test_a_refusal_before_launching_is_not_retried() -> None:
 
 def test_ctrl_c_is_never_restarted(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", max_restarts=3, timeout=TIMEOUT)(record_and_sleep)
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    cancel = _ctrl_c_when(lambda: all((tmp_path / f"pid-{rank}").exists() for rank in range(2)))
     start = time.monotonic()
     try:
         with warnings.catch_warnings():
@@ -181,7 +218,7 @@ def test_ctrl_c_is_never_restarted(tmp_path: Path) -> None:
             with pytest.raises(KeyboardInterrupt):
                 run(str(tmp_path), 30)
     finally:
-        timer.cancel()
+        cancel()
     assert time.monotonic() - start < 20
     assert [line.split()[1] for line in _lines_of(tmp_path / "pid-0")] == ["0"]  # one attempt only
     assert all(_gone(pid) for pid in _pids(tmp_path))
@@ -458,12 +495,11 @@ def test_submit_captures_the_random_state_when_called(monkeypatch: pytest.Monkey
 def test_ctrl_c_while_waiting_for_a_submitted_launch_stops_it(tmp_path: Path) -> None:
     future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
     _wait_for_workers(tmp_path)
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    cancel = _ctrl_c_when(_waiting_in("result", os.path.join("concurrent", "futures", "_base.py")))
     try:
         with pytest.raises(KeyboardInterrupt):
             future.result(timeout=TIMEOUT)
     finally:
-        timer.cancel()
+        cancel()
     assert future.cancelled()
     assert all(_gone(pid) for pid in _pids(tmp_path))

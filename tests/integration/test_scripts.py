@@ -123,7 +123,6 @@ def started(tmp_path: Path) -> Iterator[Starter]:
         deadline = time.monotonic() + 60
         while len(list(pid_dir.glob("[01]"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.3)
         return parent, [int(pid) for name in ("0", "1") for pid in (pid_dir / name).read_text().split()]
 
     yield start
@@ -474,22 +473,18 @@ def test_a_killed_parents_launch_directory_is_removed_without_a_later_launch(sta
 
 
 QUIET_STOP = """
-    import os, signal, sys, time
+    import sys
     sys.path.insert(0, sys.argv[3])
-    from mplaunch import LaunchTimeoutError, parallel, worker_info
+    from mplaunch import LaunchTimeoutError, parallel
     from tests import workers
 
     @parallel(nprocs=2, start_method=sys.argv[1], timeout=float(sys.argv[4]), grace_period=3.0)
-    def work(pid_dir: str, fail_after: float) -> None:
-        rank = str(worker_info().rank)
-        with open(os.path.join(pid_dir, "tmp" + rank), "w") as f:
-            f.write(str(os.getpid()))
-        os.rename(os.path.join(pid_dir, "tmp" + rank), os.path.join(pid_dir, rank))
-        workers.dataloader_forever(fail_after)
+    def work(ready_dir: str, fail: bool) -> None:
+        workers.dataloader_forever(ready_dir, fail)
 
     if __name__ == "__main__":
         try:
-            work(sys.argv[2], float(sys.argv[5]))
+            work(sys.argv[2], sys.argv[5] == "fail")
         except (LaunchTimeoutError, RuntimeError, KeyboardInterrupt) as error:
             print("stopped by", type(error).__name__, flush=True)
 """
@@ -501,18 +496,18 @@ QUIET_STOP = """
 def test_a_stop_the_user_asked_for_is_quiet(tmp_path: Path, start_method: str, how: str) -> None:
     """Issue 10/16: a stop (timeout, a peer's failure, Ctrl-C) printed tracebacks from the ranks' own
     DataLoader workers and exit handlers. Ranks iterate a DataLoader with 2 persistent workers when stopped."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    timeout, fail_after = {"timeout": ("4", "1e9"), "peer": ("120", "2"), "ctrl-c": ("120", "1e9")}[how]
+    ready_dir = tmp_path / "ready"
+    ready_dir.mkdir()
+    timeout, fail = {"timeout": ("4", "no"), "peer": ("120", "fail"), "ctrl-c": ("120", "no")}[how]
     parent = subprocess.Popen(
         [
             sys.executable,
             str(write_script(tmp_path, QUIET_STOP)),
             start_method,
-            str(pid_dir),
+            str(ready_dir),
             str(REPO),
             timeout,
-            fail_after,
+            fail,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -523,9 +518,8 @@ def test_a_stop_the_user_asked_for_is_quiet(tmp_path: Path, start_method: str, h
     try:
         if how == "ctrl-c":
             deadline = time.monotonic() + 60
-            while len(list(pid_dir.glob("[01]"))) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(1.0)
+            while len(list(ready_dir.glob("ready-[01]"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # both ranks iterate their DataLoader, whose workers run
             os.killpg(parent.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the parent's whole process group
         out, err = parent.communicate(timeout=120)
     finally:

@@ -43,14 +43,15 @@ def _gone(pids: list[int], within: float) -> bool:
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_a_rank_stopped_while_writing_its_result_is_no_failure(
-    start_method: StartMethod, capfd: pytest.CaptureFixture[str]
+    start_method: StartMethod, capfd: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """Rank 0 has returned and is pickling (slowly) when rank 1 raises: `failures` held a bogus 'exited with
     code 143' for rank 0, and spawn printed 'Exception ignored in atexit callback ... Terminated'."""
     rounds = 3 if start_method == "spawn" else 6
-    for _ in range(rounds):
+    for round_ in range(rounds):
+        started = str(tmp_path / f"pickling-{round_}")
         with pytest.raises(RuntimeError, match="hello") as caught:
-            launch(workers.slow_result_while_rank1_raises, start_method, grace_period=1.0)(2.0)
+            launch(workers.slow_result_while_rank1_raises, start_method, grace_period=1.0)(2.0, started)
         assert caught.value.failures == ()  # type: ignore[attr-defined]
     err = capfd.readouterr().err
     assert "Terminated" not in err, err

@@ -175,6 +175,14 @@ def _workers_of(pid: int) -> list[Any]:
     return found
 
 
+def _asleep(pid: int) -> bool:
+    """Whether ``pid`` is in an interruptible sleep (as in ``time.sleep``)."""
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_SLEEPING)
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _alive(pid: int) -> bool:
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)

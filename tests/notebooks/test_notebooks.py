@@ -30,6 +30,7 @@ from nbformat import NotebookNode  # noqa: E402
 from tests.notebooks.kernels import (  # noqa: E402
     IMPORTS,
     _alive,
+    _asleep,
     _assert_no_launch_directories,
     _client,
     _errors,
@@ -331,8 +332,10 @@ print("RESULT", json.dumps(again(41)))
                 assert not launch.done(), _outputs(nb.cells[1])
                 assert time.monotonic() < deadline, "the workers did not start within 60 s"
                 await asyncio.sleep(0.1)
-            await asyncio.sleep(1.0)  # the workers are asleep now
             facts["workers"] = [int(p.read_text()) for p in pid_files]
+            while not all(_asleep(pid) for pid in facts["workers"]):  # in time.sleep(60), past the pid file
+                assert time.monotonic() < deadline, "the workers did not reach time.sleep within 60 s"
+                await asyncio.sleep(0.05)
             facts["children_before"] = [c.pid for c in _workers_of(kernel_pid)]
             interrupted = time.monotonic()
             await manager.interrupt_kernel()
