@@ -1,8 +1,9 @@
-"""Helpers shared by test files: scripts written to ``tmp_path`` and run in a fresh interpreter."""
+"""Helpers shared by test files: scripts written to ``tmp_path`` and run in a fresh interpreter, a free port."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,13 @@ from pathlib import Path
 
 #: The repository root: on ``PYTHONPATH`` of every script, so that it imports this checkout's mplaunch.
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def write_script(tmp_path: Path, body: str) -> Path:

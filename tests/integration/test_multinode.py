@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, write_script
+from tests.helpers import REPO, free_port, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +43,6 @@ NODE = """
         print("handlers kept", handlers == now)
         print("environment kept", env == dict(os.environ))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_nodes(tmp_path: Path, count: int, fail_rank: int, rdzv_timeout: float = 60) -> list[str]:
