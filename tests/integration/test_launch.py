@@ -37,6 +37,7 @@ def test_returns_rank0_value_with_kwargs_and_env_contract(
         assert env["OMP_NUM_THREADS"] == "1"
         assert result["threads"] == 1  # 2 cores // 2 workers
     assert len({results[0]["pid"], results[1]["pid"], os.getpid()}) == 3  # two workers, neither the parent
+    assert results[0]["env"]["MASTER_PORT"] == results[1]["env"]["MASTER_PORT"]  # one store for the launch
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
