@@ -122,15 +122,20 @@ def sleep(seconds: float) -> int:
     return worker_info().rank
 
 
-def meet(name: str) -> None:
-    """Wait until every rank of the launch has called ``meet(name)`` (a barrier on the launch's c10d store, no
-    process group)."""
+def launch_store() -> Any:
+    """A client of the launch's c10d store (MASTER_ADDR:MASTER_PORT), as a bare TCPStore."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=60))
+
+
+def meet(name: str) -> None:
+    """Wait until every rank of the launch has called ``meet(name)`` (a barrier on the launch's c10d store, no
+    process group)."""
     info = worker_info()
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=60))
+    store = launch_store()
     store.set(f"{name}-{info.rank}", "")
     store.wait([f"{name}-{rank}" for rank in range(info.world_size)])
 
@@ -504,10 +509,11 @@ def fail_while_peer_in_collective() -> None:
     closed by peer): the root cause is rank 1's ValueError."""
     import torch.distributed as dist
 
-    dist.barrier()
+    store = launch_store()
     if worker_info().rank == 1:
-        time.sleep(0.2)
+        store.wait(["entering all_reduce"])
         raise ValueError("the root cause")
+    store.set("entering all_reduce", "")
     dist.all_reduce(torch.ones(1))
 
 
