@@ -7,10 +7,23 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from types import FrameType
 
 #: The repository root: on ``PYTHONPATH`` of every script, so that it imports this checkout's mplaunch.
 REPO = Path(__file__).resolve().parents[1]
+
+
+def main_thread_in(function_name: str, path_end: str = "") -> bool:
+    """Whether this process's main thread is inside ``function_name`` of a file whose path ends with
+    ``path_end`` (any file when empty): the point another thread of a test waits for before it acts."""
+    frame: FrameType | None = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function_name and frame.f_code.co_filename.endswith(path_end):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def free_port() -> int:

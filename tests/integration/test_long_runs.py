@@ -14,7 +14,6 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import psutil
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mplaunch import InvalidOptionError, LaunchTimeoutError, RestartWarning, parallel, worker_info
+from tests.helpers import main_thread_in
 from tests.workers import record_and_sleep
 
 TIMEOUT = 90
@@ -119,20 +119,6 @@ def _ctrl_c_when(ready: Callable[[], bool]) -> Callable[[], None]:
         sender.join()
 
     return cancel
-
-
-def _waiting_in(function_name: str, path_end: str) -> Callable[[], bool]:
-    """Whether the main thread is inside ``function_name`` of a file whose path ends with ``path_end``."""
-
-    def check() -> bool:
-        frame: FrameType | None = sys._current_frames().get(threading.main_thread().ident or 0)
-        while frame is not None:
-            if frame.f_code.co_name == function_name and frame.f_code.co_filename.endswith(path_end):
-                return True
-            frame = frame.f_back
-        return False
-
-    return check
 
 
 def _pids(directory: Path) -> list[int]:
@@ -495,7 +481,7 @@ def test_submit_captures_the_random_state_when_called(monkeypatch: pytest.Monkey
 def test_ctrl_c_while_waiting_for_a_submitted_launch_stops_it(tmp_path: Path) -> None:
     future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
     _wait_for_workers(tmp_path)
-    cancel = _ctrl_c_when(_waiting_in("result", os.path.join("concurrent", "futures", "_base.py")))
+    cancel = _ctrl_c_when(lambda: main_thread_in("result", os.path.join("concurrent", "futures", "_base.py")))
     try:
         with pytest.raises(KeyboardInterrupt):
             future.result(timeout=TIMEOUT)
