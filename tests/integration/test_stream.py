@@ -131,5 +131,6 @@ def test_large_yielded_tensors_travel_like_results() -> None:
     function = parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(warm_workers.large_tensors)
     values = list(cast(Stream[Any], function(3)))
     assert [tuple(v.shape) for v in values] == [(256 * 1024,)] * 3
-    assert [float(v[0]) for v in values] == [0.0, 1.0, 2.0] and all(bool((v == v[0]).all()) for v in values)
+    assert [float(v[0]) for v in values] == [0.0, 1.0, 2.0]
+    assert all(bool((v == v[0]).all()) for v in values)
     assert all(transport.in_shared_mapping(v.data_ptr()) for v in values)  # mapped from the data file: one copy

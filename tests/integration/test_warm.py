@@ -62,7 +62,8 @@ def test_a_decorated_function_runs_its_plain_function_and_rank_0s_value_is_retur
     decorated = parallel(nprocs=2)(warm_workers.rank_and_pid)
     with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
         rank, pid = workers.run(decorated)
-        assert rank == 0 and pid == workers.pids[0]
+        assert rank == 0
+        assert pid == workers.pids[0]
 
 
 def test_a_function_defined_after_the_start_reaches_the_ranks_by_value() -> None:
@@ -124,7 +125,8 @@ def test_nothing_is_left_after_the_parent_is_killed(start_method: str, tmp_path:
     try:
         assert parent.stdout is not None
         *pids, directory = parent.stdout.readline().split()
-        assert len(pids) == 2 and os.path.isdir(directory)
+        assert len(pids) == 2
+        assert os.path.isdir(directory)
     finally:
         parent.kill()
         parent.wait()
@@ -156,11 +158,13 @@ def test_a_dead_rank_is_started_again_by_the_next_run_with_a_warning() -> None:
         pids = workers.pids
         with pytest.raises(WorkerExitedError) as caught:
             workers.run(warm_workers.exit_in_rank, 1, 3)
-        assert caught.value.rank == 1 and caught.value.exitcode == 3
+        assert caught.value.rank == 1
+        assert caught.value.exitcode == 3
         assert _gone(pids)
         with pytest.warns(RuntimeWarning, match="state they held"):
             _, pid, count = workers.run(warm_workers.bump)
-        assert count == 1 and pid not in pids
+        assert count == 1
+        assert pid not in pids
 
 
 def test_ctrl_c_stops_the_call_not_the_workers(tmp_path: Path) -> None:
@@ -199,7 +203,8 @@ def test_submit_returns_a_future_and_calls_run_one_at_a_time(tmp_path: Path) -> 
         while not os.path.exists(started):
             time.sleep(0.01)
         after = workers.submit(warm_workers.bump)
-        assert not waiting.done() and not after.done()
+        assert not waiting.done()
+        assert not after.done()
         Path(path).touch()
         assert waiting.result(TIMEOUT) == "seen"
         assert after.result(TIMEOUT)[2] == 1
@@ -220,15 +225,18 @@ def test_a_calls_output_is_written_before_it_returns(capsys: pytest.CaptureFixtu
         first = capsys.readouterr().out
         workers.run(warm_workers.say, "second")
         second = capsys.readouterr().out
-    assert "[rank 0] first from rank 0" in first and "[rank 1] first from rank 1" in first, first
-    assert "second from rank 0" in second and "second from rank 1" in second, second
+    assert "[rank 0] first from rank 0" in first, first
+    assert "[rank 1] first from rank 1" in first, first
+    assert "second from rank 0" in second, second
+    assert "second from rank 1" in second, second
 
 
 def test_the_process_group_is_made_once_and_kept() -> None:
     with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, backend="gloo") as workers:
         first = workers.run(warm_workers.all_reduce_once)
         second = workers.run(warm_workers.all_reduce_once)
-    assert first == second and first[0] == 3
+    assert first == second
+    assert first[0] == 3
 
 
 def test_cancelling_a_submitted_call_interrupts_it_and_keeps_the_ranks(tmp_path: Path) -> None:
@@ -238,7 +246,8 @@ def test_cancelling_a_submitted_call_interrupts_it_and_keeps_the_ranks(tmp_path:
         future = workers.submit(warm_workers.sleep_forever, started)
         while not (os.path.exists(f"{started}0") and os.path.exists(f"{started}1")):
             time.sleep(0.01)
-        assert future.cancel() and future.cancelled()
+        assert future.cancel()
+        assert future.cancelled()
         assert workers.run(warm_workers.bump)[2] == 1
         assert workers.pids == pids
 

@@ -12,7 +12,7 @@ from typing import Any
 import nbformat
 import pytest
 
-from tests.notebooks.test_notebooks import (
+from tests.notebooks.kernels import (
     IMPORTS,
     _alive,
     _assert_no_launch_directories,
@@ -108,5 +108,7 @@ def test_interactive_example_notebook_runs_top_to_bottom(tmp_path: Path) -> None
         if cell.cell_type == "code":
             assert not _errors(cell), f"cell {index} failed:\n{_outputs(cell)}"
     text = "".join(_outputs(cell) for cell in nb.cells if cell.cell_type == "code")
-    assert "rank 0 of 2 ready" in text and "loss after 20 more" in text, text
-    assert "step  90" in text and "final loss" in text, text
+    assert "rank 0 of 2 ready" in text, text
+    assert "loss after 20 more" in text, text
+    assert "step  90" in text, text
+    assert "final loss" in text, text
