@@ -79,6 +79,8 @@ class WorkerSpec:
             worker's start (see :mod:`mplaunch._wire.start_objects`).
         placements: per local rank, its devices, CPUs and extra variables, or ``None`` (see
             :mod:`mplaunch._wire.placement`).
+        result_wait: seconds the first worker of a node other than rank 0's waits for rank 0's result in the
+            rendezvous store (multi-node): what is left of ``timeout``, else ``rdzv_timeout``.
         env_function: ``env=``'s function of the global rank, called in each worker of a multi-node launch
             (where the parent does not know the ranks), else ``None``.
     """
@@ -107,6 +109,7 @@ class WorkerSpec:
     start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
     placements: tuple[RankPlacement, ...] | None = None
     env_function: Callable[[int], Any] | None = None
+    result_wait: float = 600.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
