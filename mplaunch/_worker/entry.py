@@ -317,7 +317,7 @@ def elastic_entry(spec: WorkerSpec) -> int:
     return rank
 
 
-_CONNECT_WAIT = 10.0  # seconds to reach the rendezvous store: it answered the agent a moment ago
+_CONNECT_WAIT = 5.0  # seconds to reach the rendezvous store (c10d may try twice): it answered a moment ago
 
 
 def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome) -> None:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -179,9 +180,11 @@ LOST = """
 """
 
 
-def start_lost_nodes(tmp_path: Path, timeout: float, hanging: str) -> tuple[list[subprocess.Popen[str]], Path]:
+@contextlib.contextmanager
+def lost_nodes(tmp_path: Path, timeout: float, hanging: str) -> Iterator[tuple[list[subprocess.Popen[str]], Path]]:
     """Start two nodes of the LOST script, the first one hosting the rendezvous store (it is listening when
-    the second starts); return them and the folder where each rank writes its node's launcher pid."""
+    the second starts); yield them and the folder where each rank writes its node's launcher pid; kill what
+    is left at the end."""
     script, ready, shm = write_script(tmp_path, LOST), tmp_path / "ready", tmp_path / "shm"
     ready.mkdir()
     shm.mkdir()
@@ -189,15 +192,21 @@ def start_lost_nodes(tmp_path: Path, timeout: float, hanging: str) -> tuple[list
     port = free_port()
     command = [sys.executable, str(script), f"127.0.0.1:{port}", str(ready), str(timeout), hanging]
     nodes: list[subprocess.Popen[str]] = []
-    for _ in range(2):
-        nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        deadline = time.monotonic() + 60
-        while len(nodes) == 1 and time.monotonic() < deadline:  # the store of the first node is listening
-            with socket.socket() as sock, contextlib.suppress(OSError):
-                sock.connect(("127.0.0.1", port))
-                break
-            time.sleep(0.1)
-    return nodes, ready
+    try:
+        for _ in range(2):
+            nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            deadline = time.monotonic() + 60
+            while len(nodes) == 1 and time.monotonic() < deadline:  # the store of the first node is listening
+                with socket.socket() as sock, contextlib.suppress(OSError):
+                    sock.connect(("127.0.0.1", port))
+                    break
+                time.sleep(0.1)
+        yield nodes, ready
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+            node.communicate()
 
 
 def wait_ready(nodes: list[subprocess.Popen[str]], ready: Path) -> dict[int, subprocess.Popen[str]]:
@@ -210,50 +219,38 @@ def wait_ready(nodes: list[subprocess.Popen[str]], ready: Path) -> dict[int, sub
     return {rank: by_pid[int((ready / f"rank{rank}").read_text())] for rank in (0, 1)}
 
 
-def finish(nodes: list[subprocess.Popen[str]], node: subprocess.Popen[str], bound: float) -> tuple[str, float]:
-    """Wait for ``node`` at most ``bound`` seconds; return its output and how long it took; kill the rest."""
+def finish(node: subprocess.Popen[str], bound: float) -> tuple[str, float]:
+    """Wait for ``node`` at most ``bound`` seconds; return its output and how long it took."""
     start = time.monotonic()
-    try:
-        output = node.communicate(timeout=bound)[0]
-        return output, time.monotonic() - start
-    finally:
-        for other in nodes:
-            if other.poll() is None:
-                other.kill()
-            other.communicate()
+    output = node.communicate(timeout=bound)[0]
+    return output, time.monotonic() - start
 
 
 def test_a_killed_node_is_named_by_the_other_within_the_bound(tmp_path: Path) -> None:
-    nodes, ready = start_lost_nodes(tmp_path, timeout=300, hanging="0,1")
-    by_rank = wait_ready(nodes, ready)
-    by_rank[1].kill()  # node 1's launching process: its ranks die with it
-    output, took = finish(nodes, by_rank[0], bound=60)
+    with lost_nodes(tmp_path, timeout=300, hanging="0,1") as (nodes, ready):
+        by_rank = wait_ready(nodes, ready)
+        by_rank[1].kill()  # node 1's launching process: its ranks die with it
+        output, took = finish(by_rank[0], bound=60)
     assert f"failed NodeLostError 1 {by_rank[1].pid} node 1 of 2 (host" in output, output
     assert "is gone: it sent no rendezvous heartbeat" in output
     assert took < 30  # 10 s of silence, and elastic's checks
 
 
 def test_a_killed_store_host_running_rank0_is_named_not_a_rendezvous_timeout(tmp_path: Path) -> None:
-    nodes, ready = start_lost_nodes(tmp_path, timeout=300, hanging="0")  # rank 1 returns, waits for rank 0's
-    by_rank = wait_ready(nodes, ready)
-    assert by_rank[0] is nodes[0]  # c10d orders the nodes by pid: the store host is node 0
-    by_rank[0].kill()
-    output, took = finish(nodes, by_rank[1], bound=60)
+    with lost_nodes(tmp_path, timeout=300, hanging="0") as (nodes, ready):  # rank 1 returns, waits for rank 0's
+        by_rank = wait_ready(nodes, ready)
+        assert by_rank[0] is nodes[0]  # c10d orders the nodes by pid: the store host is node 0
+        by_rank[0].kill()
+        output, took = finish(by_rank[1], bound=60)
     assert f"failed NodeLostError 0 {by_rank[0].pid} the rendezvous store at" in output, output
     assert "node 0 of 2" in output and "which hosts it, is gone" in output
     assert took < 30
 
 
 def test_timeout_bounds_a_multinode_launch(tmp_path: Path) -> None:
-    nodes, _ = start_lost_nodes(tmp_path, timeout=6, hanging="0,1")
     start = time.monotonic()
-    try:
-        first, second = (node.communicate(timeout=90)[0] for node in nodes)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.communicate()
+    with lost_nodes(tmp_path, timeout=6, hanging="0,1") as (nodes, _):
+        first, second = (finish(node, bound=90)[0] for node in nodes)
     assert "failed LaunchTimeoutError None None the multi-node launch did not finish within timeout=6 s" in first
     # the second node started later: its own timeout stops it, or the end of the first node (the store's host)
     assert "failed LaunchTimeoutError" in second or "failed NodeLostError" in second, second
