@@ -107,6 +107,11 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> 
         if node_watch.store_lost is None:
             raise
         raise node_watch.store_error(node_watch.store_lost) from error
+    except Exception as error:  # a rank failed: in a collective with a rank of a lost node?
+        lost = node_watch.lost_peer() if failed and node_watch.lost_peer is not None else None
+        if lost is None:
+            raise
+        raise lost from error
 
 
 def _collect(spec: WorkerSpec, failed: dict[int, Any], config: ParallelConfig) -> list[Any]:

@@ -9,6 +9,10 @@ seconds of silence), when the rendezvous store stopped answering (its host is go
 closed the rendezvous (its launch ended); and :class:`~mplaunch.LaunchTimeoutError` past ``timeout``. The
 exception leaves elastic's agent, which stops this node's workers on its way out.
 
+A rank in a collective with a rank of a lost node fails first, with the backend's error. Then
+:meth:`WatchedRendezvous.lost_peer` tells whether a node is lost: each node marks the end of its launch in
+the store; a node that neither marked its end nor sent a heartbeat for a few seconds is lost.
+
 The handler is registered as the rendezvous backend ``mplaunch-c10d`` (elastic's documented way to bring a
 handler: ``torch.distributed.elastic.rendezvous.registry``); the launch's :class:`NodeWatch` travels in the
 rendezvous configuration under ``mplaunch_watch``.
@@ -16,8 +20,10 @@ rendezvous configuration under ``mplaunch_watch``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -30,6 +36,7 @@ BACKEND = "mplaunch-c10d"
 WATCH_KEY = "mplaunch_watch"
 KEEP_ALIVE_INTERVAL = 2  # seconds between two heartbeats of a node (c10d's default: 5)
 KEEP_ALIVE_MAX_ATTEMPT = 5  # heartbeats a node may miss before it is dropped: lost after 10 s of silence
+PROBE_WAIT = 2 * KEEP_ALIVE_INTERVAL + 1  # seconds a node that failed waits for a sign of life of the others
 
 
 @dataclasses.dataclass
@@ -44,6 +51,7 @@ class NodeWatch:
         joined: the rendezvous completed at least once (the nodes met).
         store_lost: the error with which the rendezvous store stopped answering, once it did.
         peers: the other nodes of the last round, by node rank: ``(host, pid of the launching process)``.
+        lost_peer: once the nodes met, the rendezvous's :meth:`WatchedRendezvous.lost_peer`.
     """
 
     endpoint: str
@@ -53,6 +61,7 @@ class NodeWatch:
     joined: bool = False
     store_lost: BaseException | None = None
     peers: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    lost_peer: Callable[[], NodeLostError | None] | None = None
 
     def __post_init__(self) -> None:
         if self.timeout is not None and self.deadline is None:
@@ -101,6 +110,8 @@ class WatchedRendezvous(RendezvousHandler):
         self._watch = watch
         self._round = -1
         self._participants: dict[Any, int] = {}  # c10d's node descriptions (addr, pid, local_id) -> node rank
+        self._own = -1  # this node's rank in the round
+        self._store: Any = None  # the round's store
 
     @property
     def use_agent_store(self) -> bool:
@@ -118,10 +129,13 @@ class WatchedRendezvous(RendezvousHandler):
         if state is not None:
             self._round, self._participants = state.round, dict(state.participants)
             this_node = getattr(self._handler, "_this_node", None)
+            self._own = self._participants.get(this_node, -1)
             self._watch.peers = {
                 rank: (node.addr, node.pid) for node, rank in self._participants.items() if node != this_node
             }
+        self._store = info.store
         self._watch.joined = True
+        self._watch.lost_peer = self.lost_peer
         return info
 
     def is_closed(self) -> bool:
@@ -131,6 +145,9 @@ class WatchedRendezvous(RendezvousHandler):
         self._handler.set_closed()
 
     def shutdown(self) -> bool:
+        if self._store is not None:
+            with contextlib.suppress(Exception):  # a store that is gone: told by the close below
+                self._store.set(f"mplaunch/ended/{self._own}", "1")
         closed = bool(self._handler.shutdown())
         if not closed and self._watch.joined and self._watch.store_lost is None:
             self._watch.store_lost = RendezvousError("it did not answer when this node closed the rendezvous")
@@ -162,13 +179,42 @@ class WatchedRendezvous(RendezvousHandler):
             )
         return waiting
 
-    def _lost(self, node_rank: int, node: Any) -> NodeLostError:
+    def lost_peer(self) -> NodeLostError | None:
+        """After this node's ranks failed: the first other node of the round that neither marked the end of
+        its launch nor sent a heartbeat within ``PROBE_WAIT`` seconds, as the error to raise; else ``None``
+        (every node accounted for, or the store is gone, which the launch reports)."""
+        holder, state = getattr(self._handler, "_state_holder", None), self._state()
+        if holder is None or state is None or self._store is None:
+            return None
+        pending = {node: rank for node, rank in self._participants.items() if rank != self._own}
+        beats = {node: state.last_heartbeats.get(node) for node in pending}  # the peers' clocks: compared only
+        deadline = time.monotonic() + PROBE_WAIT
+        try:
+            while pending:
+                holder.sync()
+                heartbeats = holder.state.last_heartbeats
+                for node, rank in list(pending.items()):
+                    alive = node in heartbeats and heartbeats[node] != beats[node]
+                    if alive or self._store.check([f"mplaunch/ended/{rank}"]):
+                        del pending[node]
+                if not pending or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store is gone: the launch says so
+            return None
+        if not pending:
+            return None
+        rank, node = min((rank, node) for node, rank in pending.items())
+        return self._lost(rank, node, f"it neither ended its launch nor sent a heartbeat for {PROBE_WAIT} s")
+
+    def _lost(self, node_rank: int, node: Any, why: str = "") -> NodeLostError:
         silence = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MAX_ATTEMPT
         host, pid = getattr(node, "addr", None), getattr(node, "pid", None)
+        why = why or f"it sent no rendezvous heartbeat to {self._watch.endpoint} for {silence} s"
         return NodeLostError(
-            f"node {node_rank} of {self._watch.nnodes} (host {host}, launching process pid {pid}) is gone: it sent "
-            f"no rendezvous heartbeat to {self._watch.endpoint} for {silence} s. Its launching process was killed "
-            "or stopped, or its host is down. This node's workers have been stopped.",
+            f"node {node_rank} of {self._watch.nnodes} (host {host}, launching process pid {pid}) is gone: {why}. "
+            "Its launching process was killed or stopped, or its host is down. This node's workers have been "
+            "stopped.",
             node_rank,
             host,
             pid,

@@ -35,6 +35,17 @@ class State:
     round: int = 1
     closed: bool = False
     participants: dict[Node, int] = dataclasses.field(default_factory=dict)
+    last_heartbeats: dict[Node, float] = dataclasses.field(default_factory=dict)
+
+
+class Holder:
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.beating: Node | None = None  # a node that sends a heartbeat at each sync
+
+    def sync(self) -> None:
+        if self.beating is not None:
+            self.state.last_heartbeats[self.beating] += 1
 
 
 class FakeHandler:
@@ -42,12 +53,17 @@ class FakeHandler:
 
     def __init__(self, nodes: list[Node]) -> None:
         self._this_node = nodes[0]
-        self._state_holder = type("Holder", (), {})()
-        self._state_holder.state = State(participants={node: rank for rank, node in enumerate(nodes)})
+        self._state_holder = Holder(State(participants={node: rank for rank, node in enumerate(nodes)}))
+        self._state_holder.state.last_heartbeats = {node: 1.0 for node in nodes}
+        self.store: dict[str, str] = {}
         self.fail: BaseException | None = None
 
     def next_rendezvous(self) -> Any:
-        return "info"
+        store = type("Store", (), {"set": self.store.__setitem__, "check": lambda _, keys: keys[0] in self.store})
+        return type("Info", (), {"store": store()})()
+
+    def shutdown(self) -> bool:
+        return True
 
     def num_nodes_waiting(self) -> int:
         if self.fail is not None:
@@ -125,3 +141,25 @@ def test_the_wait_for_rank_0s_result_is_bounded(tmp_path: Path, monkeypatch: pyt
     assert isinstance(record, Raised) and record.type_name == "mplaunch._errors.NodeLostError"
     assert "rank 0's result did not reach node 1 within 1.5 s" in record.message
     del server
+
+
+def test_after_a_failure_a_node_that_neither_ended_nor_beats_is_lost() -> None:
+    """A rank in a collective with a rank of the lost node fails first; the node is named after a few seconds."""
+    rendezvous, handler, _ = watched()
+    start = time.monotonic()
+    lost = rendezvous.lost_peer()
+    assert isinstance(lost, NodeLostError) and lost.node_rank == 1 and lost.launcher_pid == 20
+    assert "neither ended its launch nor sent a heartbeat for 5 s" in str(lost)
+    assert 4 < time.monotonic() - start < 10
+
+
+def test_after_a_failure_a_node_that_ended_or_beats_is_not_lost() -> None:
+    rendezvous, handler, _ = watched()
+    handler._state_holder.beating = Node("node-b", 20)
+    assert rendezvous.lost_peer() is None
+    rendezvous, handler, _ = watched()
+    handler.store["mplaunch/ended/1"] = "1"  # what node 1's shutdown writes
+    assert rendezvous.lost_peer() is None
+    rendezvous, handler, _ = watched()
+    rendezvous.shutdown()
+    assert handler.store == {"mplaunch/ended/0": "1"}  # this node marks the end of its own launch
