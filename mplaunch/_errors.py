@@ -178,7 +178,7 @@ class LaunchTimeoutError(MplaunchError, TimeoutError):
 
     Attributes:
         timeout: the limit, in seconds.
-        running: the ranks that were still running when it expired, sorted.
+        running: the ranks that were still running when it expired, sorted (empty for a multi-node launch).
         stacks: each of those ranks' Python stacks (all threads) as :mod:`faulthandler` wrote them just before
             the stop, by rank; a rank that could not dump within about a second is missing (empty for a
             multi-node launch, whose workers torch elastic runs).
