@@ -241,7 +241,8 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
         return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value.
         timeout: seconds the whole call may take before every worker is stopped, or ``None`` for no limit.
             Before the stop, each rank's Python stacks are collected (about a second at most):
-            :class:`~mplaunch.LaunchTimeoutError` carries them and names where each rank was.
+            :class:`~mplaunch.LaunchTimeoutError` carries them and names where each rank was. Multi-node: each
+            node stops its own workers when it expires, without stacks.
         stall_timeout: seconds a rank that has called :func:`~mplaunch.heartbeat` (e.g. once a step) may go
             without calling it again; then every rank's stacks are collected, the workers are stopped and
             :class:`~mplaunch.StallError` names the rank (a worker failure: ``max_restarts`` restarts it).
@@ -265,7 +266,8 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             ``None`` (default) reads ``MPLAUNCH_NNODES`` (or SLURM's, in an ``srun`` step with one task per
             node), else 1. With more than one, the call launches through
             ``torch.distributed.launcher.api.elastic_launch`` with c10d rendezvous, and returns rank 0's value
-            on every node (with ``return_all``, this node's ranks' values).
+            on every node (with ``return_all``, this node's ranks' values). A node whose launching process
+            dies is named by the others: they stop their workers and raise :class:`~mplaunch.NodeLostError`.
         node_rank: this node's index (``MPLAUNCH_NODE_RANK``, ``SLURM_NODEID``); informative, as c10d
             rendezvous orders the nodes itself.
         rdzv_endpoint: ``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous

@@ -215,11 +215,27 @@ def start_reaper(root: str, prefix: str) -> int | None:
         return None
     finally:
         os.close(read_end)
-    # the pipe must close when this process dies: forked children (workers, the user's) must not hold it
-    os.register_at_fork(after_in_child=lambda: _close_quietly(write_end))
+    _reaper_pipes[reaper] = write_end
     return reaper
 
 
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
+def forget_reaper(reaper: int) -> None:
+    """Close the pipe of a reaper that has ended (it was killed): a new one takes its place."""
+    with contextlib.suppress(OSError, KeyError):
+        os.close(_reaper_pipes.pop(reaper))
+
+
+#: The write end of each running reaper's pipe, by the reaper's pid. The pipe must close when this process
+#: dies, so a forked child (a worker, the user's) closes them all first thing: exactly the ends open now,
+#: never a descriptor number that a closed pipe once had and a new file reuses.
+_reaper_pipes: dict[int, int] = {}
+
+
+def _close_reaper_pipes() -> None:
+    for fd in _reaper_pipes.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _reaper_pipes.clear()
+
+
+os.register_at_fork(after_in_child=_close_reaper_pipes)

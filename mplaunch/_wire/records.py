@@ -79,6 +79,8 @@ class WorkerSpec:
             worker's start (see :mod:`mplaunch._wire.start_objects`).
         placements: per local rank, its devices, CPUs and extra variables, or ``None`` (see
             :mod:`mplaunch._wire.placement`).
+        result_wait: seconds the first worker of a node other than rank 0's waits for rank 0's result in the
+            rendezvous store (multi-node): what is left of ``timeout``, else ``rdzv_timeout``.
         env_function: ``env=``'s function of the global rank, called in each worker of a multi-node launch
             (where the parent does not know the ranks), else ``None``.
         post_mortem: the first rank that raises opens pdb on the terminal (see
@@ -110,6 +112,7 @@ class WorkerSpec:
     placements: tuple[RankPlacement, ...] | None = None
     env_function: Callable[[int], Any] | None = None
     post_mortem: bool = False
+    result_wait: float = 600.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
-from mplaunch._errors import RemoteError
+from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, transport
@@ -333,20 +333,58 @@ def elastic_entry(spec: WorkerSpec) -> int:
     return rank
 
 
+_CONNECT_WAIT = 5.0  # seconds to reach the rendezvous store (c10d may try twice): it answered a moment ago
+
+
 def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome) -> None:
-    """Rank 0 publishes its outcome in the rendezvous store; the first worker of each other node fetches it."""
+    """Rank 0 publishes its outcome in the rendezvous store; the first worker of each other node fetches it.
+
+    The fetch waits at most ``spec.result_wait`` seconds, a second at a time, and ends early when the launch
+    stops this worker (the agent saw a lost node). Past that wait, or when the store stops answering, the
+    node's record of rank 0 is a :class:`~mplaunch.NodeLostError` (rank 0's node is gone, or stuck).
+    """
     from datetime import timedelta
 
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import DistStoreError, TCPStore  # type: ignore[attr-defined]
 
     on_first_node = os.environ.get("GROUP_RANK", "0") == "0"
     if rank != 0 and (on_first_node or local_rank != 0 or not isinstance(outcome, Returned)):
         return  # a failed worker does not wait for rank 0: its own failure is what this node reports
-    store = TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(hours=24)
-    )
     key = f"mplaunch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank0"
-    if rank == 0:
-        store.set(key, transport.to_bytes(outcome))  # type: ignore[arg-type]
-    else:
-        transport.dump(transport.from_bytes(store.get(key)), spec.directory, REMOTE_RANK0)
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    deadline = time.monotonic() + spec.result_wait
+    try:
+        store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=min(_CONNECT_WAIT, spec.result_wait)),
+        )
+        if rank == 0:
+            store.set(key, transport.to_bytes(outcome))  # type: ignore[arg-type]
+            return
+        while _signal_received is None:  # signals no longer raise here: the outcome is decided
+            try:
+                store.wait([key], timedelta(seconds=max(0.01, min(1.0, deadline - time.monotonic()))))
+                break
+            except DistStoreError:  # this second's wait ended
+                if time.monotonic() >= deadline:
+                    raise
+        else:
+            return  # stopped by the launch: the node's error is the launch's
+        shared = transport.from_bytes(store.get(key))
+    except RuntimeError as error:  # torch's DistStoreError / DistNetworkError: a store gone or a wait expired
+        if rank == 0:
+            raise
+        lost = NodeLostError(
+            f"rank 0's result did not reach node {os.environ.get('GROUP_RANK')} within {spec.result_wait:g} s "
+            f"(the rendezvous store at {address}: {type(error).__name__}: {error}). The node that ran rank 0 "
+            "(node 0) is gone, or its store is: its launching process was killed or stopped.",
+            0,
+            None,
+            None,
+            address,
+        )
+        lost.__cause__ = error
+        shared = Raised.of(lost)
+    transport.dump(shared, spec.directory, REMOTE_RANK0)
