@@ -9,6 +9,7 @@ import dataclasses
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -25,7 +26,7 @@ from mplaunch._parent.directory import launch_directory, space_hint
 from mplaunch._parent.in_process import run_in_process
 from mplaunch._parent.processes import start_workers
 from mplaunch._parent.restarts import run_attempts
-from mplaunch._parent.signals import parent_signals
+from mplaunch._parent.signals import ParentSignalled, ignored_signals, parent_signals
 from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.supervise import Supervisor
 from mplaunch._state.python import warn_not_carried
@@ -129,6 +130,7 @@ def _launch(
             grace_period=config.grace_period,
             mp_start_method=multiprocessing.get_start_method(allow_none=True),
             unshare=start_method != "fork" or unshare_verdict((args, kwargs)),
+            ignored_signals=ignored_signals(),
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
@@ -221,6 +223,7 @@ def _run_workers(
     processes: list[BaseProcess] = []
     supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control, store)
     pipe: tuple[int, int] | None = None  # large fork arguments: see _answer_unshare
+    stop_signal: int = signal.SIGTERM
     try:
         if spec.start_method == "fork" and spec.unshare is None:
             pipe = os.pipe()
@@ -232,11 +235,14 @@ def _run_workers(
             pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
         results: list[Any] = supervisor.wait()
         return results
+    except ParentSignalled as received:
+        stop_signal = received.signum  # forwarded: the workers are stopped with the signal the parent got
+        raise
     finally:
         for fd in pipe or ():
             os.close(fd)
         try:
-            supervisor.stop()
+            supervisor.stop(stop_signal)
         finally:
             for process in processes:
                 # a Ctrl-C landing just after multiprocessing reaped a worker, before it noted the exit code,

@@ -1,8 +1,9 @@
 """The only code that starts and signals processes: a launch's workers (through ``torch.multiprocessing``),
-the fork server, the launch-directory reaper; and SIGTERM/SIGKILL to a worker or its process group.
+the fork server, the launch-directory reaper; and the signals that stop a worker, or kill it with its tree.
 
 While workers start, the parent holds: a ``__main__`` that multiprocessing can describe to a spawned child,
-one string-hashing seed for spawned workers, SIGINT/SIGTERM, and a lock against concurrent starts."""
+one string-hashing seed for spawned workers, the signals of ``signals.HELD``, and a lock against concurrent
+starts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import functools
 import multiprocessing.forkserver
 import os
 import platform
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -22,6 +24,7 @@ import torch.multiprocessing as mp
 
 from mplaunch._parent.signals import signals_held
 from mplaunch._platform.environ import environ_kept
+from mplaunch._platform.proctree import descendants
 from mplaunch._wire.records import Payload, WorkerSpec
 from mplaunch._worker.entry import run
 
@@ -110,19 +113,41 @@ def spawn_hash_seed(start_method: str) -> Iterator[None]:
         yield
 
 
-def signal_worker(process: BaseProcess, signum: int, *, group: bool, group_only: bool = False) -> None:
-    """Signal a worker, or with ``group`` its process group (it makes one of its own at start; a worker that
-    has not made it yet is signalled alone). ``group_only``: only the group, whose leader may be gone."""
+def signal_worker(process: BaseProcess, signum: int) -> None:
+    """Send ``signum`` to a worker's main thread (it then stops what it started itself)."""
     pid = process.pid
     if pid is None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        if group_only:
-            os.killpg(pid, signum)
-        elif group and os.getpgid(pid) == pid:
-            os.killpg(pid, signum)
-        else:
-            _to_main_thread(pid, signum)
+        _to_main_thread(pid, signum)
+
+
+def kill_tree(process: BaseProcess) -> None:
+    """SIGKILL a live worker and every process it started, however deep (it stays in its caller's process
+    group, so there is no group of its own to kill).
+
+    The tree is frozen first, top down (SIGSTOP: a stopped process forks no more, and a descendant orphaned
+    meanwhile becomes the worker's child, the worker being a child subreaper), until a walk of ``/proc``
+    finds nothing new; then everything found is killed. The worker is not reaped yet, so its pid is its own.
+    """
+    pid = process.pid
+    if pid is None:
+        return
+    frozen: list[int] = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGSTOP)
+        for _ in range(100):
+            found = [child for child in descendants(pid) if child not in frozen]
+            if not found:
+                break
+            for child in found:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, signal.SIGSTOP)
+            frozen.extend(found)
+        os.kill(pid, signal.SIGKILL)
+    for child in frozen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
 
 
 #: tgkill's system call number by machine (Linux has no libc wrapper before glibc 2.30).

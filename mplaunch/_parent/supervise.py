@@ -12,7 +12,7 @@ from typing import Any
 
 from mplaunch._errors import LaunchTimeoutError, RemoteError
 from mplaunch._parent.control import LaunchControl, LaunchStopped
-from mplaunch._parent.processes import signal_worker
+from mplaunch._parent.processes import kill_tree, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.store import Rendezvous
 from mplaunch._wire import transport
@@ -166,15 +166,15 @@ class Supervisor:
             tuple(running),
         )
 
-    def stop(self) -> None:
-        """SIGTERM every live worker (each then stops what it started), SIGKILL its whole process group if it
-        is still alive after ``grace_period`` seconds, reap all; then SIGKILL whatever the finished workers
-        left running in their process groups."""
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Send ``signum`` (SIGTERM, or the signal the parent got and forwards) to every live worker (each then
+        stops what it started); SIGKILL a worker still alive after ``grace_period`` seconds with everything it
+        started (:func:`~mplaunch._parent.processes.kill_tree`); reap all."""
         alive = [(rank, p) for rank, p in enumerate(self.processes) if p.exitcode is None]
         try:
             for rank, process in alive:
                 self.stopped.add(rank)
-                signal_worker(process, signal.SIGTERM, group=False)
+                signal_worker(process, signum)
             deadline = time.monotonic() + self.grace_period
             remaining = [rank for rank, _ in alive]
             while remaining and time.monotonic() < deadline:
@@ -183,10 +183,9 @@ class Supervisor:
         finally:
             for _, process in alive:
                 if process.exitcode is None:
-                    signal_worker(process, signal.SIGKILL, group=True)
+                    kill_tree(process)
             for process in self.processes:
                 process.join()
-                signal_worker(process, signal.SIGKILL, group=True, group_only=True)  # grandchildren left behind
             for fd in self._pidfds.values():
                 os.close(fd)
             self._pidfds.clear()

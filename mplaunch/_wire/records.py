@@ -71,6 +71,8 @@ class WorkerSpec:
             ``None``: the arguments are large, and the parent says whether through ``unshare_pipe``.
         unshare_pipe: ``(read end, write end)`` of the pipe on which the parent, once every forked worker
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
+        ignored_signals: the stop signals the caller ignores (e.g. SIGHUP under ``nohup``); its workers ignore
+            them too, all but SIGTERM.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output.fds`).
     """
@@ -95,6 +97,7 @@ class WorkerSpec:
     unshare_pipe: tuple[int, int] | None = None
     restart_count: int = 0
     max_restarts: int = 0
+    ignored_signals: frozenset[int] = frozenset()
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
 
 

@@ -1,0 +1,122 @@
+"""A rank in an interactive shell (issue 21): it reads and configures the caller's terminal as a process of
+raw ``torch.multiprocessing`` does, and a terminal's Ctrl-C ends the call cleanly. Each script runs in a real
+pseudo-terminal (pexpect), where it is the terminal's foreground job."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pexpect
+import psutil
+import pytest
+
+from tests.integration.test_scripts import REPO, assert_gone
+
+METHODS = ["fork", "spawn", "forkserver"]
+
+SCRIPT = """
+    import os, subprocess, sys, time
+    from mplaunch import parallel, worker_info
+
+    def ask() -> str | None:
+        return input("give: ") if worker_info().rank == 0 else None
+
+    def debug() -> int:
+        value = 41
+        if worker_info().rank == 0:
+            breakpoint()
+            value += 1
+        return value
+
+    def configure() -> str:
+        import readline, termios
+        attributes = termios.tcgetattr(0)
+        termios.tcsetattr(0, termios.TCSANOW, attributes)  # a background process would get SIGTTOU here
+        return "configured"
+
+    def run_until_stopped(pid_dir: str) -> None:
+        child = subprocess.Popen(["sleep", "100"])
+        rank = str(worker_info().rank)
+        with open(os.path.join(pid_dir, "tmp" + rank), "w") as file:
+            file.write(f"{os.getpid()} {child.pid}")
+        os.rename(os.path.join(pid_dir, "tmp" + rank), os.path.join(pid_dir, rank))
+        print("started", rank, flush=True)
+        while True:
+            time.sleep(0.1)
+
+    if __name__ == "__main__":
+        mode, start_method = sys.argv[1], sys.argv[2]
+        function = parallel(nprocs=2, start_method=start_method, timeout=90, grace_period=2.0)(globals()[mode])
+        try:
+            print("RESULT", function(*sys.argv[3:]), flush=True)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+"""
+
+
+def in_terminal(tmp_path: Path, *args: str) -> pexpect.spawn:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PYTHONBREAKPOINT", None)
+    return pexpect.spawn(sys.executable, [str(script), *args], env=env, cwd=str(tmp_path), timeout=60, encoding="utf-8")
+
+
+def finish(terminal: pexpect.spawn) -> str:
+    """Wait for the script to end; return what it printed since the last expectation."""
+    terminal.expect(pexpect.EOF)
+    terminal.close()
+    output: str = terminal.before
+    assert terminal.exitstatus == 0, output
+    return output
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_rank_reads_the_terminal_with_input(tmp_path: Path, start_method: str) -> None:
+    """The rank's stdin was /dev/null (EOFError); in a group of its own, a terminal read would stop it."""
+    terminal = in_terminal(tmp_path, "ask", start_method)
+    terminal.expect_exact("give: ")
+    terminal.sendline("hello")
+    terminal.expect_exact("RESULT hello")
+    finish(terminal)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_rank_stops_at_a_breakpoint(tmp_path: Path, start_method: str) -> None:
+    terminal = in_terminal(tmp_path, "debug", start_method)
+    terminal.expect_exact("(Pdb)")
+    terminal.sendline("p 1+1")
+    terminal.expect_exact("2")
+    terminal.expect_exact("(Pdb)")
+    terminal.sendline("c")
+    terminal.expect_exact("RESULT 42")
+    finish(terminal)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_rank_configures_the_terminal(tmp_path: Path, start_method: str) -> None:
+    """tcsetattr from a background process group: SIGTTOU, and the call hung."""
+    terminal = in_terminal(tmp_path, "configure", start_method)
+    terminal.expect_exact("RESULT configured")
+    finish(terminal)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_ctrl_c_in_the_terminal_ends_the_call_cleanly(tmp_path: Path, start_method: str) -> None:
+    """The terminal's SIGINT reaches the parent and the ranks (one foreground job): KeyboardInterrupt in the
+    parent, no traceback from a rank, no process left (the ranks' subprocesses included)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    terminal = in_terminal(tmp_path, "run_until_stopped", start_method, str(pid_dir))
+    for _ in range(2):
+        terminal.expect(r"started [01]")
+    pids = [int(pid) for rank in ("0", "1") for pid in (pid_dir / rank).read_text().split()]
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    terminal.sendintr()
+    terminal.expect_exact("INTERRUPTED")
+    output = terminal.before + finish(terminal)
+    assert "Traceback" not in output and "Interrupted" not in output, output
+    assert_gone(pids, within=1.0)
