@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pexpect
+import pexpect  # type: ignore[import-untyped]
 import psutil
 import pytest
 
@@ -57,12 +58,31 @@ SCRIPT = """
 """
 
 
-def in_terminal(tmp_path: Path, *args: str) -> pexpect.spawn:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("PYTHONBREAKPOINT", None)
-    return pexpect.spawn(sys.executable, [str(script), *args], env=env, cwd=str(tmp_path), timeout=60, encoding="utf-8")
+Terminal = Callable[..., pexpect.spawn]
+
+
+@pytest.fixture
+def in_terminal(tmp_path: Path) -> Iterator[Terminal]:
+    """Run the script with ``args`` in a new pseudo-terminal; kill what is left of it after the test."""
+    terminals: list[pexpect.spawn] = []
+
+    def start(*args: str) -> pexpect.spawn:
+        script = tmp_path / "script.py"
+        script.write_text(textwrap.dedent(SCRIPT))
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env.pop("PYTHONBREAKPOINT", None)
+        terminal = pexpect.spawn(
+            sys.executable, [str(script), *args], env=env, cwd=str(tmp_path), timeout=60, encoding="utf-8"
+        )
+        terminals.append(terminal)
+        return terminal
+
+    yield start
+    for terminal in terminals:
+        if terminal.isalive():
+            for child in psutil.Process(terminal.pid).children(recursive=True):
+                child.kill()  # stopped by the terminal (SIGTTIN/SIGTTOU) or stuck: not waited for
+            terminal.close(force=True)
 
 
 def finish(terminal: pexpect.spawn) -> str:
@@ -75,9 +95,9 @@ def finish(terminal: pexpect.spawn) -> str:
 
 
 @pytest.mark.parametrize("start_method", METHODS)
-def test_a_rank_reads_the_terminal_with_input(tmp_path: Path, start_method: str) -> None:
+def test_a_rank_reads_the_terminal_with_input(in_terminal: Terminal, start_method: str) -> None:
     """The rank's stdin was /dev/null (EOFError); in a group of its own, a terminal read would stop it."""
-    terminal = in_terminal(tmp_path, "ask", start_method)
+    terminal = in_terminal("ask", start_method)
     terminal.expect_exact("give: ")
     terminal.sendline("hello")
     terminal.expect_exact("RESULT hello")
@@ -85,8 +105,8 @@ def test_a_rank_reads_the_terminal_with_input(tmp_path: Path, start_method: str)
 
 
 @pytest.mark.parametrize("start_method", METHODS)
-def test_a_rank_stops_at_a_breakpoint(tmp_path: Path, start_method: str) -> None:
-    terminal = in_terminal(tmp_path, "debug", start_method)
+def test_a_rank_stops_at_a_breakpoint(in_terminal: Terminal, start_method: str) -> None:
+    terminal = in_terminal("debug", start_method)
     terminal.expect_exact("(Pdb)")
     terminal.sendline("p 1+1")
     terminal.expect_exact("2")
@@ -97,20 +117,20 @@ def test_a_rank_stops_at_a_breakpoint(tmp_path: Path, start_method: str) -> None
 
 
 @pytest.mark.parametrize("start_method", METHODS)
-def test_a_rank_configures_the_terminal(tmp_path: Path, start_method: str) -> None:
+def test_a_rank_configures_the_terminal(in_terminal: Terminal, start_method: str) -> None:
     """tcsetattr from a background process group: SIGTTOU, and the call hung."""
-    terminal = in_terminal(tmp_path, "configure", start_method)
+    terminal = in_terminal("configure", start_method)
     terminal.expect_exact("RESULT configured")
     finish(terminal)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_ctrl_c_in_the_terminal_ends_the_call_cleanly(tmp_path: Path, start_method: str) -> None:
+def test_ctrl_c_in_the_terminal_ends_the_call_cleanly(in_terminal: Terminal, tmp_path: Path, start_method: str) -> None:
     """The terminal's SIGINT reaches the parent and the ranks (one foreground job): KeyboardInterrupt in the
     parent, no traceback from a rank, no process left (the ranks' subprocesses included)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    terminal = in_terminal(tmp_path, "run_until_stopped", start_method, str(pid_dir))
+    terminal = in_terminal("run_until_stopped", start_method, str(pid_dir))
     for _ in range(2):
         terminal.expect(r"started [01]")
     pids = [int(pid) for rank in ("0", "1") for pid in (pid_dir / rank).read_text().split()]
