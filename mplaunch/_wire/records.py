@@ -2,7 +2,7 @@
 
 The parent writes one :class:`Payload` (the call) for workers that cannot inherit it and starts each worker
 with the :class:`WorkerSpec`; every worker writes exactly one outcome record for its rank before it exits:
-:class:`Returned`, :class:`Raised`, or :class:`Signalled` (a SIGTERM/SIGINT ended it). The parent reads
+:class:`Returned`, :class:`Raised`, or :class:`Signalled` (a stop signal ended it). The parent reads
 the records, knows which ranks it stopped itself, and turns them into one :data:`RankState` per rank:
 ``Returned``, ``Stopped`` (the launch stopped it: never a failure), or a failure (an exception to raise).
 Worker, supervisor and elastic code depend on this module, not on each other. The design follows CPython's
@@ -168,7 +168,8 @@ class Raised:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Signalled:
-    """The worker was ended by signal ``signum`` that it caught (SIGTERM, SIGINT), before it had returned."""
+    """The worker was ended by signal ``signum`` that it caught (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1,
+    SIGUSR2), before it had returned."""
 
     pid: int
     signum: int

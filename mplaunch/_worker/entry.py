@@ -1,11 +1,11 @@
 """What runs in a worker process, before and after the user's function.
 
 A worker writes exactly one outcome record (:mod:`mplaunch._wire.records`) and then exits; the parent waits on
-the process, not on the record. A SIGTERM or SIGINT (the launch stopping it, or someone else) ends the
-function as :class:`Terminated` / :class:`Interrupted`, and whatever the function raises after that is a
-consequence of the signal: the outcome is then :class:`~mplaunch._protocol.Signalled`, never a failure of
-its own. Once the outcome is decided, further signals are noted and ignored, so writing the outcome and the
-exit handlers are never interrupted.
+the process, not on the record. A stop signal (SIGTERM, SIGINT, or one the parent forwards; from the
+launch, a terminal or someone else) ends the function as :class:`Terminated` / :class:`Interrupted`, and
+whatever the function raises after that is a consequence of the signal: the outcome is then
+:class:`~mplaunch._protocol.Signalled`, never a failure of its own. Once the outcome is decided, further
+signals are noted and ignored, so writing the outcome and the exit handlers are never interrupted.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import RemoteError
-from mplaunch._output.fds import take_fds
+from mplaunch._output.fds import take_fds, terminal_stdin
 from mplaunch._platform.proctree import become_subreaper
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import transport
@@ -259,26 +259,8 @@ def _start(spec: WorkerSpec) -> None:
     # the caller's process group, as torch.multiprocessing's workers: in a terminal, the foreground job, so a
     # rank may read and configure the terminal; orphans stay in the worker's tree, which stops it all
     become_subreaper()
-    _terminal_stdin()
+    terminal_stdin()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
-
-
-def _terminal_stdin() -> None:
-    """Give the rank the caller's terminal as ``sys.stdin`` (``input()``, pdb), where multiprocessing made it
-    ``/dev/null``; a stdin that is no terminal (a pipe, a file) stays the caller's alone."""
-    with contextlib.suppress(OSError, ValueError):
-        if os.isatty(0) and not _reads_fd0(sys.stdin):
-            original = sys.__stdin__
-            encoding = getattr(original, "encoding", None)
-            errors = getattr(original, "errors", None)
-            sys.stdin = open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115
-
-
-def _reads_fd0(stream: object) -> bool:
-    try:
-        return not stream.closed and stream.fileno() == 0  # type: ignore[attr-defined]
-    except (AttributeError, OSError, ValueError):
-        return False
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.integration.test_scripts import REPO, assert_gone, run_script, write_script
@@ -74,13 +75,25 @@ def start(
     return process, [int((marks / rank).read_text()) for rank in "01"]
 
 
+def ended(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """Wait for the script to end; kill it and everything it started if it does not within 60 s."""
+    try:
+        return process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(process.pid).children(recursive=True):
+            child.kill()
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"the script did not end: {out}{err}") from None
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_sighup_to_the_parent_runs_the_ranks_finally_blocks(tmp_path: Path, start_method: str) -> None:
     """A closed SSH session: the parent dies by SIGHUP, as without mplaunch, after the ranks unwound (their
     ``finally`` blocks ran); nothing is left. Before: the ranks died with the parent, no ``finally``."""
     process, pids = start(tmp_path, start_method, "default", 5.0, "plain")
     process.send_signal(signal.SIGHUP)
-    out, err = process.communicate(timeout=60)
+    out, err = ended(process)
     assert process.returncode == -signal.SIGHUP, err
     assert all((tmp_path / "marks" / f"finally{rank}").exists() for rank in "01"), err
     assert "Traceback" not in err, err
@@ -93,17 +106,17 @@ def test_sigusr1_reaches_a_ranks_own_handler(tmp_path: Path) -> None:
     the grace period, and the parent dies by SIGUSR1."""
     process, pids = start(tmp_path, "fork", "default", 1.0, "own")
     process.send_signal(signal.SIGUSR1)
-    out, err = process.communicate(timeout=60)
+    out, err = ended(process)
     assert process.returncode == -signal.SIGUSR1, err
     assert [(tmp_path / "marks" / f"handled{rank}").read_text() for rank in "01"] == ["SIGUSR1"] * 2
     assert_gone(pids, within=1.0)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGUSR1], ids=["SIGHUP", "SIGUSR1"])
 def test_the_parents_own_handler_runs_after_the_workers_stopped(tmp_path: Path, signum: int) -> None:
     process, pids = start(tmp_path, "fork", "parent-handler", 5.0, "plain")
     process.send_signal(signum)
-    out, err = process.communicate(timeout=60)
+    out, err = ended(process)
     name = signal.Signals(signum).name
     assert f"parent handler: {name} workers stopped first: True" in out, err
     assert f"KeyboardInterrupt: {name} received during a launch handlers restored: True" in out, err
