@@ -22,9 +22,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from mplaunch._env import WORKER_VARIABLE
 from mplaunch._parent.signals import signals_held
 from mplaunch._platform.environ import environ_kept
-from mplaunch._platform.proctree import descendants
+from mplaunch._platform.proctree import descendants, with_environment
 from mplaunch._wire.records import Payload, WorkerSpec
 from mplaunch._worker.entry import run
 
@@ -124,30 +125,40 @@ def signal_worker(process: BaseProcess, signum: int) -> None:
 
 def kill_tree(process: BaseProcess) -> None:
     """SIGKILL a live worker and every process it started, however deep (it stays in its caller's process
-    group, so there is no group of its own to kill).
+    group, so there is no group of its own to kill). The worker is not reaped yet, so its pid is its own."""
+    if process.pid is not None:
+        _kill_trees([process.pid])
 
-    The tree is frozen first, top down (SIGSTOP: a stopped process forks no more, and a descendant orphaned
-    meanwhile becomes the worker's child, the worker being a child subreaper), until a walk of ``/proc``
-    finds nothing new; then everything found is killed. The worker is not reaped yet, so its pid is its own.
-    """
-    pid = process.pid
-    if pid is None:
-        return
+
+def kill_leftovers(rank: int, master_port: int) -> None:
+    """SIGKILL what a worker that ended without stopping its tree (killed by someone else, ``os._exit``) left
+    running: its orphans have gone to init, so they are found by the environment that the worker gave them
+    when they were executed (``MASTER_PORT`` is this attempt's own). The idea is Jenkins' ProcessTreeKiller
+    (its ``BUILD_ID`` cookie). A process forked without ``exec`` shows its exec-time environment, not the
+    rank's, and is not found: DataLoader workers end on their own when their rank is gone."""
+    cookie = {WORKER_VARIABLE: "1", "RANK": str(rank), "MASTER_PORT": str(master_port)}
+    found = with_environment(cookie)
+    if found:
+        _kill_trees(found)
+
+
+def _kill_trees(roots: list[int]) -> None:
+    """SIGKILL processes ``roots`` and their descendants. The trees are frozen first, top down (SIGSTOP: a
+    stopped process forks no more, and a descendant orphaned meanwhile becomes a worker's child, a worker
+    being a child subreaper), until a walk of ``/proc`` finds nothing new; then everything found is killed."""
     frozen: list[int] = []
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGSTOP)
-        for _ in range(100):
-            found = [child for child in descendants(pid) if child not in frozen]
-            if not found:
-                break
-            for child in found:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(child, signal.SIGSTOP)
-            frozen.extend(found)
-        os.kill(pid, signal.SIGKILL)
-    for child in frozen:
+    found = roots
+    for _ in range(100):
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGSTOP)
+        frozen.extend(found)
+        found = [child for root in roots for child in descendants(root) if child not in frozen]
+        if not found:
+            break
+    for pid in frozen:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
 
 
 #: tgkill's system call number by machine (Linux has no libc wrapper before glibc 2.30).

@@ -12,7 +12,7 @@ from typing import Any
 
 from mplaunch._errors import LaunchTimeoutError, RemoteError
 from mplaunch._parent.control import LaunchControl, LaunchStopped
-from mplaunch._parent.processes import kill_tree, signal_worker
+from mplaunch._parent.processes import kill_leftovers, kill_tree, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.store import Rendezvous
 from mplaunch._wire import transport
@@ -57,6 +57,7 @@ class Supervisor:
         self.grace_period = grace_period
         self.states: dict[int, RankState] = {}
         self.stopped: set[int] = set()
+        self.killed: set[int] = set()  # ranks killed with their tree (kill_tree)
         self.failed_at: dict[int, float] = {}  # when each rank failed (raised, or was seen to end)
         self._pidfds: dict[int, int] = {}  # rank -> a pidfd of its worker (see started)
 
@@ -131,6 +132,8 @@ class Supervisor:
             failure.__cause__ = error
             self.states[rank] = failure
             return failure
+        if outcome is None and rank not in self.killed and self.spec.master_port:
+            kill_leftovers(rank, self.spec.master_port)  # it ended without stopping what it started
         state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped)
         self.states[rank] = state
         self.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()
@@ -181,8 +184,9 @@ class Supervisor:
                 wait([self._end(rank) for rank in remaining], timeout=max(0.0, deadline - time.monotonic()))
                 remaining = [rank for rank in remaining if self.processes[rank].exitcode is None]
         finally:
-            for _, process in alive:
+            for rank, process in alive:
                 if process.exitcode is None:
+                    self.killed.add(rank)
                     kill_tree(process)
             for process in self.processes:
                 process.join()

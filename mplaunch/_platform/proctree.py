@@ -57,6 +57,25 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def with_environment(entries: dict[str, str]) -> list[int]:
+    """The processes (of this user: others' are unreadable) whose environment, as ``/proc/<pid>/environ``
+    shows it (the one they were executed with), holds every item of ``entries``; never this process.
+
+    Args:
+        entries: variable names and values, all of which must be there.
+    """
+    wanted = {f"{name}={value}".encode() for name, value in entries.items()}
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as file:
+                if wanted <= set(file.read().split(b"\0")):
+                    found.append(int(entry))
+    return found
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` exists and has not ended (a zombie has ended: it waits for its owner to reap it).
 

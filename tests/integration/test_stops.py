@@ -243,3 +243,16 @@ def test_a_killed_workers_tree_does_not_survive_it(start_method: StartMethod, tm
     with pytest.raises(RuntimeError, match="rank 0 failed"):
         launch(workers.start_a_tree, start_method, grace_period=0.5, timeout=30)(str(pid_file), "linger")
     assert _all_gone(_pids(pid_file), within=2.0)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_what_a_rank_killed_by_someone_else_started_does_not_survive_it(
+    start_method: StartMethod, tmp_path: Path
+) -> None:
+    """Rank 1 is SIGKILLed (the out-of-memory killer): it cannot stop its tree, and its subprocesses go to init.
+    The parent finds them by the environment the rank gave them, and kills them."""
+    pid_file = tmp_path / "pids"
+    with pytest.raises(WorkerExitedError) as caught:
+        launch(workers.start_a_tree, start_method, timeout=30)(str(pid_file), "die")
+    assert caught.value.rank == 1 and caught.value.signal_name == "SIGKILL"
+    assert _all_gone(_pids(pid_file), within=2.0)
