@@ -568,3 +568,10 @@ def start_a_tree(pid_file: str, then: str) -> int:
             raise RuntimeError("rank 0 failed")
         time.sleep(600)
     return rank
+
+
+def signal_self(signum: int) -> int:
+    """Send ``signum`` to this worker, then return the rank (a signal it ignores changes nothing)."""
+    os.kill(os.getpid(), signum)
+    time.sleep(0.2)  # a signal that is not ignored lands meanwhile
+    return worker_info().rank

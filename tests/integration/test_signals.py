@@ -4,6 +4,7 @@ exit status."""
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -162,3 +163,19 @@ def test_a_parent_that_ignores_sigchld_reads_every_exit(tmp_path: Path, start_me
     if start_method != "spawn":  # a spawn launch takes seconds on a busy machine: too noisy to time
         assert float(done.stdout.split("slower by ")[1].split()[0]) < 1.0, done.stdout
     assert "restored: True" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_signal_the_caller_ignores_is_ignored_by_its_ranks(start_method: str) -> None:
+    """Under ``nohup`` (SIGHUP ignored) a hangup must not end the ranks, whatever their start method: a
+    forkserver worker inherits the fork server's dispositions, not the caller's."""
+    from mplaunch import parallel
+    from tests import workers
+
+    multiprocessing.forkserver.ensure_running()  # started with SIGHUP at its default
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        run = parallel(nprocs=2, start_method=start_method, timeout=60)(workers.signal_self)  # type: ignore[call-overload]
+        assert run(signal.SIGHUP) == 0
+    finally:
+        signal.signal(signal.SIGHUP, previous)

@@ -32,6 +32,12 @@ SCRIPT = """
             value += 1
         return value
 
+    def debug_distributed() -> int:
+        import torch.distributed as dist
+        value = 41
+        dist.breakpoint(rank=0)  # rank 0 reads the terminal (/dev/stdin), the others wait in a barrier
+        return value + 1
+
     def configure() -> str:
         import readline, termios
         attributes = termios.tcgetattr(0)
@@ -50,9 +56,11 @@ SCRIPT = """
 
     if __name__ == "__main__":
         mode, start_method = sys.argv[1], sys.argv[2]
-        function = parallel(nprocs=2, start_method=start_method, timeout=90, grace_period=2.0)(globals()[mode])
+        backend = sys.argv[3] if mode == "debug_distributed" else None
+        options = dict(nprocs=2, start_method=start_method, timeout=90, grace_period=2.0, backend=backend)
+        function = parallel(**options)(globals()[mode])
         try:
-            print("RESULT", function(*sys.argv[3:]), flush=True)
+            print("RESULT", function(*sys.argv[3 + (backend is not None):]), flush=True)
         except KeyboardInterrupt:
             print("INTERRUPTED", flush=True)
 """
@@ -107,6 +115,19 @@ def test_a_rank_reads_the_terminal_with_input(in_terminal: Terminal, start_metho
 @pytest.mark.parametrize("start_method", METHODS)
 def test_a_rank_stops_at_a_breakpoint(in_terminal: Terminal, start_method: str) -> None:
     terminal = in_terminal("debug", start_method)
+    terminal.expect_exact("(Pdb)")
+    terminal.sendline("p 1+1")
+    terminal.expect_exact("2")
+    terminal.expect_exact("(Pdb)")
+    terminal.sendline("c")
+    terminal.expect_exact("RESULT 42")
+    finish(terminal)
+
+
+def test_torch_distributed_breakpoint(in_terminal: Terminal) -> None:
+    """torch.distributed.breakpoint() opens /dev/stdin itself: only the process group matters, not the start
+    method."""
+    terminal = in_terminal("debug_distributed", "fork", "gloo")
     terminal.expect_exact("(Pdb)")
     terminal.sendline("p 1+1")
     terminal.expect_exact("2")
