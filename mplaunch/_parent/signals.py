@@ -40,8 +40,17 @@ class ParentSignalled(BaseException):
 
 
 def ignored_signals() -> frozenset[int]:
-    """The signals of :data:`HELD` this process ignores (``SIG_IGN``): its workers ignore them too."""
-    return frozenset(signum for signum in HELD if signal.getsignal(signum) is signal.SIG_IGN)
+    """The signals of :data:`HELD` that the workers of a launch made now, from this thread, ignore: those this
+    process ignores (``SIG_IGN``), and SIGINT for a launch from another thread than the main thread.
+
+    Python gives SIGINT to the main thread, and the main thread decides what a Ctrl-C stops: a submitted
+    launch is stopped when an interrupted notebook cell ends, when ``result()`` is interrupted, or at exit.
+    The workers of such a launch, in the terminal's foreground job too, leave the terminal's Ctrl-C to it.
+    """
+    ignored = {signum for signum in HELD if signal.getsignal(signum) is signal.SIG_IGN}
+    if threading.current_thread() is not threading.main_thread():
+        ignored.add(signal.SIGINT)
+    return frozenset(ignored)
 
 
 @contextlib.contextmanager

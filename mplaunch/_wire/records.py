@@ -71,8 +71,8 @@ class WorkerSpec:
             ``None``: the arguments are large, and the parent says whether through ``unshare_pipe``.
         unshare_pipe: ``(read end, write end)`` of the pipe on which the parent, once every forked worker
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
-        ignored_signals: the stop signals the caller ignores (e.g. SIGHUP under ``nohup``); its workers ignore
-            them too, all but SIGTERM.
+        ignored_signals: the stop signals the workers ignore (SIGTERM never): those the caller ignores (e.g.
+            SIGHUP under ``nohup``), and SIGINT for a launch from a thread other than the main thread.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output.fds`).
     """

@@ -59,8 +59,12 @@ SCRIPT = """
         backend = sys.argv[3] if mode == "debug_distributed" else None
         options = dict(nprocs=2, start_method=start_method, timeout=90, grace_period=2.0, backend=backend)
         function = parallel(**options)(globals()[mode])
+        arguments = sys.argv[3 + (backend is not None) :]
         try:
-            print("RESULT", function(*sys.argv[3 + (backend is not None):]), flush=True)
+            if os.environ.get("SUBMIT"):  # from a thread of the launch's own, waited on by the main thread
+                print("RESULT", function.submit(*arguments).result(), flush=True)
+            else:
+                print("RESULT", function(*arguments), flush=True)
         except KeyboardInterrupt:
             print("INTERRUPTED", flush=True)
 """
@@ -74,11 +78,13 @@ def in_terminal(tmp_path: Path) -> Iterator[Terminal]:
     """Run the script with ``args`` in a new pseudo-terminal; kill what is left of it after the test."""
     terminals: list[pexpect.spawn] = []
 
-    def start(*args: str) -> pexpect.spawn:
+    def start(*args: str, submit: bool = False) -> pexpect.spawn:
         script = tmp_path / "script.py"
         script.write_text(textwrap.dedent(SCRIPT))
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("PYTHONBREAKPOINT", None)
+        if submit:
+            env["SUBMIT"] = "1"
         terminal = pexpect.spawn(
             sys.executable, [str(script), *args], env=env, cwd=str(tmp_path), timeout=60, encoding="utf-8"
         )
@@ -145,13 +151,16 @@ def test_a_rank_configures_the_terminal(in_terminal: Terminal, start_method: str
     finish(terminal)
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_ctrl_c_in_the_terminal_ends_the_call_cleanly(in_terminal: Terminal, tmp_path: Path, start_method: str) -> None:
+@pytest.mark.parametrize(("start_method", "submit"), [("fork", False), ("spawn", False), ("fork", True)])
+def test_ctrl_c_in_the_terminal_ends_the_call_cleanly(
+    in_terminal: Terminal, tmp_path: Path, start_method: str, submit: bool
+) -> None:
     """The terminal's SIGINT reaches the parent and the ranks (one foreground job): KeyboardInterrupt in the
-    parent, no traceback from a rank, no process left (the ranks' subprocesses included)."""
+    parent, no traceback from a rank, no process left (the ranks' subprocesses included). A submitted launch's
+    workers leave the Ctrl-C to the main thread, interrupted in ``result()``, which stops them."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    terminal = in_terminal("run_until_stopped", start_method, str(pid_dir))
+    terminal = in_terminal("run_until_stopped", start_method, str(pid_dir), submit=submit)
     for _ in range(2):
         terminal.expect(r"started [01]")
     pids = [int(pid) for rank in ("0", "1") for pid in (pid_dir / rank).read_text().split()]
