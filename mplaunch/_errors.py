@@ -93,7 +93,7 @@ class WorkerExitedError(WorkerFailedError):
         exitcode: the process exit code, as CPython defines it: ``sys.exit()`` and ``sys.exit(None)`` give 0,
             ``sys.exit(True)`` gives 1, ``sys.exit("message")`` gives 1; negative ``-N`` when the process was
             killed by signal ``N`` (as in ``multiprocessing``); ``128 + N`` when the worker caught signal ``N``
-            (SIGTERM, SIGINT) and exited.
+            (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) and exited.
         signum: the number of the signal that ended the worker, else ``None``.
         signal_name: e.g. ``"SIGKILL"`` or ``"SIGTERM"`` when a signal ended it, else ``None``.
         oom: ``True`` when the kernel's out-of-memory killer ended it (the ``oom_kill`` count of its cgroup,

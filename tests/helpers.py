@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from types import FrameType
+
+import psutil
 
 #: The repository root: on ``PYTHONPATH`` of every script, so that it imports this checkout's mplaunch.
 REPO = Path(__file__).resolve().parents[1]
@@ -57,3 +61,17 @@ def run_script(
         env=env,
         cwd=script.parent,
     )
+
+
+def assert_gone(pids: list[int], within: float) -> None:
+    """Fail (killing them) unless every process in ``pids`` has ended (a zombie has) within ``within`` s."""
+    deadline = time.monotonic() + within
+    alive = pids
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        time.sleep(0.1)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"processes still alive after {within} s: {alive}")

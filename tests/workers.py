@@ -823,3 +823,44 @@ def record_and_sleep(directory: str, seconds: float) -> int:
     finally:
         _append(os.path.join(directory, f"finally-{info.rank}"), "ran")
     return info.world_size
+
+
+def start_a_tree(pid_file: str, then: str) -> int:
+    """Start ``sleep 100`` (a subprocess), an orphan (``sh`` starts ``sleep 100`` in the background and exits)
+    and, but for ``"die"``, a fork child; record their pids, then ``then``: ``"return"``; ``"linger"``: rank 1
+    ignores SIGTERM (the launch must SIGKILL it) while rank 0 raises; ``"die"``: rank 1 SIGKILLs itself."""
+    import multiprocessing
+    import subprocess
+
+    rank = worker_info().rank
+    if then == "linger" and rank == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sleeper = subprocess.Popen(["sleep", "100"])
+    orphan = subprocess.run(
+        ["sh", "-c", "sleep 100 >/dev/null 2>&1 </dev/null & echo $!"], capture_output=True, text=True
+    )
+    pids = [os.getpid(), sleeper.pid, int(orphan.stdout)]
+    if then != "die":
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(100,))
+        child.start()
+        pids.append(child.pid or 0)
+    _write(f"{pid_file}.tmp{rank}", " ".join(map(str, pids)))
+    os.rename(f"{pid_file}.tmp{rank}", f"{pid_file}{rank}")
+    if then == "die" and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if then in ("linger", "die"):
+        if rank == 1:
+            time.sleep(600)
+        while not os.path.exists(f"{pid_file}1"):
+            time.sleep(0.01)
+        if then == "linger":
+            raise RuntimeError("rank 0 failed")
+        time.sleep(600)
+    return rank
+
+
+def signal_self(signum: int) -> int:
+    """Send ``signum`` to this worker, then return the rank (a signal it ignores changes nothing)."""
+    os.kill(os.getpid(), signum)
+    time.sleep(0.2)  # a signal that is not ignored lands meanwhile
+    return worker_info().rank

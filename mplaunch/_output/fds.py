@@ -1,4 +1,5 @@
-"""Per-rank output in a worker: put the descriptors the parent chose in place of fd 1 and fd 2.
+"""Per-rank output in a worker: put the descriptors the parent chose in place of fd 1 and fd 2; and the
+caller's terminal as the worker's standard input.
 
 The parent (:mod:`mplaunch._output.pump`) hands every worker a table of descriptors, one pair per local rank: the
 write ends of pipes it drains (for ``prefix_output``, ``console_ranks``, ``log_dir``, or a parent whose
@@ -123,3 +124,21 @@ def _repoint_handlers(old: object, new: TextIO) -> None:
         for handler in getattr(logger, "handlers", ()):
             if isinstance(handler, logging.StreamHandler) and handler.stream is old:
                 handler.stream = new
+
+
+def terminal_stdin() -> None:
+    """In a worker: make ``sys.stdin`` the caller's terminal (``input()``, pdb) where multiprocessing made it
+    ``/dev/null``; a standard input that is no terminal (a pipe, a file) stays the caller's alone."""
+    with contextlib.suppress(OSError, ValueError):
+        if os.isatty(0) and not _reads_fd0(sys.stdin):
+            original = sys.__stdin__
+            encoding = getattr(original, "encoding", None)
+            errors = getattr(original, "errors", None)
+            sys.stdin = open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115
+
+
+def _reads_fd0(stream: object) -> bool:
+    try:
+        return not stream.closed and stream.fileno() == 0  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return False

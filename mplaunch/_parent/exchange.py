@@ -177,7 +177,7 @@ def _interrupt(team: Team, ranks: set[int], number: int, interrupted: set[int]) 
         interrupted.add(rank)
         with contextlib.suppress(OSError):
             team.conns[rank].send((CANCEL, number))
-        signal_worker(team.processes[rank], signal.SIGINT, group=False)
+        signal_worker(team.processes[rank], signal.SIGINT)
     return time.monotonic() + team.spec.grace_period
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.processes import start_workers
 from mplaunch._parent.report import RunReport
 from mplaunch._parent.restarts import run_attempts
-from mplaunch._parent.signals import parent_signals
+from mplaunch._parent.signals import ParentSignalled, ignored_signals, parent_signals
 from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.supervise import Supervisor
 from mplaunch._state.python import warn_not_carried
@@ -184,6 +185,7 @@ def _launch_on(
             unshare=start_method != "fork" or unshare_verdict((args, kwargs)),
             placements=placements,
             env_function=env_function,
+            ignored_signals=ignored_signals(),
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
@@ -308,6 +310,7 @@ def _run_workers(
         spec, processes, config.timeout, config.grace_period, control, store, config.stall_timeout, board
     )
     pipe: tuple[int, int] | None = None  # large fork arguments: see _answer_unshare
+    stop_signal: int = signal.SIGTERM
     try:
         if spec.start_method == "fork" and spec.unshare is None:
             pipe = os.pipe()
@@ -319,11 +322,14 @@ def _run_workers(
             pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
         results: list[Any] = supervisor.wait()
         return results
+    except ParentSignalled as received:
+        stop_signal = received.signum  # forwarded: the workers are stopped with the signal the parent got
+        raise
     finally:
         for fd in pipe or ():
             os.close(fd)
         try:
-            supervisor.stop()
+            supervisor.stop(stop_signal)
             control.ranks = supervisor.report()
         finally:
             if board is not None:

@@ -1,8 +1,9 @@
 """The only code that starts and signals processes: a launch's workers (through ``torch.multiprocessing``),
-the fork server, the launch-directory reaper; and SIGTERM/SIGKILL to a worker or its process group.
+the fork server, the launch-directory reaper; and the signals that stop a worker, or kill it with its tree.
 
 While workers start, the parent holds: a ``__main__`` that multiprocessing can describe to a spawned child,
-one string-hashing seed for spawned workers, SIGINT/SIGTERM, and a lock against concurrent starts."""
+one string-hashing seed for spawned workers, the signals of ``signals.HELD``, and a lock against concurrent
+starts."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from mplaunch._env import WORKER_VARIABLE
 from mplaunch._parent.signals import signals_held
 from mplaunch._platform.environ import environ_kept
+from mplaunch._platform.proctree import descendants, with_environment
 from mplaunch._wire.records import Payload, WorkerSpec
 from mplaunch._worker.entry import run
 
@@ -124,19 +127,51 @@ def spawn_hash_seed(start_method: str) -> Iterator[None]:
         yield
 
 
-def signal_worker(process: BaseProcess, signum: int, *, group: bool, group_only: bool = False) -> None:
-    """Signal a worker, or with ``group`` its process group (it makes one of its own at start; a worker that
-    has not made it yet is signalled alone). ``group_only``: only the group, whose leader may be gone."""
+def signal_worker(process: BaseProcess, signum: int) -> None:
+    """Send ``signum`` to a worker's main thread (it then stops what it started itself)."""
     pid = process.pid
     if pid is None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        if group_only:
-            os.killpg(pid, signum)
-        elif group and os.getpgid(pid) == pid:
-            os.killpg(pid, signum)
-        else:
-            _to_main_thread(pid, signum)
+        _to_main_thread(pid, signum)
+
+
+def kill_tree(process: BaseProcess) -> None:
+    """SIGKILL a live worker and every process it started, however deep (it stays in its caller's process
+    group, so there is no group of its own to kill). The worker is not reaped yet, so its pid is its own."""
+    if process.pid is not None:
+        _kill_trees([process.pid])
+
+
+def kill_leftovers(rank: int, master_port: int) -> None:
+    """SIGKILL what a worker that ended without stopping its tree (killed by someone else, ``os._exit``) left
+    running: its orphans have gone to init, so they are found by the environment that the worker gave them
+    when they were executed (``MASTER_PORT`` is this attempt's own). The idea is Jenkins' ProcessTreeKiller
+    (its ``BUILD_ID`` cookie). A process forked without ``exec`` shows its exec-time environment, not the
+    rank's, and is not found: DataLoader workers end on their own when their rank is gone."""
+    cookie = {WORKER_VARIABLE: "1", "RANK": str(rank), "MASTER_PORT": str(master_port)}
+    found = with_environment(cookie)
+    if found:
+        _kill_trees(found)
+
+
+def _kill_trees(roots: list[int]) -> None:
+    """SIGKILL processes ``roots`` and their descendants. The trees are frozen first, top down (SIGSTOP: a
+    stopped process forks no more, and a descendant orphaned meanwhile becomes a worker's child, a worker
+    being a child subreaper), until a walk of ``/proc`` finds nothing new; then everything found is killed."""
+    frozen: list[int] = []
+    found = roots
+    for _ in range(100):
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGSTOP)
+        frozen.extend(found)
+        found = [child for root in roots for child in descendants(root) if child not in frozen]
+        if not found:
+            break
+    for pid in frozen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def send_signal(pid: int, pidfd: int | None, signum: int) -> None:

@@ -1,9 +1,18 @@
-"""The parent's signals during a launch: SIGTERM unwinds it (so workers are stopped first), and SIGINT and
-SIGTERM wait while workers are being forked."""
+"""The parent's signals during a launch.
+
+SIGTERM ends the launch: it unwinds the parent, so the workers are stopped first. SIGHUP (a closed SSH
+session), SIGQUIT, SIGUSR1 and SIGUSR2 do the same, and the workers are stopped with that signal instead of
+SIGTERM, so a rank's own handler for it runs, as torchrun forwards them (``TORCHELASTIC_SIGNALS_TO_HANDLE``).
+The caller's handlers are put back after the launch. SIGINT is Python's ``KeyboardInterrupt``. While
+workers are forked these signals wait (:func:`signals_held`), and a SIGCHLD the caller ignores is reset for
+the launch (:func:`exit_statuses_kept`), so that every worker's exit status can be read.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import signal
 import threading
@@ -11,48 +20,146 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+#: Signals that end a launch, the workers being stopped with the same signal (SIGTERM is how a launch stops
+#: its workers anyway).
+ENDING = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+#: Signals held while workers start; a worker unblocks them once its handlers are in place.
+HELD = (signal.SIGINT, *ENDING)
 
-class _ParentTerminated(BaseException):
-    """Raised in the parent by SIGTERM during a launch, to unwind and stop the workers first."""
+
+class ParentSignalled(BaseException):
+    """Raised in the parent by one of :data:`ENDING` during a launch, to unwind and stop the workers first.
+
+    Args:
+        signum: the signal received; the workers are stopped with it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def ignored_signals() -> frozenset[int]:
+    """The signals of :data:`HELD` that the workers of a launch made now, from this thread, ignore: those this
+    process ignores (``SIG_IGN``), and SIGINT for a launch from another thread than the main thread.
+
+    Python gives SIGINT to the main thread, and the main thread decides what a Ctrl-C stops: a submitted
+    launch is stopped when an interrupted notebook cell ends, when ``result()`` is interrupted, or at exit.
+    The workers of such a launch, in the terminal's foreground job too, leave the terminal's Ctrl-C to it.
+    """
+    ignored = {signum for signum in HELD if signal.getsignal(signum) is signal.SIG_IGN}
+    if threading.current_thread() is not threading.main_thread():
+        ignored.add(signal.SIGINT)
+    return frozenset(ignored)
 
 
 @contextlib.contextmanager
 def parent_signals() -> Iterator[None]:
-    """During the launch, let SIGTERM unwind the parent (so workers are stopped); restore handlers after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN:
-        yield
-        return
+    """During the launch, let the signals of :data:`ENDING` unwind the parent (the workers are stopped with
+    the signal received); then end as the caller's disposition says, and put the caller's handlers back.
 
-    owner = os.getpid()
+    A signal the caller ignores stays ignored, and one whose handler was not set from Python (e.g.
+    ``faulthandler.register``) is left alone. After the workers are stopped, the parent ends as it would have
+    without mplaunch: with the default disposition it dies by the signal; with a Python handler, that handler
+    is called (with frame ``None``) and, if it returns, the call raises ``KeyboardInterrupt``. Only the main
+    thread can set handlers: a launch from another thread (``submit()``) leaves them as they are.
+    """
+    with exit_statuses_kept():
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous: dict[int, Any] = {signum: signal.getsignal(signum) for signum in ENDING}
+        handled: list[int] = [signum for signum, handler in previous.items() if handler not in (signal.SIG_IGN, None)]
+        owner = os.getpid()
+        received: list[int] = []
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != owner:  # a forked worker that has not yet installed its own handler
-            raise SystemExit(128 + signum)
-        raise _ParentTerminated()
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if os.getpid() != owner:  # a forked worker that has not yet installed its own handler
+                raise SystemExit(128 + signum)
+            received.append(signum)
+            if len(received) == 1:  # the first one decides; the launch is already stopping after it
+                raise ParentSignalled(signum)
 
-    signal.signal(signal.SIGTERM, handler)
+        for signum in handled:
+            signal.signal(signum, handler)
+        try:
+            yield
+        except ParentSignalled as stop:
+            _restore(previous, handled)
+            _end_as(stop.signum, previous[stop.signum])
+        finally:
+            _restore(previous, handled)
+
+
+def _restore(previous: dict[int, Any], handled: list[int]) -> None:
+    for signum in handled:
+        signal.signal(signum, previous[signum])
+
+
+def _end_as(signum: int, previous: Any) -> None:
+    """End the parent as ``signum`` would have without mplaunch: call the caller's handler, else die by it."""
+    name = signal.Signals(signum).name
+    if callable(previous):
+        previous(signum, None)
+    else:
+        os.kill(os.getpid(), signum)  # the default action: die by the signal, as asked
+    raise KeyboardInterrupt(f"{name} received during a launch") from None
+
+
+_children_lock = threading.Lock()
+_children_users = 0
+
+
+@contextlib.contextmanager
+def exit_statuses_kept() -> Iterator[None]:
+    """While launches run, reset a SIGCHLD that the caller ignores to the default, so that the workers' exit
+    codes and signals can be read (with SIGCHLD ignored, the kernel reaps ended children at once); put it
+    back when the last launch ends, and reap the children that ended meanwhile, as ignoring SIGCHLD would have.
+
+    It works from any thread: the disposition is set through libc, out of Python's sight.
+    """
+    global _children_users
+    setter = _libc_signal()
+    with _children_lock:
+        reset = _children_users > 0 or (setter is not None and signal.getsignal(signal.SIGCHLD) is signal.SIG_IGN)
+        if reset:
+            if _children_users == 0:
+                setter(signal.SIGCHLD, 0)  # SIG_DFL
+            _children_users += 1
     try:
         yield
-    except _ParentTerminated:
-        signal.signal(signal.SIGTERM, previous)
-        if callable(previous):
-            previous(signal.SIGTERM, None)
-            raise KeyboardInterrupt("SIGTERM received during a launch") from None
-        os.kill(os.getpid(), signal.SIGTERM)  # the default action: die by SIGTERM, as asked
-        raise KeyboardInterrupt("SIGTERM received during a launch") from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if reset:
+            with _children_lock:
+                _children_users -= 1
+                if _children_users == 0 and signal.getsignal(signal.SIGCHLD) is signal.SIG_IGN:
+                    setter(signal.SIGCHLD, 1)  # SIG_IGN, as found
+                    _reap_ended()
+
+
+def _reap_ended() -> None:
+    """Reap the children that ended while SIGCHLD was not ignored (the caller expects none to linger)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_signal() -> Any:
+    try:
+        setter = ctypes.CDLL(None, use_errno=True).signal
+    except (OSError, AttributeError):
+        return None
+    setter.restype = ctypes.c_void_p
+    setter.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    return setter
 
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM for a moment that must not be cut, and deliver them after: while workers fork,
-    and while a worker is reaped (a KeyboardInterrupt between multiprocessing's ``waitpid`` and its noting the
-    exit code would lose the worker's status for good).
+    """Hold the signals of :data:`HELD` for a moment that must not be cut, and deliver them after: while
+    workers fork, and while a worker is reaped (a KeyboardInterrupt between multiprocessing's ``waitpid`` and
+    its noting the exit code would lose the worker's status for good).
 
     They are blocked in this thread: a forked child inherits the mask, so a signal sent to it before it has
     installed its own handlers waits instead of unwinding the parent's stack copied into it (the worker
@@ -62,7 +169,7 @@ def signals_held() -> Iterator[None]:
     the main thread the Python handlers meanwhile only note what came, and it is raised again, to the real
     handlers, on exit.
     """
-    blocked = {signal.SIGINT, signal.SIGTERM}
+    blocked = set(HELD)
     noted: list[int] = []
     replaced: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():

@@ -16,7 +16,7 @@ from typing import Any
 from mplaunch._errors import LaunchTimeoutError, RemoteError, StallError
 from mplaunch._parent import stacks
 from mplaunch._parent.control import LaunchControl, LaunchStopped
-from mplaunch._parent.processes import send_signal, signal_worker
+from mplaunch._parent.processes import kill_leftovers, kill_tree, send_signal, signal_worker
 from mplaunch._parent.report import RankRecords, RankReport
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.store import Rendezvous
@@ -73,6 +73,7 @@ class Supervisor:
         self.grace_period = grace_period
         self.states: dict[int, RankState] = {}
         self.stopped: set[int] = set()
+        self.killed: set[int] = set()  # ranks killed with their tree (kill_tree)
         self.failed_at: dict[int, float] = {}  # when each rank failed (raised, or was seen to end)
         self._pidfds: dict[int, int] = {}  # rank -> a pidfd of its worker (see started)
         self.stall_timeout = stall_timeout
@@ -174,6 +175,8 @@ class Supervisor:
             failure.__cause__ = error
             self.states[rank] = failure
             return failure
+        if outcome is None and rank not in self.killed and self.spec.master_port:
+            kill_leftovers(rank, self.spec.master_port)  # it ended without stopping what it started
         oom_kills = self.records.oom_kills(rank)
         state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped, oom_kills)
         self.states[rank] = state
@@ -285,15 +288,15 @@ class Supervisor:
                 raise ProcessLookupError(process.pid)
             send_signal(process.pid, pidfd, STACKS_SIGNAL)
 
-    def stop(self) -> None:
-        """SIGTERM every live worker (each then stops what it started), SIGKILL its whole process group if it
-        is still alive after ``grace_period`` seconds, reap all; then SIGKILL whatever the finished workers
-        left running in their process groups."""
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Send ``signum`` (SIGTERM, or the signal the parent got and forwards) to every live worker (each then
+        stops what it started); SIGKILL a worker still alive after ``grace_period`` seconds with everything it
+        started (:func:`~mplaunch._parent.processes.kill_tree`); reap all."""
         alive = [(rank, p) for rank, p in enumerate(self.processes) if not _ended(self._end(rank))]
         try:
             for rank, process in alive:
                 self.stopped.add(rank)
-                signal_worker(process, signal.SIGTERM, group=False)
+                signal_worker(process, signum)
             deadline = time.monotonic() + self.grace_period
             remaining = [rank for rank, _ in alive]
             while remaining and time.monotonic() < deadline:
@@ -302,11 +305,11 @@ class Supervisor:
         finally:
             for rank, process in alive:
                 if not _ended(self._end(rank)):
-                    signal_worker(process, signal.SIGKILL, group=True)
+                    self.killed.add(rank)
+                    kill_tree(process)
             for rank, process in enumerate(self.processes):
                 with signals_held():
                     self.records.reap(rank, process)
-                signal_worker(process, signal.SIGKILL, group=True, group_only=True)  # grandchildren left behind
             with self._signalling:
                 for fd in self._pidfds.values():
                     os.close(fd)

@@ -27,7 +27,7 @@ from mplaunch._config import ParallelConfig
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import policy
 from mplaunch._parent.directory import launch_directory
-from mplaunch._parent.processes import signal_worker, start_workers
+from mplaunch._parent.processes import kill_tree, signal_worker, start_workers
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.starter import in_starter
 from mplaunch._parent.store import rendezvous
@@ -128,13 +128,14 @@ class Team:
         return not self.broken and not self.closed and all(p.exitcode is None and p.is_alive() for p in self.processes)
 
     def terminate(self) -> None:
-        """Stop every worker: SIGTERM, SIGKILL to its process group after ``grace_period`` seconds; reap."""
+        """Stop every worker: SIGTERM, then SIGKILL with everything it started after ``grace_period`` seconds;
+        reap."""
         self.broken = True
         if self.closed:
             return
         alive = [p for p in self.processes if p.exitcode is None]
         for process in alive:
-            signal_worker(process, signal.SIGTERM, group=False)
+            signal_worker(process, signal.SIGTERM)
         self._reap(alive)
 
     def _reap(self, alive: list[BaseProcess]) -> None:
@@ -149,9 +150,8 @@ class Team:
         finally:
             for process in self.processes:
                 if process.exitcode is None:
-                    signal_worker(process, signal.SIGKILL, group=True)
+                    kill_tree(process)
                 process.join()
-                signal_worker(process, signal.SIGKILL, group=True, group_only=True)  # what it left running
 
     def close(self) -> None:
         """Tell the workers to leave, wait ``grace_period`` seconds for them, stop those still running, and

@@ -2,7 +2,7 @@
 
 The parent writes one :class:`Payload` (the call) for workers that cannot inherit it and starts each worker
 with the :class:`WorkerSpec`; every worker writes exactly one outcome record for its rank before it exits:
-:class:`Returned`, :class:`Raised`, or :class:`Signalled` (a SIGTERM/SIGINT ended it). The parent reads
+:class:`Returned`, :class:`Raised`, or :class:`Signalled` (a stop signal ended it). The parent reads
 the records, knows which ranks it stopped itself, and turns them into one :data:`RankState` per rank:
 ``Returned``, ``Stopped`` (the launch stopped it: never a failure), or a failure (an exception to raise).
 Worker, supervisor and elastic code depend on this module, not on each other. The design follows CPython's
@@ -72,6 +72,8 @@ class WorkerSpec:
             ``None``: the arguments are large, and the parent says whether through ``unshare_pipe``.
         unshare_pipe: ``(read end, write end)`` of the pipe on which the parent, once every forked worker
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
+        ignored_signals: the stop signals the workers ignore (SIGTERM never): those the caller ignores (e.g.
+            SIGHUP under ``nohup``), and SIGINT for a launch from a thread other than the main thread.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output.fds`).
         start_objects: the call's objects that ``multiprocessing`` sends only to a starting process (queues,
@@ -107,6 +109,7 @@ class WorkerSpec:
     unshare_pipe: tuple[int, int] | None = None
     restart_count: int = 0
     max_restarts: int = 0
+    ignored_signals: frozenset[int] = frozenset()
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
     start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
     placements: tuple[RankPlacement, ...] | None = None
@@ -216,7 +219,8 @@ class Raised:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Signalled:
-    """The worker was ended by signal ``signum`` that it caught (SIGTERM, SIGINT), before it had returned."""
+    """The worker was ended by signal ``signum`` that it caught (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1,
+    SIGUSR2), before it had returned."""
 
     pid: int
     signum: int

@@ -1,8 +1,10 @@
 """The processes a worker started (DataLoader workers, a tracker's helper, subprocesses), and stopping them.
 
-A worker makes a process group of its own when it starts, so its children (and theirs) are in it unless they
-left it; SIGTERM to the group reaches them all at once. A child that has ended is a zombie until its owner
-reaps it: that is left to the owner (a DataLoader joins its workers itself), and such a child counts as gone.
+A worker stays in its caller's process group (the terminal's, in an interactive shell), so it cannot signal
+a group of its own. It is a child subreaper instead (see :func:`mplaunch._platform.proctree.become_subreaper`):
+a process whose parent ends becomes the worker's child, so the worker's tree in ``/proc`` holds everything
+it started, however deep. A child that has ended is a zombie until its owner reaps it: that is left to the
+owner (a DataLoader joins its workers itself), and such a child counts as gone.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import contextlib
 import os
 import signal
 import time
+
+from mplaunch._platform.proctree import children_of, descendants, running
 
 
 def children() -> list[int]:
@@ -21,50 +25,42 @@ def children() -> list[int]:
         return []
     except (OSError, AttributeError):  # no waitid here: list them
         pass
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as file:
-                found.extend(int(pid) for pid in file.read().split())
-    return found
-
-
-def running(pid: int) -> bool:
-    """Whether child ``pid`` still runs (a zombie has ended; it is left for its owner to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return children_of(os.getpid())
 
 
 def stop_children(wait: float, *, kill: bool) -> None:
-    """Stop what this worker started: SIGTERM to its process group (or to each child, if it has none of its
-    own), then wait up to ``wait`` seconds for the children to end; with ``kill``, SIGKILL those still running.
+    """Stop what this worker started: SIGTERM to every descendant, then wait up to ``wait`` seconds for them
+    to end; with ``kill``, SIGKILL those still running, and what they start or orphan meanwhile.
 
-    The SIGCHLD handler is reset first, so that, e.g., DataLoader's does not raise about its workers' deaths,
-    and this worker ignores the SIGTERM it sends its own group (it is stopping, or done, already).
+    The SIGCHLD handler is reset first, so that, e.g., DataLoader's does not raise about its workers' deaths.
 
     Args:
         wait: seconds to wait for them to end.
-        kill: SIGKILL the children still running after ``wait`` (the worker is done); without, they are left
-            to end on their own (the worker unwinds, and its parent kills its group after it exits).
+        kill: SIGKILL the descendants still running after ``wait`` (the worker is done); without, they are
+            left to end on their own (the worker unwinds, and its parent stops its tree after it exits).
     """
     if not children():
         return
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with contextlib.suppress(OSError):
-        if os.getpgid(0) == os.getpid():
-            os.killpg(0, signal.SIGTERM)
-        else:
-            for pid in children():
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGTERM)
+    me = os.getpid()
+    _signal_all(descendants(me), signal.SIGTERM)
     deadline = time.monotonic() + wait
-    while (alive := [pid for pid in children() if running(pid)]) and time.monotonic() < deadline:
+    while _alive(me) and time.monotonic() < deadline:
         time.sleep(0.005)
     if kill:
-        for pid in alive:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        for _ in range(100):  # a process forked meanwhile is found on the next round (it is ours: a subreaper)
+            alive = _alive(me)
+            if not alive:
+                break
+            _signal_all(alive, signal.SIGKILL)
+
+
+def _alive(pid: int) -> list[int]:
+    """The running descendants of ``pid``."""
+    return [child for child in descendants(pid) if running(child)]
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signum)

@@ -1,11 +1,11 @@
 """What runs in a worker process, before and after the user's function.
 
 A worker writes exactly one outcome record (:mod:`mplaunch._wire.records`) and then exits; the parent waits on
-the process, not on the record. A SIGTERM or SIGINT (the launch stopping it, or someone else) ends the
-function as :class:`Terminated` / :class:`Interrupted`, and whatever the function raises after that is a
-consequence of the signal: the outcome is then :class:`~mplaunch._protocol.Signalled`, never a failure of
-its own. Once the outcome is decided, further signals are noted and ignored, so writing the outcome and the
-exit handlers are never interrupted.
+the process, not on the record. A stop signal (SIGTERM, SIGINT, or one the parent forwards; from the
+launch, a terminal or someone else) ends the function as :class:`Terminated` / :class:`Interrupted`, and
+whatever the function raises after that is a consequence of the signal: the outcome is then
+:class:`~mplaunch._protocol.Signalled`, never a failure of its own. Once the outcome is decided, further
+signals are noted and ignored, so writing the outcome and the exit handlers are never interrupted.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 
 from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import NodeLostError, RemoteError
-from mplaunch._output.fds import take_fds
+from mplaunch._output.fds import take_fds, terminal_stdin
+from mplaunch._platform.proctree import become_subreaper
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, transport
 from mplaunch._wire.records import (
@@ -48,8 +49,11 @@ from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
 from mplaunch._worker.watch import record_usage, watch
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
+#: The signals that end a rank's function (``finally`` blocks run): SIGTERM (the launch stopping it), SIGINT (a
+#: terminal's Ctrl-C), and those the parent forwards as torchrun does (SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2). A
+#: handler the function installs for one of them replaces this one.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_signal_received: int | None = None  # the first stop signal this worker got
 _outcome_decided = False  # after this, signals are noted and ignored
 _worker_pid = -1  # this worker's pid, set at start (a process the function forks is not the worker)
 
@@ -87,8 +91,8 @@ def _die_with_parent(parent_pid: int, start_method: str) -> None:
 
 
 class Terminated(SystemExit):
-    """Raised in a worker by SIGTERM (the launch stopping it, or a ``kill``); a ``SystemExit``, so ``finally``
-    blocks run and ``except Exception`` does not swallow it."""
+    """Raised in a worker by SIGTERM (the launch stopping it, or a ``kill``), SIGHUP, SIGQUIT, SIGUSR1 or
+    SIGUSR2; a ``SystemExit``, so ``finally`` blocks run and ``except Exception`` does not swallow it."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -104,7 +108,7 @@ def _on_signal(signum: int, frame: object) -> None:
         # before unwinding: e.g. DataLoader workers would print about a vanished rank
         stop_children(0.25, kill=False)
         _quiet_consequences()
-        raise Terminated(128 + signum) if signum == signal.SIGTERM else Interrupted()
+        raise Interrupted() if signum == signal.SIGINT else Terminated(128 + signum)
 
 
 def _quiet_consequences() -> None:
@@ -120,9 +124,10 @@ def _ignore(*args: object) -> None:
 
 
 def _default_signals() -> None:
-    """In a process forked by a worker: SIGTERM and SIGINT as in any Python process, not the worker's."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """In a process forked by a worker: the stop signals as in any Python process, not the worker's."""
+    for signum in _STOP_SIGNALS:
+        if signal.getsignal(signum) is _on_signal:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
 
 def _set_threads(num_threads: int) -> None:
@@ -250,10 +255,13 @@ def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = N
     SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call)."""
     global _worker_pid
     _worker_pid = os.getpid()
-    for signum in _STOP_SIGNALS:
-        signal.signal(signum, _on_signal)
+    for signum in _STOP_SIGNALS:  # one the caller ignores (nohup: SIGHUP) is ignored here too
+        ignored = signum in spec.ignored_signals and signum != signal.SIGTERM  # SIGTERM: how a launch stops it
+        signal.signal(signum, signal.SIG_IGN if ignored else _on_signal)
     if on_interrupt is not None:
         signal.signal(signal.SIGINT, on_interrupt)
+    if signal.getsignal(signal.SIGCHLD) is signal.SIG_IGN:  # inherited: the rank's children's codes would be lost
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.register_at_fork(after_in_child=_default_signals)  # the worker's children (DataLoader's...) get Python's
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
@@ -263,8 +271,10 @@ def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = N
     if spec.start_method != "fork":  # a forked worker has the parent's already
         # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
         multiprocessing.set_start_method(spec.mp_start_method, force=True)
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)  # a process group of its own: stopping the worker stops what it started too
+    # the caller's process group, as torch.multiprocessing's workers: in a terminal, the foreground job, so a
+    # rank may read and configure the terminal; orphans stay in the worker's tree, which stops it all
+    become_subreaper()
+    terminal_stdin()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
 
 

@@ -11,10 +11,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers import REPO, run_script, write_script
+from tests.helpers import REPO, assert_gone, run_script, write_script
 
 Starter = Callable[..., "tuple[subprocess.Popen[str], list[int]]"]
 
@@ -130,19 +129,6 @@ def started(tmp_path: Path) -> Iterator[Starter]:
         if parent.poll() is None:
             parent.kill()
         parent.communicate()
-
-
-def assert_gone(pids: list[int], within: float) -> None:
-    deadline = time.monotonic() + within
-    alive = pids
-    while time.monotonic() < deadline:
-        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return
-        time.sleep(0.1)
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"processes still alive after {within} s: {alive}")
 
 
 @pytest.mark.parametrize(

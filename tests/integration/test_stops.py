@@ -225,3 +225,54 @@ def test_a_ctrl_c_right_after_a_worker_is_reaped_stays_a_ctrl_c(monkeypatch: pyt
         launch(workers.sleep)(0)
     assert reaped
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def _pids(pid_file: Path) -> list[int]:
+    return [int(pid) for rank in (0, 1) for pid in Path(f"{pid_file}{rank}").read_text().split()]
+
+
+def _all_gone(pids: list[int], within: float) -> bool:
+    """Whether every process in ``pids`` has ended (a zombie has) within ``within`` seconds."""
+    import psutil
+
+    deadline = time.monotonic() + within
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            for pid in alive:
+                os.kill(pid, signal.SIGKILL)
+            return not alive
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_what_a_rank_started_is_gone_after_the_call(start_method: StartMethod, tmp_path: Path) -> None:
+    """A subprocess, an orphan (its parent exited) and a fork child of each rank end with the call: a worker
+    stays in the caller's process group, so it stops its tree by walking it (issue 21)."""
+    pid_file = tmp_path / "pids"
+    assert launch(workers.start_a_tree, start_method, return_all=True, timeout=30)(str(pid_file), "return") == [0, 1]
+    assert _all_gone(_pids(pid_file), within=2.0)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_killed_workers_tree_does_not_survive_it(start_method: StartMethod, tmp_path: Path) -> None:
+    """Rank 1 ignores SIGTERM, so the launch SIGKILLs it after the grace period: what it started, the orphan
+    included, is killed with it, never left to init."""
+    pid_file = tmp_path / "pids"
+    with pytest.raises(RuntimeError, match="rank 0 failed"):
+        launch(workers.start_a_tree, start_method, grace_period=0.5, timeout=30)(str(pid_file), "linger")
+    assert _all_gone(_pids(pid_file), within=2.0)
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_what_a_rank_killed_by_someone_else_started_does_not_survive_it(
+    start_method: StartMethod, tmp_path: Path
+) -> None:
+    """Rank 1 is SIGKILLed (the out-of-memory killer): it cannot stop its tree, and its subprocesses go to init.
+    The parent finds them by the environment the rank gave them, and kills them."""
+    pid_file = tmp_path / "pids"
+    with pytest.raises(WorkerExitedError) as caught:
+        launch(workers.start_a_tree, start_method, timeout=30)(str(pid_file), "die")
+    assert caught.value.rank == 1
+    assert caught.value.signal_name == "SIGKILL"
+    assert _all_gone(_pids(pid_file), within=2.0)

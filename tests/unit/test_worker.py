@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from mplaunch._platform import proctree
 from mplaunch._state.snapshot import ForkState, register_state, unregister_state
 from mplaunch._worker import children
 
@@ -24,12 +25,12 @@ def _check_children() -> None:
         os._exit(7)
     os.close(reader)
     assert children.children() == [pid]
-    assert children.running(pid)
+    assert proctree.running(pid)
     os.close(writer)
     deadline = time.monotonic() + 10
-    while children.running(pid) and time.monotonic() < deadline:
+    while proctree.running(pid) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not children.running(pid)
+    assert not proctree.running(pid)
     assert children.children() == [pid]  # ended, not reaped: still this process's to reap
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 7

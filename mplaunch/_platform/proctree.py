@@ -1,0 +1,129 @@
+"""A process's tree on Linux: its children and all their descendants, read from ``/proc``, and the flag that
+keeps orphaned descendants in the tree (``PR_SET_CHILD_SUBREAPER``). Elsewhere, every answer is empty."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import sys
+from typing import Any
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def children_of(pid: int) -> list[int]:
+    """The direct children of process ``pid`` (``/proc/<pid>/task/*/children``), else an empty list.
+
+    Args:
+        pid: a process id.
+
+    Returns:
+        The children's pids, in no particular order; ``[]`` when ``pid`` is gone or ``/proc`` cannot say.
+    """
+    if not _has_children_files():
+        return _children_by_scan(pid)
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/task/{task}/children") as file:
+            found.extend(int(child) for child in file.read().split())
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of process ``pid`` (children, theirs...), parents before their children.
+
+    Args:
+        pid: a process id.
+
+    Returns:
+        The descendants' pids; a process that forks while the tree is read may be missed (the caller reads
+        again after stopping what it found).
+    """
+    found: list[int] = []
+    seen = {pid}
+    queue = [pid]
+    while queue:
+        for child in children_of(queue.pop(0)):
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+                queue.append(child)
+    return found
+
+
+def with_environment(entries: dict[str, str]) -> list[int]:
+    """The processes (of this user: others' are unreadable) whose environment, as ``/proc/<pid>/environ``
+    shows it (the one they were executed with), holds every item of ``entries``; never this process.
+
+    Args:
+        entries: variable names and values, all of which must be there.
+    """
+    wanted = {f"{name}={value}".encode() for name, value in entries.items()}
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as file:
+                if wanted <= set(file.read().split(b"\0")):
+                    found.append(int(entry))
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has ended: it waits for its owner to reap it).
+
+    Args:
+        pid: a process id.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (Linux 3.4+): a descendant orphaned by its parent's end becomes this
+    process's child instead of init's, so it stays in this process's tree.
+
+    Returns:
+        Whether the flag is set.
+    """
+    prctl = _prctl()
+    return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+@functools.lru_cache(maxsize=1)
+def _prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _has_children_files() -> bool:
+    """Whether the kernel lists children in ``/proc`` (``CONFIG_PROC_CHILDREN``, set by common distributions)."""
+    return os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def _children_by_scan(pid: int) -> list[int]:
+    """The children of ``pid`` found by reading every process's parent in ``/proc/*/stat``."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as file:
+                if int(file.read().rpartition(")")[2].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
