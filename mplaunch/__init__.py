@@ -23,6 +23,7 @@ from mplaunch._errors import (
 )
 from mplaunch._parent.checks import record_cuda_init
 from mplaunch._parent.restarts import RestartWarning
+from mplaunch._spawn_compat import spawn
 from mplaunch._state.sharing import unshare
 from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
 
@@ -48,6 +49,7 @@ __all__ = [
     "parallel",
     "record_cuda_init",
     "register_state",
+    "spawn",
     "unregister_state",
     "unshare",
     "worker_info",

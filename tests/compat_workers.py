@@ -74,3 +74,46 @@ def add_one(module: torch.nn.Linear) -> bool:
 
 def pid() -> int:
     return os.getpid()
+
+
+def ddp_setup(rank: int, world_size: int, port: int, **bounded: Any) -> None:
+    """The PyTorch DDP tutorial's set-up (multigpu.py), on gloo and a free port (``bounded``: a ``timeout`` for
+    a test that runs in the test process, where no launch timeout applies)."""
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group(backend="gloo", rank=rank, world_size=world_size, **bounded)
+
+
+def tutorial_main(rank: int, world_size: int, port: int, **bounded: Any) -> float:
+    """The tutorial's ``main(rank, world_size, ...)``: set up, one DDP step, destroy; returns the summed ranks."""
+    ddp_setup(rank, world_size, port, **bounded)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+    model(torch.ones(4, 2)).sum().backward()
+    total = torch.tensor(float(rank + 1))
+    torch.distributed.all_reduce(total)
+    torch.distributed.destroy_process_group()
+    return float(total.item())
+
+
+def tutorial_in_rank(port: int, init_method: str | None = None, **bounded: Any) -> float:
+    """The tutorial's set-up in a ``@parallel`` function: the rank is read from the environment."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if init_method is None:
+        return tutorial_main(rank, world_size, port, **bounded)
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    total = torch.tensor(float(rank + 1))
+    torch.distributed.all_reduce(total)
+    torch.distributed.destroy_process_group()
+    return float(total.item())
+
+
+def index_and_args(index: int, *args: Any) -> tuple[int, int, tuple[Any, ...]]:
+    return index, int(os.environ["RANK"]), args
+
+
+def hogwild_train(index: int, model: torch.nn.Module) -> bool:
+    """mnist_hogwild's ``train(rank, args, model, ...)`` shape: update the shared model in place."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    return all(parameter.is_shared() for parameter in model.parameters())

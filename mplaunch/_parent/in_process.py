@@ -13,6 +13,7 @@ from mplaunch._parent.policy import resolve_backend
 from mplaunch._parent.store import rendezvous
 from mplaunch._platform.environ import environ_kept
 from mplaunch._worker.process_group import process_group
+from mplaunch._worker.rendezvous import follow_own_rendezvous
 
 
 def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
@@ -34,4 +35,5 @@ def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], confi
     # the function runs in this thread: nobody else could serve the store, so it starts at once
     with rendezvous(lazy=False) as store, environ_kept():
         apply_environment(os.environ, rank_environment(0, 1, store.addr, store.port, agent_store=store.agent_store))
+        follow_own_rendezvous()
         return run_in_process(function, args, kwargs, config)

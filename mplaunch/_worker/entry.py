@@ -43,6 +43,7 @@ from mplaunch._wire.records import (
 from mplaunch._worker.children import stop_children
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
+from mplaunch._worker.rendezvous import follow_own_rendezvous
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
@@ -305,6 +306,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
                 max_restarts=spec.max_restarts,
             ),
         )
+        follow_own_rendezvous()
         outcome = _execute(rank, rank, spec, payload)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
         pass
