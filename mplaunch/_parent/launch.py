@@ -160,7 +160,8 @@ def _attempt(
     """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt."""
     for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
         transport.remove(spec.directory, outcome_name(rank))
-    with rendezvous() as store:
+    within = config.timeout if control.deadline is None else control.remaining()
+    with rendezvous(resolve_within=within) as store:
         spec = dataclasses.replace(
             spec,
             master_addr=store.addr,
