@@ -6,9 +6,12 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import time
 from typing import Any
 
 import torch
+
+from mplaunch import parallel
 
 
 def _tracker_helper(connection: Any, path: str) -> None:
@@ -117,3 +120,29 @@ def hogwild_train(index: int, model: torch.nn.Module) -> bool:
         for parameter in model.parameters():
             parameter.add_(1.0)
     return all(parameter.is_shared() for parameter in model.parameters())
+
+
+def _launch_in(start_method: str) -> tuple[int, int]:
+    return parallel(nprocs=1, start_method=start_method, timeout=60)(pid)(), os.getpid()  # type: ignore[arg-type]
+
+
+def launch_from_pool_worker(start_method: str) -> tuple[int, int, bool]:
+    """What a trial of a hyper-parameter search does in a ``multiprocessing.Pool`` worker: launch."""
+    worker, here = _launch_in(start_method)
+    return worker, here, bool(multiprocessing.current_process().daemon)
+
+
+@parallel(nprocs=1, start_method="fork", timeout=60)
+def double_in_a_rank(x: int) -> tuple[int, int]:
+    """A module-level decorated function, for runners that pickle it (ProcessPoolExecutor)."""
+    return 2 * x, int(os.environ["RANK"])
+
+
+def _touch_and_sleep(path: str) -> None:
+    with open(path, "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def launch_sleeper(path: str, start_method: str) -> None:
+    parallel(nprocs=1, start_method=start_method, timeout=90)(_touch_and_sleep)(path)  # type: ignore[arg-type]

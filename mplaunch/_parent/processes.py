@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import functools
 import multiprocessing.forkserver
+import multiprocessing.process
 import os
 import platform
 import sys
@@ -51,13 +52,34 @@ def start_workers(
         if spec.start_method == "forkserver":
             context.set_forkserver_preload(preload)
             multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-        with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
+        with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
             for rank in range(spec.nprocs):
                 process = context.Process(  # type: ignore[attr-defined]
                     target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
                 )
                 process.start()
                 started(process)
+
+
+@contextlib.contextmanager
+def daemonic_allowed() -> Iterator[None]:
+    """Let a daemonic process (a ``multiprocessing.Pool`` worker, where hyper-parameter searches run their
+    trials) start workers: ``Process.start()`` refuses children there (``AssertionError: daemonic processes
+    are not allowed to have children``), because a daemonic process is terminated without running its exit
+    code, which would leave its children running. A worker never outlives the process that launched it
+    (``PR_SET_PDEATHSIG`` under fork and spawn, a pidfd watch under forkserver), nor does the launch
+    directory (the reaper), so the flag is lifted while the workers start; the workers themselves are not
+    daemonic."""
+    current = multiprocessing.process.current_process()
+    config = getattr(current, "_config", None)
+    if not isinstance(config, dict) or not config.get("daemon"):
+        yield
+        return
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = True
 
 
 @contextlib.contextmanager
