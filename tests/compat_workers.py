@@ -114,11 +114,15 @@ def index_and_args(index: int, *args: Any) -> tuple[int, int, tuple[Any, ...]]:
     return index, int(os.environ["RANK"]), args
 
 
-def hogwild_train(index: int, model: torch.nn.Module) -> bool:
-    """mnist_hogwild's ``train(rank, args, model, ...)`` shape: update the shared model in place."""
+def hogwild_train(index: int, model: torch.nn.Module, turn: torch.Tensor) -> bool:
+    """mnist_hogwild's ``train(rank, args, model, ...)`` shape: update the model in place. The ranks take
+    turns through ``turn`` (shared), so that no update is lost; returns whether the model is shared here."""
+    while int(turn.item()) != index:
+        time.sleep(0.001)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(1.0)
+    turn.add_(1)
     return all(parameter.is_shared() for parameter in model.parameters())
 
 

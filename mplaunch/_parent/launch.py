@@ -128,12 +128,13 @@ def _launch(
             log_dir=config.log_dir,
             grace_period=config.grace_period,
             mp_start_method=multiprocessing.get_start_method(allow_none=True),
-            unshare=start_method != "fork" or unshare_verdict((args, kwargs)),
+            unshare=start_method != "fork" or unshare_verdict((args, kwargs), keep_requested=True),
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
         if start_method != "fork" or nodes is not None:
-            _write_payload(payload, spec, imports)
+            shared = _write_payload(payload, spec, imports, keep_shared=nodes is None)
+            spec = dataclasses.replace(spec, shared_storages=shared)
         if nodes is not None:
             from mplaunch._multinode.elastic import launch_nodes
 
@@ -175,10 +176,14 @@ def _attempt(
             return _run_workers(spec, payload, config, preload, pump, control, store)
 
 
-def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> None:
-    """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled."""
+def _write_payload(
+    payload: Payload, spec: WorkerSpec, imports: WorkerImports | None, keep_shared: bool
+) -> tuple[Any, ...]:
+    """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled.
+    With ``keep_shared``, return the storages in torch's shared memory (``share_memory_()``) that it refers
+    to: they travel with the spec, by torch's reduction, so the workers share them with this process."""
     try:
-        transport.dump(payload, spec.directory, PAYLOAD, imports=imports)
+        return transport.dump(payload, spec.directory, PAYLOAD, imports=imports, keep_shared=keep_shared)
     except OSError as error:
         raise LaunchRefusedError(
             f"cannot write the call's arguments to {os.path.dirname(spec.directory)}: {error}. "

@@ -73,6 +73,9 @@ class WorkerSpec:
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output.fds`).
+        shared_storages: the storages in torch's shared memory that the payload refers to (the user shared
+            them: ``share_memory_()``); they travel with the spec when a worker starts, by torch's own
+            reduction (a file descriptor passed at the process start), so the worker shares them.
     """
 
     directory: str
@@ -96,6 +99,7 @@ class WorkerSpec:
     restart_count: int = 0
     max_restarts: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
+    shared_storages: tuple[Any, ...] = ()  # torch.UntypedStorage in torch's shared memory, by index
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -64,7 +64,10 @@ class _StorageWriter:
 
     inline_bytes = INLINE_BYTES
 
-    def _init_storages(self) -> None:
+    def _init_storages(self, keep_shared: bool = False) -> None:
+        self.keep_shared = keep_shared
+        self.shared: list[torch.UntypedStorage] = []  # kept in torch's shared memory (see dump)
+        self._shared_seen: dict[int, int] = {}
         self.storages: list[torch.UntypedStorage] = []
         self.buffers: list[pickle.PickleBuffer] = []
         self._seen: dict[int, int] = {}
@@ -87,6 +90,11 @@ class _StorageWriter:
         if untyped.device.type == "meta":
             return NotImplemented
         key = untyped._cdata
+        if self.keep_shared and untyped.device.type == "cpu" and untyped.is_shared():
+            if key not in self._shared_seen:
+                self._shared_seen[key] = len(self.shared)
+                self.shared.append(untyped)
+            return (_rebuild_storage, ("shared", self._shared_seen[key], dtype, None))
         if key in self._seen:
             return (_rebuild_storage, ("ref", self._seen[key], dtype, None))
         if untyped.device.type != "cpu":
@@ -108,8 +116,8 @@ class _Pickler(_StorageWriter, pickle.Pickler):
     """Pickles by reference, like ``pickle``; storages are recorded, not copied. Given ``imports`` (what the
     reader can import), a function or class the reader cannot import raises :class:`_NeedsValue`."""
 
-    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None) -> None:
-        self._init_storages()
+    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None, keep_shared: bool = False) -> None:
+        self._init_storages(keep_shared)
         self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
@@ -130,8 +138,8 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     worker writing to a file wants.
     """
 
-    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None) -> None:
-        self._init_storages()
+    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None, keep_shared: bool = False) -> None:
+        self._init_storages(keep_shared)
         self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
@@ -151,20 +159,22 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
         return super().reducer_override(obj)
 
 
-def _pickle(obj: object, by_value: bool, imports: WorkerImports | None = None) -> tuple[memoryview, _StorageWriter]:
+def _pickle(
+    obj: object, by_value: bool, imports: WorkerImports | None = None, keep_shared: bool = False
+) -> tuple[memoryview, _StorageWriter]:
     """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails or if
     it holds a function or class that ``imports`` says the reader cannot import. Returns the pickle and the
     pickler, which holds the storages and out-of-band buffers it recorded."""
     if not by_value:
         buffer = io.BytesIO()
-        pickler: _StorageWriter = _Pickler(buffer, imports)
+        pickler: _StorageWriter = _Pickler(buffer, imports, keep_shared)
         try:
             pickler.dump(obj)  # type: ignore[attr-defined]
             return buffer.getbuffer(), pickler
         except _PICKLE_ERRORS:
             pass
     buffer = io.BytesIO()
-    cloud_pickler = _CloudPickler(buffer, imports)
+    cloud_pickler = _CloudPickler(buffer, imports, keep_shared)
     cloud_pickler.dump(obj)
     return buffer.getbuffer(), cloud_pickler
 
@@ -207,20 +217,32 @@ def _aligned(offset: int) -> int:
 
 
 def dump(
-    obj: object, directory: str, name: str, *, by_value: bool = False, imports: WorkerImports | None = None
-) -> None:
+    obj: object,
+    directory: str,
+    name: str,
+    *,
+    by_value: bool = False,
+    imports: WorkerImports | None = None,
+    keep_shared: bool = False,
+) -> tuple[torch.UntypedStorage, ...]:
     """Write ``obj`` as ``directory/name.pkl``, plus ``name.bin`` holding its storages and buffers of
     64 KiB or more.
 
     The ``.pkl`` file appears last and atomically (written aside, then renamed), so a reader that sees it
     sees a complete object. Tensors on other devices are copied to the CPU first. With ``imports`` (what
     the reading workers can import by name), functions and classes they cannot import travel by value.
+    With ``keep_shared``, storages in torch's shared memory (``share_memory_()``) are not written: they are
+    returned, for the caller to hand to the readers with torch's own reduction, and :func:`load` takes them
+    back as ``shared``.
+
+    Returns:
+        The storages in torch's shared memory that the object refers to (empty without ``keep_shared``).
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
         OSError: the directory is missing or full.
     """
-    data, pickler = _pickle(obj, by_value, imports)
+    data, pickler = _pickle(obj, by_value, imports, keep_shared)
     pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
     offsets: dict[int, int] = {}  # storage index -> offset
     end = 0
@@ -254,6 +276,7 @@ def dump(
     finally:
         os.close(fd)
     os.replace(staging, os.path.join(directory, f"{name}.pkl"))
+    return tuple(pickler.shared)
 
 
 def remove(directory: str, name: str) -> None:
@@ -350,7 +373,10 @@ def make_private(address: int) -> bool:
 class _Reader:
     """Maps the storages of one object being unpickled; :func:`_rebuild_storage` finds it in ``_reading``."""
 
-    def __init__(self, fd: int, private: bool, offsets: dict[int, int] | None = None) -> None:
+    def __init__(
+        self, fd: int, private: bool, offsets: dict[int, int] | None = None, shared: tuple[Any, ...] = ()
+    ) -> None:
+        self._shared = shared
         self._fd = fd
         self._private = private
         self._offsets = offsets or {}
@@ -365,6 +391,8 @@ class _Reader:
         elif kind == "file":
             array = _map(self._fd, self._offsets[index], data, self._private)
             self._storages[index] = torch.frombuffer(array, dtype=torch.uint8).untyped_storage()
+        elif kind == "shared":  # the user's shared memory, handed over at the process start
+            return torch.storage.TypedStorage(wrap_storage=self._shared[index], dtype=dtype or torch.uint8, _internal=True)
         # An untyped storage comes back wrapped as bytes, as torch.load returns it (tensors of the newer
         # dtypes, e.g. float8 or uint16, pickle their untyped storage and expect this on rebuild).
         return torch.storage.TypedStorage(
@@ -394,7 +422,9 @@ def _rebuild_storage(kind: str, index: int, dtype: torch.dtype | None, data: Any
     return reader.storage(kind, index, dtype, data)
 
 
-def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: bool = False) -> Any:
+def load(
+    directory: str, name: str, *, private: bool, remove: bool, missing_ok: bool = False, shared: tuple[Any, ...] = ()
+) -> Any:
     """Read the object ``name`` written by :func:`dump`.
 
     Args:
@@ -404,6 +434,7 @@ def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: 
             instead of shared with the file.
         remove: unlink its files once mapped (the data lives on in the mappings until they are freed).
         missing_ok: return ``None`` when no complete object ``name`` was written, instead of raising.
+        shared: the storages :func:`dump` returned (``keep_shared``), as this process received them.
 
     Raises:
         FileNotFoundError: nothing complete was written as ``name`` (and not ``missing_ok``).
@@ -428,7 +459,7 @@ def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: 
             has_data = bool(offsets or extents)
             fd = os.open(data_path, os.O_RDWR) if has_data else -1
             try:
-                reader = _Reader(fd, private, offsets)
+                reader = _Reader(fd, private, offsets, shared)
                 with memoryview(view) as pickled, pickled[start + table_size :] as data:
                     # released here, not by the traceback: an error while unpickling must not become
                     # "BufferError: cannot close exported pointers exist" when the file's mapping closes

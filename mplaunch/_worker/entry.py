@@ -149,12 +149,12 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
     try:
         _set_threads(spec.num_threads)
         if payload is None:
-            payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+            payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False, shared=spec.shared_storages)
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
-        if spec.start_method == "fork" and _must_unshare(spec):  # inherited: shared memory stays shared
-            args, kwargs = unshare((args, kwargs))
+        if spec.start_method == "fork" and _must_unshare(spec):  # inherited: what mplaunch mapped is made private
+            args, kwargs = unshare((args, kwargs), keep_requested=True)  # what share_memory_() asked stays shared
         with process_group(spec.backend, local_rank):
             try:
                 value = function(*args, **kwargs)
