@@ -7,10 +7,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from typing_extensions import Unpack
-
 from mplaunch._api import ParallelFunction
-from mplaunch._config import LaunchOptions, StartMethod, make_config
+from mplaunch._config import StartMethod, make_config
 from mplaunch._errors import InvalidOptionError
 
 
@@ -38,7 +36,7 @@ def spawn(
     join: bool = True,
     daemon: bool = False,
     start_method: StartMethod = "spawn",
-    **options: Unpack[LaunchOptions],
+    **options: Any,
 ) -> Any:
     """Run ``fn(i, *args)`` in ``nprocs`` worker processes, ``i`` the process index: the signature of
     ``torch.multiprocessing.spawn``, so porting is a one-line change (``mp.spawn(...)`` to
@@ -69,8 +67,8 @@ def spawn(
         join: wait and return rank 0's value; ``False``: return a future at once.
         daemon: accepted for ``torch.multiprocessing.spawn``'s signature; ignored.
         start_method: ``"spawn"`` (default, as torch's), ``"fork"`` or ``"forkserver"``.
-        **options: other launch options of :func:`mplaunch.parallel` (``timeout``, ``grace_period``,
-            ``backend``, ``max_restarts``...).
+        **options: other launch options of :func:`mplaunch.parallel` (those of
+            :class:`~mplaunch.LaunchOptions`: ``timeout``, ``grace_period``, ``backend``, ``max_restarts``...).
 
     Returns:
         Rank 0's return value; with ``join=False``, a :class:`concurrent.futures.Future` of it.

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mplaunch import parallel
+from mplaunch import StartMethod, parallel
 
 
 def _tracker_helper(connection: Any, path: str) -> None:
@@ -126,11 +126,11 @@ def hogwild_train(index: int, model: torch.nn.Module, turn: torch.Tensor) -> boo
     return all(parameter.is_shared() for parameter in model.parameters())
 
 
-def _launch_in(start_method: str) -> tuple[int, int]:
-    return parallel(nprocs=1, start_method=start_method, timeout=60)(pid)(), os.getpid()  # type: ignore[arg-type]
+def _launch_in(start_method: StartMethod) -> tuple[int, int]:
+    return parallel(nprocs=1, start_method=start_method, timeout=60)(pid)(), os.getpid()
 
 
-def launch_from_pool_worker(start_method: str) -> tuple[int, int, bool]:
+def launch_from_pool_worker(start_method: StartMethod) -> tuple[int, int, bool]:
     """What a trial of a hyper-parameter search does in a ``multiprocessing.Pool`` worker: launch."""
     worker, here = _launch_in(start_method)
     return worker, here, bool(multiprocessing.current_process().daemon)
@@ -148,5 +148,5 @@ def _touch_and_sleep(path: str) -> None:
     time.sleep(60)
 
 
-def launch_sleeper(path: str, start_method: str) -> None:
-    parallel(nprocs=1, start_method=start_method, timeout=90)(_touch_and_sleep)(path)  # type: ignore[arg-type]
+def launch_sleeper(path: str, start_method: StartMethod) -> None:
+    parallel(nprocs=1, start_method=start_method, timeout=90)(_touch_and_sleep)(path)

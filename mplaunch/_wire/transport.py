@@ -392,7 +392,9 @@ class _Reader:
             array = _map(self._fd, self._offsets[index], data, self._private)
             self._storages[index] = torch.frombuffer(array, dtype=torch.uint8).untyped_storage()
         elif kind == "shared":  # the user's shared memory, handed over at the process start
-            return torch.storage.TypedStorage(wrap_storage=self._shared[index], dtype=dtype or torch.uint8, _internal=True)
+            return torch.storage.TypedStorage(
+                wrap_storage=self._shared[index], dtype=dtype or torch.uint8, _internal=True
+            )
         # An untyped storage comes back wrapped as bytes, as torch.load returns it (tensors of the newer
         # dtypes, e.g. float8 or uint16, pickle their untyped storage and expect this on rebuild).
         return torch.storage.TypedStorage(

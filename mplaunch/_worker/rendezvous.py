@@ -12,8 +12,8 @@ rank drops ``TORCHELASTIC_USE_AGENT_STORE`` first, so torch does what it does wi
 from __future__ import annotations
 
 import functools
+import importlib
 import os
-import sys
 from typing import Any
 
 from mplaunch._env import OWN_PORT_VARIABLE
@@ -30,10 +30,9 @@ def follow_own_rendezvous() -> None:
     that torchrun started keeps its agent store.
     """
     try:
-        import torch.distributed.rendezvous
+        rendezvous = importlib.import_module("torch.distributed.rendezvous")  # not the function of that name
     except ImportError:  # torch built without distributed
         return
-    rendezvous = sys.modules["torch.distributed.rendezvous"]  # the attribute of that name is a function
     original = getattr(rendezvous, "_create_c10d_store", None)
     if original is None or getattr(original, "_mplaunch", False):
         return
@@ -46,4 +45,4 @@ def follow_own_rendezvous() -> None:
         return original(hostname, port, *args, **kwargs)
 
     create_store._mplaunch = True  # type: ignore[attr-defined]
-    rendezvous._create_c10d_store = create_store
+    setattr(rendezvous, "_create_c10d_store", create_store)  # noqa: B010 - a private name mypy does not know

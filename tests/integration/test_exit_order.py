@@ -4,6 +4,7 @@ while it is pickled or unpickled ends in mplaunch's documented errors (issue 21,
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ METHODS = ["fork", "spawn", "forkserver"]
 
 @pytest.mark.parametrize("start_method", METHODS)
 @pytest.mark.parametrize("how", ["call", "submit"])
-def test_atexit_handlers_run_while_the_ranks_children_live(start_method: StartMethod, how: str, tmp_path) -> None:
+def test_atexit_handlers_run_while_the_ranks_children_live(start_method: StartMethod, how: str, tmp_path: Path) -> None:
     path = str(tmp_path / "metrics")
     fn = parallel(nprocs=1, start_method=start_method, timeout=120)(compat_workers.tracker_at_exit)
     result = fn(path) if how == "call" else fn.submit(path).result(timeout=120)
@@ -26,7 +27,7 @@ def test_atexit_handlers_run_while_the_ranks_children_live(start_method: StartMe
 
 @pytest.mark.parametrize("start_method", METHODS)
 @pytest.mark.parametrize("how", ["call", "submit"])
-def test_a_result_that_exits_when_pickled_is_an_exit(start_method: StartMethod, how: str, tmp_path) -> None:
+def test_a_result_that_exits_when_pickled_is_an_exit(start_method: StartMethod, how: str, tmp_path: Path) -> None:
     path = str(tmp_path / "atexit")
     fn = parallel(nprocs=1, start_method=start_method, timeout=120)(compat_workers.result_exiting_when_pickled)
     with pytest.raises(WorkerExitedError, match=r"SystemExit\(3\) while its result .* was pickled") as caught:

@@ -25,7 +25,7 @@ def test_a_shared_model_is_updated_by_every_rank(start_method: StartMethod) -> N
         compat_workers.hogwild_train, args=(model, turn), nprocs=2, start_method=start_method, timeout=60
     )
     assert shared is True and turn.item() == 2
-    for parameter, old in zip(model.parameters(), before):
+    for parameter, old in zip(model.parameters(), before, strict=True):
         torch.testing.assert_close(parameter.detach(), old + 2)
 
 
@@ -38,6 +38,5 @@ def test_a_model_not_shared_stays_the_parents(start_method: StartMethod) -> None
         compat_workers.hogwild_train, args=(model, turn), nprocs=2, start_method=start_method, timeout=60
     )
     assert shared is False and turn.item() == 2
-    for parameter, old in zip(model.parameters(), before):
+    for parameter, old in zip(model.parameters(), before, strict=True):
         assert torch.equal(parameter.detach(), old)
-

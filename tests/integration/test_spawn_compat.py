@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import socket
-from datetime import timedelta
 from concurrent.futures import Future
+from datetime import timedelta
 
 import pytest
 
@@ -50,7 +50,9 @@ def test_spawn_passes_the_index_first_and_returns_rank0s_value(start_method: Sta
 
 
 def test_spawn_without_join_returns_a_future() -> None:
-    future = mplaunch.spawn(compat_workers.index_and_args, args=[1], nprocs=2, join=False, start_method="fork", timeout=60)
+    future = mplaunch.spawn(
+        compat_workers.index_and_args, args=[1], nprocs=2, join=False, start_method="fork", timeout=60
+    )
     assert isinstance(future, Future)
     assert future.result(timeout=60) == (0, 0, (1,))
 

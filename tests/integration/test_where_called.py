@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -55,7 +56,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_main_function_pickled_by_cloudpickle_loads_in_a_fresh_interpreter(tmp_path) -> None:
+def test_a_main_function_pickled_by_cloudpickle_loads_in_a_fresh_interpreter(tmp_path: Path) -> None:
     script = tmp_path / "search.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -65,7 +66,7 @@ def test_a_main_function_pickled_by_cloudpickle_loads_in_a_fresh_interpreter(tmp
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
-def test_a_terminated_pool_leaves_no_worker_behind(start_method: str, tmp_path) -> None:
+def test_a_terminated_pool_leaves_no_worker_behind(start_method: str, tmp_path: Path) -> None:
     path = tmp_path / "started"
     pool = multiprocessing.get_context("fork").Pool(1)
     try:
