@@ -150,3 +150,29 @@ def _touch_and_sleep(path: str) -> None:
 
 def launch_sleeper(path: str, start_method: StartMethod) -> None:
     parallel(nprocs=1, start_method=start_method, timeout=90)(_touch_and_sleep)(path)
+
+
+def _inner_sum(own_group: bool) -> float:
+    if own_group:
+        torch.distributed.init_process_group("gloo")
+    total = torch.tensor(float(int(os.environ["RANK"]) + 1))
+    torch.distributed.all_reduce(total)
+    if own_group:
+        torch.distributed.destroy_process_group()
+    return float(total.item())
+
+
+def nested_fork_launch_in_a_gloo_rank(backend: str | None) -> tuple[float, float]:
+    """In a rank with a gloo group of its own, a fork launch of 2 ranks: they make their group themselves
+    (``backend=None``) or through ``backend=``."""
+    torch.distributed.init_process_group("gloo")
+    outer = torch.tensor(1.0)
+    torch.distributed.all_reduce(outer)
+    os.environ["MPLAUNCH_IN_PROCESS"] = "0"
+    try:
+        inner = parallel(nprocs=2, start_method="fork", timeout=40, backend=backend)(_inner_sum)(backend is None)
+    finally:
+        del os.environ["MPLAUNCH_IN_PROCESS"]
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return float(outer.item()), inner

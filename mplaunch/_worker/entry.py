@@ -42,7 +42,7 @@ from mplaunch._wire.records import (
 )
 from mplaunch._worker.children import stop_children
 from mplaunch._worker.exit import close_files, keep_inherited
-from mplaunch._worker.process_group import process_group
+from mplaunch._worker.process_group import forget_inherited_groups, process_group
 from mplaunch._worker.rendezvous import follow_own_rendezvous
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -273,6 +273,7 @@ def _start(spec: WorkerSpec) -> None:
     atexit.register(_stop_own_children, spec.grace_period)  # first registered: runs after the user's handlers
     if spec.start_method == "fork":
         keep_inherited()  # the parent's open files are the parent's to flush
+        forget_inherited_groups()  # the parent's process groups: their threads did not survive the fork
     if spec.start_method != "fork":  # a forked worker has the parent's already
         # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
         multiprocessing.set_start_method(spec.mp_start_method, force=True)
