@@ -34,6 +34,22 @@ _STARTING = threading.Lock()
 os.register_at_fork(after_in_child=_STARTING._at_fork_reinit)  # type: ignore[attr-defined]
 
 
+def _forget_fork_server() -> None:
+    """In a child forked from this process (a fork-launched rank, a ``multiprocessing.Pool`` worker): the fork
+    server this process started is not the child's own (``ensure_running`` would fail in ``waitpid`` with a
+    bare ``ChildProcessError``), so the child starts one of its own when it launches with ``forkserver``."""
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if getattr(server, "_forkserver_pid", None) is None:
+        return
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+    if alive is not None:
+        _close_quietly(alive)  # the parent's server ends when the parent lets it go, not when this child does
+
+
+os.register_at_fork(after_in_child=_forget_fork_server)
+
+
 def start_workers(
     spec: WorkerSpec, payload: Payload | None, preload: list[str], started: Callable[[BaseProcess], None]
 ) -> None:

@@ -4,6 +4,7 @@ and a decorated function that another runner pickles into a fresh interpreter.""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
@@ -68,11 +69,15 @@ def test_a_main_function_pickled_by_cloudpickle_loads_in_a_fresh_interpreter(tmp
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 def test_a_terminated_pool_leaves_no_worker_behind(start_method: str, tmp_path: Path) -> None:
     path = tmp_path / "started"
+    if start_method == "forkserver":  # the pool worker inherits this process's fork server, not its own
+        multiprocessing.forkserver.ensure_running()
     pool = multiprocessing.get_context("fork").Pool(1)
     try:
-        pool.apply_async(compat_workers.launch_sleeper, (str(path), start_method))
+        launched = pool.apply_async(compat_workers.launch_sleeper, (str(path), start_method))
         deadline = time.monotonic() + 60
         while not path.exists() or not path.read_text():  # the rank runs: wait for its file, not for a time
+            if launched.ready():
+                launched.get()  # the launch failed: raise why
             assert time.monotonic() < deadline
             time.sleep(0.01)
         worker = int(path.read_text())
