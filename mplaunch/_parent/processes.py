@@ -38,7 +38,7 @@ def _forget_fork_server() -> None:
     """In a child forked from this process (a fork-launched rank, a ``multiprocessing.Pool`` worker): the fork
     server this process started is not the child's own (``ensure_running`` would fail in ``waitpid`` with a
     bare ``ChildProcessError``), so the child starts one of its own when it launches with ``forkserver``."""
-    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    server: Any = multiprocessing.forkserver._forkserver
     alive = getattr(server, "_forkserver_alive_fd", None)
     if getattr(server, "_forkserver_pid", None) is None:
         return
