@@ -30,6 +30,7 @@ from mplaunch._parent.report import RankReport, RunReport
 from mplaunch._parent.restarts import RestartWarning
 from mplaunch._parent.stream import Stream
 from mplaunch._parent.warm import Workers
+from mplaunch._spawn_compat import spawn
 from mplaunch._state.sharing import unshare
 from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
 from mplaunch._worker.watch import heartbeat
@@ -66,6 +67,7 @@ __all__ = [
     "preempted",
     "record_cuda_init",
     "register_state",
+    "spawn",
     "unregister_state",
     "unshare",
     "worker_info",

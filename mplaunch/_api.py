@@ -192,8 +192,16 @@ class ParallelFunction(Generic[P, T]):
         return ParallelFunction(self.__wrapped__, replace_options(self.config, overrides))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        if resolve(getattr(self, "__module__", ""), getattr(self, "__qualname__", "")) is self:
-            return str(self.__qualname__)  # by reference, as pickle does for a function
+        """By reference (module and qualified name), as pickle does for a function; by value (the plain
+        function and the options) when it cannot be found by name, or when it belongs to ``__main__`` and the
+        pickler sends ``__main__``'s functions by value (cloudpickle, which submitit, joblib/loky, Ray and dask
+        use to run it in a fresh interpreter, where this ``__main__`` does not exist): the plain function
+        then travels as cloudpickle sends any function of ``__main__``."""
+        module = getattr(self, "__module__", "")
+        if resolve(module, getattr(self, "__qualname__", "")) is self and not (
+            module == "__main__" and _main_by_value(sys._getframe(1))
+        ):
+            return str(self.__qualname__)
         return (ParallelFunction, (self.__wrapped__, self.config))
 
     def __repr__(self) -> str:
@@ -348,6 +356,23 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
         return _wrap(fn, config)
 
     return decorate
+
+
+def _main_by_value(frame: types.FrameType | None) -> bool:
+    """Whether the pickler calling ``__reduce__`` (found in the first frames from ``frame`` out, as the
+    ``self`` of its ``dump``) sends ``__main__``'s functions by value: a cloudpickle or dill pickler other
+    than mplaunch's own (whose workers run the same ``__main__`` and find the function by name)."""
+    for _ in range(8):
+        if frame is None:
+            return False
+        pickler = frame.f_locals.get("self")
+        if pickler is not None and callable(getattr(pickler, "dump", None)) and hasattr(pickler, "memo"):
+            modules = [getattr(kind, "__module__", "") or "" for kind in type(pickler).__mro__]
+            if any(name.partition(".")[0] == "mplaunch" for name in modules):
+                return False
+            return any("cloudpickle" in name or name.partition(".")[0] == "dill" for name in modules)
+        frame = frame.f_back
+    return False
 
 
 def _ours(error: BaseException) -> bool:

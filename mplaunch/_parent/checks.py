@@ -77,9 +77,25 @@ def check_cuda_fork(start_method: str) -> None:
     """Refuse ``fork`` when CUDA is initialised in the parent: a forked child cannot use CUDA.
 
     ``torch.cuda.is_available()`` and ``device_count()`` do not initialise CUDA and are not a problem.
-    ``forkserver`` children fork from a clean server process, so they are not affected.
+    ``forkserver`` children fork from a clean server process, so they are not affected. A process that is
+    itself a fork of one that had initialised CUDA (torch's "bad fork": ``is_initialized()`` is false there)
+    is refused too: its forked workers cannot use CUDA either.
+
+    Raises:
+        LaunchRefusedError: ``start_method`` is ``"fork"`` and CUDA is initialised here, or this process is a
+            bad CUDA fork.
     """
-    if start_method != "fork" or not torch.cuda.is_initialized():
+    if start_method != "fork":
+        return
+    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    if bad_fork():
+        raise LaunchRefusedError(
+            "start_method='fork' cannot be used: this process was forked from a process that had initialised "
+            "CUDA, so neither it nor a worker forked from it can use CUDA (PyTorch would raise 'Cannot "
+            "re-initialize CUDA in forked subprocess'). Use start_method='spawn' or 'forkserver', or start this "
+            "process with spawn (e.g. multiprocessing.get_context('spawn'))."
+        )
+    if not torch.cuda.is_initialized():
         return
     message = (
         "start_method='fork' cannot be used: CUDA is already initialised in this process, and a forked worker "

@@ -13,6 +13,7 @@ from mplaunch._parent.policy import resolve_backend
 from mplaunch._parent.store import rendezvous
 from mplaunch._platform.environ import environ_kept
 from mplaunch._worker.process_group import process_group
+from mplaunch._worker.rendezvous import follow_own_rendezvous
 
 
 def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
@@ -37,4 +38,5 @@ def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], confi
         apply_environment(os.environ, rank_environment(0, 1, store.addr, store.port, agent_store=store.agent_store))
         if config.env is not None:
             os.environ.update(check_extra_env(config.env(0) if callable(config.env) else config.env, "env(0)"))
+        follow_own_rendezvous()
         return run_in_process(function, args, kwargs, config)

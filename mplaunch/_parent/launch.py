@@ -182,7 +182,7 @@ def _launch_on(
             log_dir=config.log_dir,
             grace_period=config.grace_period,
             mp_start_method=multiprocessing.get_start_method(allow_none=True),
-            unshare=start_method != "fork" or unshare_verdict((args, kwargs)),
+            unshare=start_method != "fork" or unshare_verdict((args, kwargs), keep_requested=True),
             placements=placements,
             env_function=env_function,
             ignored_signals=ignored_signals(),
@@ -190,7 +190,7 @@ def _launch_on(
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
         if start_method != "fork" or nodes is not None:
-            spec = _write_payload(payload, spec, imports)
+            spec = _write_payload(payload, spec, imports, keep_shared=nodes is None)
         if nodes is not None:
             from mplaunch._multinode.elastic import launch_nodes
 
@@ -225,7 +225,8 @@ def _attempt(
         raise notice.error({}, 0)
     for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
         transport.remove(spec.directory, outcome_name(rank))
-    with rendezvous() as store:
+    within = config.timeout if control.deadline is None else control.remaining()
+    with rendezvous(resolve_within=within) as store:
         spec = dataclasses.replace(
             spec,
             master_addr=store.addr,
@@ -253,11 +254,14 @@ def _check_single_node(config: ParallelConfig) -> None:
         )
 
 
-def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> WorkerSpec:
+def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None, keep_shared: bool) -> WorkerSpec:
     """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled.
-    Returns ``spec`` with the call's objects that travel with each worker's start (queues, locks...)."""
+    Returns ``spec`` with the call's objects that travel with each worker's start (queues, locks..., and with
+    ``keep_shared`` the storages the user put in torch's shared memory, so the workers share them)."""
     try:
-        found = transport.dump(payload, spec.directory, PAYLOAD, imports=imports, start_objects=True)
+        found = transport.dump(
+            payload, spec.directory, PAYLOAD, imports=imports, start_objects=True, keep_shared=keep_shared
+        )
     except OSError as error:
         raise LaunchRefusedError(
             f"cannot write the call's arguments to {os.path.dirname(spec.directory)}: {error}. "

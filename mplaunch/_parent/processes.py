@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import functools
 import multiprocessing.forkserver
+import multiprocessing.process
 import os
 import platform
 import signal
@@ -35,6 +36,23 @@ from mplaunch._worker.entry import run
 #: gets it as its parent held it, so it is made new there (CPython's own re-initialisation, as logging's).
 _STARTING = threading.Lock()
 os.register_at_fork(after_in_child=_STARTING._at_fork_reinit)  # type: ignore[attr-defined]
+
+
+def _forget_fork_server() -> None:
+    """In a child forked from this process (a fork-launched rank, a ``multiprocessing.Pool`` worker): the fork
+    server this process started is not the child's own (``ensure_running`` would fail in ``waitpid`` with a
+    bare ``ChildProcessError``), so the child starts one of its own when it launches with ``forkserver``."""
+    server: Any = multiprocessing.forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if getattr(server, "_forkserver_pid", None) is None:
+        return
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+    if alive is not None:
+        with contextlib.suppress(OSError):  # the parent's server ends when the parent lets it go, not this child
+            os.close(alive)
+
+
+os.register_at_fork(after_in_child=_forget_fork_server)
 
 
 def start_workers(
@@ -65,7 +83,7 @@ def start_workers(
         if spec.start_method == "forkserver":
             context.set_forkserver_preload(preload)
             multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-        with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
+        with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
             for rank in range(spec.nprocs):
                 process = context.Process(  # type: ignore[attr-defined]
                     target=target,
@@ -75,6 +93,27 @@ def start_workers(
                 )
                 process.start()
                 started(process)
+
+
+@contextlib.contextmanager
+def daemonic_allowed() -> Iterator[None]:
+    """Let a daemonic process (a ``multiprocessing.Pool`` worker, where hyper-parameter searches run their
+    trials) start workers: ``Process.start()`` refuses children there (``AssertionError: daemonic processes
+    are not allowed to have children``), because a daemonic process is terminated without running its exit
+    code, which would leave its children running. A worker never outlives the process that launched it
+    (``PR_SET_PDEATHSIG`` under fork and spawn, a pidfd watch under forkserver), nor does the launch
+    directory (the reaper), so the flag is lifted while the workers start; the workers themselves are not
+    daemonic."""
+    current = multiprocessing.process.current_process()
+    config = getattr(current, "_config", None)
+    if not isinstance(config, dict) or not config.get("daemon"):
+        yield
+        return
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = True
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import contextlib
 import ipaddress
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -69,16 +70,18 @@ class Rendezvous:
 
 
 @contextlib.contextmanager
-def rendezvous(*, lazy: bool = True) -> Iterator[Rendezvous]:
+def rendezvous(*, lazy: bool = True, resolve_within: float | None = None) -> Iterator[Rendezvous]:
     """Yield the launch's :class:`Rendezvous`: the user's ``MASTER_ADDR``/``MASTER_PORT`` when the user set
     the port (a worker then hosts the store, as under ``torch.multiprocessing.spawn``), else a store hosted
     here on a port the OS assigns. With ``lazy``, the store starts when :meth:`Rendezvous.serve` is called
     on the first connection (the caller watches :meth:`Rendezvous.fileno`); without, it starts now (for a
-    function run in this very thread). ``MASTER_ADDR`` given as a host name is resolved by torch, so its
-    store starts at once.
+    function run in this very thread). ``MASTER_ADDR`` given as a host name is resolved first, waiting up to
+    ``resolve_within`` seconds (``None``: as long as the system's resolver takes), then its store starts at
+    once (torch resolves it again).
 
     Raises:
-        LaunchRefusedError: ``MASTER_PORT`` is not a port, or no store can be hosted at ``MASTER_ADDR``.
+        LaunchRefusedError: ``MASTER_PORT`` is not a port, ``MASTER_ADDR`` does not resolve (in time), or no
+            store can be hosted at ``MASTER_ADDR``.
     """
     own_port = os.environ.get(OWN_PORT_VARIABLE)
     port = os.environ.get("MASTER_PORT")
@@ -98,6 +101,7 @@ def rendezvous(*, lazy: bool = True) -> Iterator[Rendezvous]:
         return
     listener = _listen(addr)  # an address of this machine or not: told at once
     if listener is None:
+        _resolve(addr, resolve_within)  # torch would wait minutes for a name that does not resolve
         store = _host(addr, 0, None)
         hosted = Rendezvous(addr, store.port, agent_store=True, store=store)
     else:
@@ -120,6 +124,34 @@ def _listen(addr: str) -> socket.socket | None:
         return socket.create_server((addr, 0), family=family, backlog=socket.SOMAXCONN)
     except OSError as error:
         raise _refused(addr, error) from error
+
+
+def _resolve(addr: str, within: float | None) -> None:
+    """Refuse a host name ``addr`` that does not resolve, or not within ``within`` seconds (the lookup runs in
+    a daemon thread, left to end on its own when it takes longer).
+
+    Raises:
+        LaunchRefusedError: the name does not resolve, or not in time; the message names ``MASTER_ADDR``.
+    """
+    found: list[BaseException | None] = []
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+            found.append(None)
+        except OSError as error:
+            found.append(error)
+
+    thread = threading.Thread(target=look_up, name="mplaunch-resolve", daemon=True)
+    thread.start()
+    thread.join(within)
+    if found and found[0] is None:
+        return
+    why = f"does not resolve ({found[0]})" if found else f"did not resolve within {within:g} s (the launch's timeout)"
+    raise LaunchRefusedError(
+        f"MASTER_ADDR={addr!r} {why}, so no rendezvous store can be hosted there. Set MASTER_ADDR to an address "
+        "or host name of this machine (127.0.0.1 by default), or unset it."
+    )
 
 
 def _host(addr: str, port: int, fd: int | None) -> Any:

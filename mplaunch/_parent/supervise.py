@@ -161,10 +161,11 @@ class Supervisor:
         with signals_held():  # a Ctrl-C there would lose the exit code of the worker it reaps
             self.records.reap(rank, process)
         try:
-            outcome: Outcome | None = transport.load(
-                self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True
-            )
-        except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
+            with signals_held():  # what unpickling raises is the result's own, never a Ctrl-C
+                outcome: Outcome | None = transport.load(
+                    self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True
+                )
+        except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
             failure = RemoteError(
                 f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
                 f"{type(error).__name__}: {error}",

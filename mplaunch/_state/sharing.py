@@ -87,11 +87,14 @@ def _address(obj: Any) -> int:
     return int(obj.__array_interface__["data"][0])
 
 
-def _shared(obj: Any) -> bool:
+def _shared(obj: Any, keep_requested: bool = False) -> bool:
     """Whether a process forked from this one would share ``obj``'s memory (a tensor or an array): torch's
-    shared memory (``is_shared()``), or a result mapped shared by mplaunch's transport."""
+    shared memory (``is_shared()``), or a result mapped shared by mplaunch's transport. With
+    ``keep_requested``, torch's shared memory (what ``share_memory_()`` asked for) does not count."""
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
+            return False
+        if keep_requested and _torch_shared(obj):
             return False
         if not _plain(obj):
             if obj.layout == torch.sparse_coo:
@@ -105,6 +108,16 @@ def _shared(obj: Any) -> bool:
     elif not _is_array(obj):
         return False
     return in_shared_mapping(_address(obj))
+
+
+def _torch_shared(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is in torch's shared memory (``share_memory_()``, ``Module.share_memory()``)."""
+    try:
+        if tensor.layout == torch.sparse_coo:
+            return bool(tensor._values().is_shared() or tensor._indices().is_shared())
+        return bool(tensor.is_shared())
+    except (RuntimeError, NotImplementedError):  # a layout without a storage to ask
+        return False
 
 
 def _walk(obj: Any, budget: float = float("inf")) -> Iterator[Any]:
@@ -142,7 +155,7 @@ class _TooLarge(Exception):
     """The walk went past its budget."""
 
 
-def unshare_verdict(obj: Any) -> bool | None:
+def unshare_verdict(obj: Any, keep_requested: bool = False) -> bool | None:
     """In the parent, before forking: whether forked workers must run :func:`unshare` on ``obj``, as far as
     ``obj`` alone tells: ``True`` (it holds shared memory), ``False`` (it holds none), or ``None`` when it is
     large and the answer is whether this process maps shared memory at all (:func:`shared_mappings`, which
@@ -155,7 +168,7 @@ def unshare_verdict(obj: Any) -> bool | None:
     arguments are walked here (it costs microseconds), and in the workers only if they hold shared memory.
     """
     try:
-        return any(_shared(found) for found in _walk(obj, _BIG))
+        return any(_shared(found, keep_requested) for found in _walk(obj, _BIG))
     except _TooLarge:
         return None
 
@@ -171,7 +184,7 @@ def shared_mappings(maps: str = "/proc/self/maps") -> bool:
     return b" rw-s " in text or b" rwxs " in text
 
 
-def unshare(obj: T) -> T:
+def unshare(obj: T, *, keep_requested: bool = False) -> T:
     """Make the shared memory in ``obj`` private to the calling process, in place, and return ``obj``.
 
     Runs in a forked worker, on its arguments, before its other threads use them: a tensor in shared memory
@@ -190,6 +203,9 @@ def unshare(obj: T) -> T:
 
     Args:
         obj: arguments of a worker's function: tensors, modules, or collections and objects holding them.
+        keep_requested: leave torch's shared memory shared (what ``share_memory_()`` or
+            ``Module.share_memory()`` asked for, as hogwild training needs); only what mplaunch mapped shared
+            (an earlier launch's result) is made private. A worker's arguments are treated so.
 
     Returns:
         ``obj`` itself, holding no shared memory any more.
@@ -200,7 +216,7 @@ def unshare(obj: T) -> T:
     copies: dict[int, torch.UntypedStorage] = {}  # a shared storage's address -> its private copy
     with torch.no_grad():
         for found in list(_walk(obj)):
-            if not _shared(found):
+            if not _shared(found, keep_requested):
                 continue
             if (not isinstance(found, torch.Tensor) or _plain(found)) and make_private(_address(found)):
                 continue

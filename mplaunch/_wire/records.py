@@ -201,7 +201,7 @@ class Raised:
             text = "".join(traceback.format_tb(error.__traceback__)) + _safely(repr, error)
         try:
             exception: bytes | None = _pickle_exception(error)
-        except Exception:  # noqa: BLE001 - an exception that cannot be pickled travels as text
+        except BaseException:  # noqa: BLE001 - an exception that cannot be pickled (even by exiting) travels as text
             exception = None
         exit_code = exit_status(error.code) if isinstance(error, SystemExit) else None
         if isinstance(error, KeyboardInterrupt):
@@ -317,7 +317,7 @@ def rebuild_exception(raised: Raised, rank: int) -> BaseException:
     if raised.exception is not None:
         try:
             error = pickle.loads(raised.exception)
-        except Exception:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - SystemExit from a __reduce__ too: sent as text instead
             error = None
     if raised.exit_code is not None or (error is not None and not isinstance(error, Exception)):
         code = raised.exit_code if raised.exit_code is not None else 1

@@ -67,11 +67,17 @@ class _StorageWriter:
     Given ``start_objects``, it also puts a placeholder in place of each object that ``multiprocessing``
     sends only to a starting process (see :mod:`mplaunch._wire.start_objects`), and collects the objects
     there; its type is judged once per pickle (one dict look-up per object), and, with ``probe``, by the
-    object's own reduction where the type is unknown."""
+    object's own reduction where the type is unknown. With ``keep_shared`` too, a storage in torch's shared
+    memory (the user's ``share_memory_()``) is such an object: it travels with the start by torch's own
+    reduction, so the reader shares it with the writer instead of getting a copy."""
 
     inline_bytes = INLINE_BYTES
 
-    def _init_storages(self, start_objects: at_start.StartObjects | None = None, probe: bool = False) -> None:
+    def _init_storages(
+        self, start_objects: at_start.StartObjects | None = None, probe: bool = False, keep_shared: bool = False
+    ) -> None:
+        self.keep_shared = keep_shared and start_objects is not None
+        self._shared_seen: dict[int, int] = {}  # a shared storage -> its index among the start objects
         self.storages: list[torch.UntypedStorage] = []
         self.buffers: list[pickle.PickleBuffer] = []
         self._seen: dict[int, int] = {}
@@ -99,6 +105,10 @@ class _StorageWriter:
         if untyped.device.type == "meta":
             return NotImplemented
         key = untyped._cdata
+        if self.keep_shared and untyped.device.type == "cpu" and untyped.is_shared():
+            if key not in self._shared_seen:
+                self._shared_seen[key] = self.start_objects.add(untyped)  # type: ignore[union-attr]
+            return (_rebuild_storage, ("shared", self._shared_seen[key], dtype, None))
         if key in self._seen:
             return (_rebuild_storage, ("ref", self._seen[key], dtype, None))
         if untyped.device.type != "cpu":
@@ -138,8 +148,9 @@ class _Pickler(_StorageWriter, pickle.Pickler):
         imports: WorkerImports | None = None,
         start_objects: at_start.StartObjects | None = None,
         probe: bool = False,
+        keep_shared: bool = False,
     ) -> None:
-        self._init_storages(start_objects, probe)
+        self._init_storages(start_objects, probe, keep_shared)
         self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
@@ -166,8 +177,9 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
         imports: WorkerImports | None = None,
         start_objects: at_start.StartObjects | None = None,
         probe: bool = False,
+        keep_shared: bool = False,
     ) -> None:
-        self._init_storages(start_objects, probe)
+        self._init_storages(start_objects, probe, keep_shared)
         self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
@@ -188,7 +200,11 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
 
 
 def _pickle(
-    obj: object, by_value: bool, imports: WorkerImports | None = None, start_objects: bool = False
+    obj: object,
+    by_value: bool,
+    imports: WorkerImports | None = None,
+    start_objects: bool = False,
+    keep_shared: bool = False,
 ) -> tuple[memoryview, _StorageWriter]:
     """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails or if
     it holds a function or class that ``imports`` says the reader cannot import. Returns the pickle and the
@@ -196,26 +212,33 @@ def _pickle(
     objects that travel only with a starting process (found by type; if one of unknown type refuses, again
     by trying each object's reduction)."""
     try:
-        return _pickle_once(obj, by_value, imports, at_start.StartObjects() if start_objects else None, False)
+        found = at_start.StartObjects() if start_objects else None
+        return _pickle_once(obj, by_value, imports, found, False, keep_shared)
     except RuntimeError as error:
         if not (start_objects and at_start.says_start_only(error)):
             raise
-    return _pickle_once(obj, by_value, imports, at_start.StartObjects(), True)
+    return _pickle_once(obj, by_value, imports, at_start.StartObjects(), True, keep_shared)
 
 
 def _pickle_once(
-    obj: object, by_value: bool, imports: WorkerImports | None, found: at_start.StartObjects | None, probe: bool
+    obj: object,
+    by_value: bool,
+    imports: WorkerImports | None,
+    found: at_start.StartObjects | None,
+    probe: bool,
+    keep_shared: bool,
 ) -> tuple[memoryview, _StorageWriter]:
     if not by_value:
         buffer = io.BytesIO()
-        pickler: _StorageWriter = _Pickler(buffer, imports, found, probe)
+        pickler: _StorageWriter = _Pickler(buffer, imports, found, probe, keep_shared)
         try:
             pickler.dump(obj)  # type: ignore[attr-defined]
             return buffer.getbuffer(), pickler
         except _PICKLE_ERRORS:
             pass
     buffer = io.BytesIO()
-    cloud_pickler = _CloudPickler(buffer, imports, None if found is None else at_start.StartObjects(), probe)
+    again = None if found is None else at_start.StartObjects()
+    cloud_pickler = _CloudPickler(buffer, imports, again, probe, keep_shared)
     cloud_pickler.dump(obj)
     return buffer.getbuffer(), cloud_pickler
 
@@ -268,6 +291,7 @@ def dump(
     by_value: bool = False,
     imports: WorkerImports | None = None,
     start_objects: bool = False,
+    keep_shared: bool = False,
 ) -> list[Any]:
     """Write ``obj`` as ``directory/name.pkl``, plus ``name.bin`` holding its storages and buffers of
     64 KiB or more.
@@ -275,6 +299,9 @@ def dump(
     The ``.pkl`` file appears last and atomically (written aside, then renamed), so a reader that sees it
     sees a complete object. Tensors on other devices are copied to the CPU first. With ``imports`` (what
     the reading workers can import by name), functions and classes they cannot import travel by value.
+    With ``start_objects`` and ``keep_shared``, storages in torch's shared memory (``share_memory_()``) are
+    not written either: they are start objects, handed to the readers with torch's own reduction, so the
+    readers share them with the writer.
 
     Args:
         obj: what to write.
@@ -285,6 +312,7 @@ def dump(
         start_objects: write a placeholder for each object that ``multiprocessing`` sends only to a starting
             process (queues, locks, ``Pipe`` ends...: :mod:`mplaunch._wire.start_objects`) and return the
             objects; the reader passes the same objects, received with its start, to :func:`load`.
+        keep_shared: with ``start_objects``, also treat storages in torch's shared memory as start objects.
 
     Returns:
         The objects written as placeholders, in placeholder order (empty without ``start_objects``).
@@ -295,7 +323,7 @@ def dump(
             ``start_objects``.
         OSError: the directory is missing or full.
     """
-    data, pickler = _pickle(obj, by_value, imports, start_objects)
+    data, pickler = _pickle(obj, by_value, imports, start_objects, keep_shared)
     pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
     offsets: dict[int, int] = {}  # storage index -> offset
     end = 0
@@ -444,6 +472,10 @@ class _Reader:
         elif kind == "file":
             array = _map(self._fd, self._offsets[index], data, self._private)
             self._storages[index] = torch.frombuffer(array, dtype=torch.uint8).untyped_storage()
+        elif kind == "shared":  # the user's shared memory, received with this process's start
+            return torch.storage.TypedStorage(
+                wrap_storage=self.start_objects[index], dtype=dtype or torch.uint8, _internal=True
+            )
         # An untyped storage comes back wrapped as bytes, as torch.load returns it (tensors of the newer
         # dtypes, e.g. float8 or uint16, pickle their untyped storage and expect this on rebuild).
         return torch.storage.TypedStorage(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import multiprocessing
 import multiprocessing.util
 import os
@@ -46,7 +47,8 @@ from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
 from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.exit import close_files, keep_inherited
-from mplaunch._worker.process_group import process_group
+from mplaunch._worker.process_group import forget_inherited_groups, process_group
+from mplaunch._worker.rendezvous import follow_own_rendezvous
 from mplaunch._worker.watch import record_usage, watch
 
 #: The signals that end a rank's function (``finally`` blocks run): SIGTERM (the launch stopping it), SIGINT (a
@@ -164,8 +166,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
-        if spec.start_method == "fork" and _must_unshare(spec):  # inherited: shared memory stays shared
-            args, kwargs = unshare((args, kwargs))
+        if spec.start_method == "fork" and _must_unshare(spec):  # inherited: what mplaunch mapped is made private
+            args, kwargs = unshare((args, kwargs), keep_requested=True)  # what share_memory_() asked stays shared
         with process_group(spec.backend, local_rank):
             try:
                 value = function(*args, **kwargs)
@@ -199,11 +201,16 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | No
     try:
         transport.dump(outcome, spec.directory, name)
         return outcome
-    except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
+    except BaseException as error:  # noqa: BLE001 - the result cannot be sent: report that instead
         transport.remove(spec.directory, name)
         if not isinstance(outcome, Returned):
             raise
         kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
+        if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt...: an exit, as if the function had
+            exited = Raised.of(error)
+            exited = dataclasses.replace(exited, message=f"{exited.message} while its result (type {kind}) was pickled")
+            transport.dump(exited, spec.directory, name)
+            return exited
         how = "written to the launch directory" if isinstance(error, OSError) else "pickled"
         advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR." if how[0] == "w" else ""
         failure = RemoteError(
@@ -237,9 +244,7 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
     try:
         if outcome is not None and not written:
             outcome = _write_outcome(spec, rank, outcome)
-        stop_children(min(1.0, spec.grace_period / 2), kill=True)
-        multiprocessing.util._exit_function()  # type: ignore[attr-defined] # finalizers, e.g. semaphores
-        atexit._run_exitfuncs()
+        _exit_handlers(spec)
         close_files()  # what a normal exit does for data: logging.shutdown, open files flushed and closed
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError, AttributeError):
@@ -248,6 +253,28 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
         record_usage()
         # threads the function left running must not keep the worker (and the call) alive
         os._exit(_exit_code(outcome))
+
+
+def _exit_handlers(spec: WorkerSpec) -> None:
+    """Run the ``atexit`` handlers while the processes the rank started still run (an experiment tracker
+    finishes its run through its helper process), then stop what is left, then multiprocessing's finalizers,
+    in the order a normal interpreter exit has them.
+
+    multiprocessing's own exit function joins the rank's non-daemonic children: it runs only once they are
+    stopped (:func:`_stop_own_children`, registered first so it runs last), so a child that never ends cannot
+    keep the worker.
+    """
+    atexit.unregister(multiprocessing.util._exit_function)  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()  # the user's, then _stop_own_children
+    stop_children(min(1.0, spec.grace_period / 2), kill=True)  # a handler that cleared atexit skipped it
+    multiprocessing.util._exit_function()  # type: ignore[attr-defined] # finalizers, e.g. semaphores
+
+
+def _stop_own_children(grace_period: float) -> None:
+    """The last ``atexit`` handler of a worker: stop what the rank started and what is still running, SIGKILL
+    after ``min(1, grace_period / 2)`` seconds. Does nothing in a process the function forked."""
+    if os.getpid() == _worker_pid:
+        stop_children(min(1.0, grace_period / 2), kill=True)
 
 
 def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None) -> None:
@@ -266,8 +293,10 @@ def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = N
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
         atexit._clear()  # inherited from the parent or the fork server: not ours to run
+    atexit.register(_stop_own_children, spec.grace_period)  # first registered: runs after the user's handlers
     if spec.start_method == "fork":
         keep_inherited()  # the parent's open files are the parent's to flush
+        forget_inherited_groups()  # the parent's process groups: their threads did not survive the fork
     if spec.start_method != "fork":  # a forked worker has the parent's already
         # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
         multiprocessing.set_start_method(spec.mp_start_method, force=True)
@@ -298,6 +327,7 @@ def set_up(rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None]
             max_restarts=spec.max_restarts,
         ),
     )
+    follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
@@ -339,7 +369,7 @@ def elastic_entry(spec: WorkerSpec) -> int:
         pass
     if not isinstance(outcome, Returned):
         _finish(spec, rank, outcome, written=written)
-    stop_children(min(1.0, spec.grace_period / 2), kill=True)
+    _exit_handlers(spec)  # elastic's process then exits normally, with no handler left to run
     return rank
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -36,3 +37,20 @@ def process_group(backend: str | None, local_rank: int) -> Iterator[None]:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.excepthook = hook
+
+
+_INHERITED: list[Any] = []  # torch.distributed's state copied from the parent at fork: kept, never destroyed
+
+
+def forget_inherited_groups() -> None:
+    """In a forked worker: drop the process groups copied from the parent (a rank with a group of its own
+    that launches under ``fork``). They are not this process's: the threads of their backend (gloo, the
+    store's client) did not survive the fork, so a collective on them, or ``backend=`` reusing them, would
+    wait forever, and ``init_process_group`` would refuse to make one ("initialize the default process group
+    twice"). Their state is replaced by a fresh one (``distributed_c10d._world``, torch's extension point for
+    it) and kept alive, not destroyed: destroying would close connections the parent still uses."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is None or not hasattr(c10d, "_World") or not c10d.is_initialized():
+        return
+    _INHERITED.append(getattr(c10d, "_world", None))
+    setattr(c10d, "_world", c10d._World())  # noqa: B010 - a private name mypy does not know

@@ -103,10 +103,10 @@ def test_large_fork_arguments_are_walked_only_when_the_parent_says_so(
     walks = tmp_path / "walks"
     real = mplaunch.unshare
 
-    def recorded(obj: object) -> object:
+    def recorded(obj: object, *, keep_requested: bool = False) -> object:
         with open(walks, "a") as file:
             file.write(f"{os.getpid()}\n")
-        return real(obj)
+        return real(obj, keep_requested=keep_requested)
 
     monkeypatch.setattr(entry, "unshare", recorded)  # inherited by the forked workers
     monkeypatch.setattr(launch, "shared_mappings", lambda: shared)

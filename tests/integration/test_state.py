@@ -54,14 +54,12 @@ def test_workers_draw_exactly_what_the_parent_would(seeded_parent: None, start_m
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
-def test_arguments_are_private_to_each_worker(start_method: StartMethod, shared: bool) -> None:
+def test_arguments_are_private_to_each_worker(start_method: StartMethod) -> None:
+    """Arguments the user did not share are private to each worker; what share_memory() shared stays
+    shared (tests/integration/test_hogwild.py)."""
     module = torch.nn.Linear(256, 256, bias=False)
     torch.nn.init.zeros_(module.weight)
     tensor = torch.zeros(1 << 16)
-    if shared:  # already in shared memory in the parent: fork alone would keep it shared
-        module.share_memory()
-        tensor.share_memory_()
     run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)(workers.mutate)
     results = run(module, tensor)
     size = module.weight.numel()

@@ -1,0 +1,101 @@
+"""``mplaunch.spawn``: ``torch.multiprocessing.spawn``'s signature on mplaunch's launch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from mplaunch._api import ParallelFunction
+from mplaunch._config import StartMethod, make_config
+from mplaunch._errors import InvalidOptionError
+
+
+class _IndexedCall:
+    """The function of a :func:`spawn` call: runs ``function(i, *args)``, ``i`` the process index
+    (``LOCAL_RANK``), as ``torch.multiprocessing.spawn`` calls it."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        for name in ("__module__", "__name__", "__qualname__", "__doc__"):  # for messages and tracebacks
+            if hasattr(function, name):
+                setattr(self, name, getattr(function, name))
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(int(os.environ.get("LOCAL_RANK", "0")), *args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_IndexedCall, (self.function,))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: StartMethod = "spawn",
+    **options: Any,
+) -> Any:
+    """Run ``fn(i, *args)`` in ``nprocs`` worker processes, ``i`` the process index: the signature of
+    ``torch.multiprocessing.spawn``, so porting is a one-line change (``mp.spawn(...)`` to
+    ``mplaunch.spawn(...)``), on mplaunch's launch.
+
+    Each worker is a rank as with :func:`mplaunch.parallel`: torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``/``MASTER_PORT``...), output, signals, stopping, errors and clean-up. A rank may still set
+    ``MASTER_ADDR``/``MASTER_PORT`` itself before ``init_process_group``, as the PyTorch DDP tutorial does:
+    rank 0 then hosts the store there, as under ``torch.multiprocessing.spawn``.
+
+    Differences from ``torch.multiprocessing.spawn``:
+
+    - it returns rank 0's value (torch returns ``None``);
+    - ``join=False`` returns a :class:`concurrent.futures.Future` of that value (see
+      :meth:`ParallelFunction.submit`; torch returns a ``ProcessContext``);
+    - a failing rank's exception is raised as itself, with the worker's traceback as its cause (torch raises
+      ``ProcessRaisedException``); an exit or a signal raises :class:`~mplaunch.WorkerExitedError` (torch:
+      ``ProcessExitedException``);
+    - ``daemon`` is accepted and has no effect: workers never outlive the calling process, whatever it is.
+
+    Source: ``torch.multiprocessing.spawn`` (its signature, and ``fn(i, *args)``).
+
+    Args:
+        fn: the function each worker runs, called as ``fn(i, *args)``; under ``spawn`` and ``forkserver`` it
+            and ``args`` are pickled, as :func:`mplaunch.parallel` pickles a call.
+        args: the arguments after the index, a tuple or list.
+        nprocs: number of worker processes, an int >= 1.
+        join: wait and return rank 0's value; ``False``: return a future at once.
+        daemon: accepted for ``torch.multiprocessing.spawn``'s signature; ignored.
+        start_method: ``"spawn"`` (default, as torch's), ``"fork"`` or ``"forkserver"``.
+        **options: other launch options of :func:`mplaunch.parallel` (those of
+            :class:`~mplaunch.LaunchOptions`: ``timeout``, ``grace_period``, ``backend``, ``max_restarts``...).
+
+    Returns:
+        Rank 0's return value; with ``join=False``, a :class:`concurrent.futures.Future` of it.
+
+    Raises:
+        InvalidOptionError: ``fn`` is not callable, ``args`` is not a tuple or list, or an option is invalid.
+        BaseException: what calling a :func:`mplaunch.parallel` function raises (a rank's exception,
+            :class:`~mplaunch.WorkerExitedError`, :class:`~mplaunch.LaunchTimeoutError`,
+            :class:`~mplaunch.LaunchRefusedError`...).
+
+    Example:
+        >>> def main(rank, world_size):  # doctest: +SKIP
+        ...     ddp_setup(rank, world_size)
+        >>> if __name__ == "__main__":  # doctest: +SKIP
+        ...     mplaunch.spawn(main, args=(2,), nprocs=2)
+    """
+    if not callable(fn):
+        raise InvalidOptionError(f"spawn(fn={fn!r}): fn must be a function, called as fn(i, *args).")
+    if not isinstance(args, (tuple, list)):
+        raise InvalidOptionError(
+            f"spawn(args={args!r}): args must be a tuple or list of the arguments after the index, e.g. args=(2,)."
+        )
+    del daemon  # workers end with the caller in any case
+    function: ParallelFunction[..., Any] = ParallelFunction(
+        _IndexedCall(fn), make_config(nprocs=nprocs, start_method=start_method, **options)
+    )
+    if not join:
+        future: Future[Any] = function.submit(*args)
+        return future
+    return function(*args)
