@@ -21,8 +21,9 @@ from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import checks, policy
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.directory import launch_directory, space_hint
+from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.in_process import run_in_process
+from mplaunch._parent.memory import outcome_files, payload_written
 from mplaunch._parent.processes import start_workers
 from mplaunch._parent.restarts import run_attempts
 from mplaunch._parent.signals import parent_signals
@@ -33,7 +34,7 @@ from mplaunch._state.sharing import shared_mappings, unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.importable import WorkerImports, worker_imports
-from mplaunch._wire.records import PAYLOAD, Payload, WorkerSpec, outcome_name
+from mplaunch._wire.records import Payload, WorkerSpec, outcome_name
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
@@ -113,7 +114,7 @@ def _launch(
     payload = Payload(_function_reference(function, imports), args, kwargs, state)
     if isinstance(state, GlobalState) and state.python is not None and not inherited:
         warn_not_carried(state.python)
-    with launch_directory() as directory:
+    with launch_directory() as directory, contextlib.ExitStack() as held:
         spec = WorkerSpec(
             directory=directory,
             nprocs=nprocs,
@@ -133,7 +134,7 @@ def _launch(
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
         if start_method != "fork" or nodes is not None:
-            _write_payload(payload, spec, imports)
+            spec = held.enter_context(payload_written(payload, spec, imports, memory=nodes is None))
         if nodes is not None:
             from mplaunch._multinode.elastic import launch_nodes
 
@@ -169,27 +170,9 @@ def _attempt(
             restart_count=restart,
             max_restarts=config.max_restarts,
         )
-        with routed(list(range(spec.nprocs)), spec) as pump:
+        with outcome_files(spec) as spec, routed(list(range(spec.nprocs)), spec) as pump:
             spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
             return _run_workers(spec, payload, config, preload, pump, control, store)
-
-
-def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None) -> None:
-    """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled."""
-    try:
-        transport.dump(payload, spec.directory, PAYLOAD, imports=imports)
-    except OSError as error:
-        raise LaunchRefusedError(
-            f"cannot write the call's arguments to {os.path.dirname(spec.directory)}: {error}. "
-            f"{space_hint(spec.directory)}"
-        ) from error
-    except Exception as error:
-        culprit = checks.describe_unpicklable(payload.args, payload.kwargs, imports)
-        raise LaunchRefusedError(
-            f"cannot send the call to {spec.start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
-            "every argument is pickled; pass picklable values, create the object inside the function, or use "
-            "start_method='fork'."
-        ) from error
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:

@@ -117,9 +117,7 @@ class Supervisor:
         with signals_held():  # a Ctrl-C there would lose the exit code of the worker it reaps
             process.join()
         try:
-            outcome: Outcome | None = transport.load(
-                self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True
-            )
+            outcome = self._load(rank)
         except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
             failure = RemoteError(
                 f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
@@ -135,6 +133,15 @@ class Supervisor:
         self.states[rank] = state
         self.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()
         return state
+
+    def _load(self, rank: int) -> Outcome | None:
+        """The outcome of ``rank``: from its memory file (mapped, then held only by the value's mappings), or
+        from the launch directory (read into this process's memory, then unlinked)."""
+        if self.spec.outcome_fds is not None:
+            found: Outcome | None = transport.load_fd(self.spec.outcome_fds[rank].fd, private=False, missing_ok=True)
+        else:
+            found = transport.load(self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
+        return found
 
     def _raise_failure(self, failure: BaseException, rank: int) -> None:
         """Stop the others and raise the first failure in time (the root cause: a rank's error often makes its

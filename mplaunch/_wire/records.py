@@ -26,6 +26,7 @@ from mplaunch._frames import without_our_frames
 if TYPE_CHECKING:
     from mplaunch._output.fds import RankFds
     from mplaunch._state.snapshot import ForkState, GlobalState
+    from mplaunch._wire.fds import InheritedFd
 
 #: Name of the call in the launch directory.
 PAYLOAD = "payload"
@@ -73,6 +74,10 @@ class WorkerSpec:
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output.fds`).
+        payload_fd: the memory file holding the :class:`Payload` (see :func:`~mplaunch._wire.transport.dump_fd`),
+            or ``None``: it is inherited (fork) or in the launch directory.
+        outcome_fds: per local rank, the memory file the rank writes its outcome into, or ``None``: it
+            writes it to the launch directory.
     """
 
     directory: str
@@ -96,6 +101,8 @@ class WorkerSpec:
     restart_count: int = 0
     max_restarts: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
+    payload_fd: InheritedFd | None = None
+    outcome_fds: tuple[InheritedFd, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from mplaunch._errors import RemoteError
 from mplaunch._output.fds import take_fds
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import transport
+from mplaunch._wire.fds import close_quietly
 from mplaunch._wire.records import (
     PAYLOAD,
     REMOTE_RANK0,
@@ -147,7 +148,7 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
     try:
         _set_threads(spec.num_threads)
         if payload is None:
-            payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+            payload = _read_payload(spec)
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
@@ -162,6 +163,32 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
         return _decide(Raised.of(error, when=raised_at))
+
+
+def _read_payload(spec: WorkerSpec) -> Payload:
+    """The call, mapped copy-on-write from the parent's memory file or from the launch directory."""
+    if spec.payload_fd is None:
+        payload: Payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+        return payload
+    try:
+        payload = transport.load_fd(spec.payload_fd.fd, private=True)
+        return payload
+    finally:
+        close_quietly(spec.payload_fd.fd)  # the mappings keep what they need
+
+
+def _keep_own_outcome_fd(spec: WorkerSpec, rank: int) -> None:
+    """Close the memory files of the other ranks' outcomes (a spawned worker gets a copy of each)."""
+    for other, inherited in enumerate(spec.outcome_fds or ()):
+        if other != rank:
+            close_quietly(inherited.fd)
+
+
+def _dump_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> None:
+    if spec.outcome_fds is None:
+        transport.dump(outcome, spec.directory, outcome_name(rank))
+    else:
+        transport.dump_fd(outcome, spec.outcome_fds[rank].fd)
 
 
 def _must_unshare(spec: WorkerSpec) -> bool:
@@ -181,15 +208,21 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
     """Write the outcome; a result that cannot be pickled or written is replaced by the error saying so.
     Returns what was written."""
     try:
-        transport.dump(outcome, spec.directory, outcome_name(rank))
+        _dump_outcome(spec, rank, outcome)
         return outcome
     except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
-        transport.remove(spec.directory, outcome_name(rank))
+        if spec.outcome_fds is None:
+            transport.remove(spec.directory, outcome_name(rank))
         if not isinstance(outcome, Returned):
             raise
         kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
-        how = "written to the launch directory" if isinstance(error, OSError) else "pickled"
-        advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR." if how[0] == "w" else ""
+        in_directory = spec.outcome_fds is None
+        how = "pickled"
+        if isinstance(error, OSError):
+            how = "written to the launch directory" if in_directory else "written to shared memory"
+        advice = ""
+        if isinstance(error, OSError) and in_directory:
+            advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR."
         failure = RemoteError(
             f"the result of rank {rank} (type {kind}) could not be {how} to send it to the parent: "
             f"{type(error).__name__}: {error}.{advice}",
@@ -199,7 +232,7 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
         )
         failure.__cause__ = error
         replacement = Raised.of(failure)
-        transport.dump(replacement, spec.directory, outcome_name(rank))
+        _dump_outcome(spec, rank, replacement)
         return replacement
 
 
@@ -263,6 +296,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     try:
         _start(spec)
         take_fds(spec.output_fds, rank, rank)
+        _keep_own_outcome_fd(spec, rank)
         if spec.environ is not None:
             os.environ.clear()
             os.environ.update(spec.environ)
