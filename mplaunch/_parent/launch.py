@@ -23,6 +23,7 @@ from mplaunch._parent import checks, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.in_process import run_in_process
+from mplaunch._parent.limits import open_files_explained
 from mplaunch._parent.memory import outcome_files, payload_written
 from mplaunch._parent.processes import start_workers
 from mplaunch._parent.restarts import run_attempts
@@ -59,7 +60,7 @@ def launch(
     checks.check_not_bootstrapping(_name(function))
     if outer_launcher() is not None:
         return run_in_process(function, args, kwargs, config)
-    with parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
+    with parent_signals(), open_files_explained():  # outermost: a SIGTERM unwinds through the clean-ups below
         return _launch(function, args, kwargs, config, frame, control or LaunchControl())
 
 

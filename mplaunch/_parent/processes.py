@@ -9,17 +9,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.popen_fork
+import multiprocessing.util
 import os
 import platform
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from mplaunch._parent.limits import check_exec_environment, start_refused
 from mplaunch._parent.signals import signals_held
 from mplaunch._platform.environ import environ_kept
 from mplaunch._wire.records import Payload, WorkerSpec
@@ -47,17 +52,91 @@ def start_workers(
         started: called with each started process, in rank order.
     """
     context = mp.get_context(spec.start_method)
-    with main_prepared():
+    rank = 0
+    try:
+        if spec.start_method == "spawn" or (spec.start_method == "forkserver" and not _forkserver_running()):
+            check_exec_environment(os.environ, spec.start_method)  # else the worker "exits with code 255"
+        with main_prepared():
+            if spec.start_method == "forkserver":
+                context.set_forkserver_preload(preload)
+                multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
+            with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
+                kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]
+                for rank in range(spec.nprocs):
+                    process = kind(target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False)
+                    process.start()
+                    started(process)
+    except (OSError, EOFError) as error:
         if spec.start_method == "forkserver":
-            context.set_forkserver_preload(preload)
-            multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-        with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
-            for rank in range(spec.nprocs):
-                process = context.Process(  # type: ignore[attr-defined]
-                    target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False
-                )
-                process.start()
-                started(process)
+            _forget_dead_forkserver()
+        refused = start_refused(error, spec.start_method, rank, spec.nprocs)
+        if refused is None:
+            raise
+        traceback.clear_frames(error.__traceback__)  # multiprocessing's half-made Popen: its finalizer closes its pipes
+        raise refused from error
+
+
+class _ForkPopen(multiprocessing.popen_fork.Popen):
+    """CPython's ``popen_fork.Popen`` (3.11), which closes its pipes when ``fork`` or the second pipe fails;
+    CPython's leaves them open (two or four descriptors each time the process limit or the open-files limit
+    is hit)."""
+
+    def _launch(self, process_obj: Any) -> None:
+        parent_r, child_w = os.pipe()
+        try:
+            child_r, parent_w = os.pipe()
+        except BaseException:
+            _close_quietly(parent_r, child_w)
+            raise
+        try:
+            self.pid = os.fork()
+        except BaseException:
+            _close_quietly(parent_r, child_w, child_r, parent_w)
+            raise
+        if self.pid == 0:
+            code = 1
+            try:
+                os.close(parent_r)
+                os.close(parent_w)
+                code = process_obj._bootstrap(parent_sentinel=child_r)
+            finally:
+                os._exit(code)
+        os.close(child_w)
+        os.close(child_r)
+        self.finalizer = multiprocessing.util.Finalize(self, _close_quietly, (parent_r, parent_w))
+        self.sentinel = parent_r
+
+
+class _ForkProcess(multiprocessing.context.ForkProcess):
+    """A fork-started process using :class:`_ForkPopen`."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        return _ForkPopen(process_obj)
+
+
+def _forkserver_running() -> bool:
+    """Whether multiprocessing's fork server runs (a new one is started with ``exec``)."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    return pid is not None and _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether child ``pid`` has not ended (it is left unreaped)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
+
+
+def _forget_dead_forkserver() -> None:
+    """Reap a fork server that died (of a limit, while forking a worker) and let the next launch start a new
+    one; multiprocessing would leave it a zombie until then."""
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None and not _alive(pid):
+        with contextlib.suppress(OSError, AttributeError):
+            server._stop()  # type: ignore[attr-defined] # closes its "alive" pipe, reaps it, removes its socket
 
 
 @contextlib.contextmanager
@@ -192,6 +271,7 @@ def start_reaper(root: str, prefix: str) -> int | None:
     return reaper
 
 
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
+def _close_quietly(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
