@@ -4,8 +4,11 @@ larger than it travel through anonymous memory files."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,3 +81,155 @@ def test_arguments_and_results_larger_than_shared_memory(small_shm: str, start_m
     (back,), _ = parallel(nprocs=2, start_method=start_method, timeout=120)(workers.identity)(big)
     assert back.numel() == big.numel() and float(back.sum()) == big.numel()
     assert _used(small_shm) < 2**20
+
+
+# Limits met while workers start. Each scenario runs in a script of its own, with the limit set there: a first
+# launch starts the helpers (reaper, fork server, resource tracker), then the limit is set and a second launch
+# must fail with a LaunchRefusedError naming the limit, leaving no process, descriptor or launch directory.
+_SCENARIO = """
+import json, os, resource, sys
+sys.path.insert(0, {root!r})
+import psutil
+from mplaunch import parallel
+from tests import workers
+
+def state():
+    fds = set(os.listdir("/proc/self/fd"))
+    children = {{p.pid for p in psutil.Process().children(recursive=True)}}
+    shm = os.environ.get("MPLAUNCH_SHM_DIR", "/dev/shm")
+    launches = {{e for e in os.listdir(shm) if e.startswith(f"mplaunch-{{os.getpid()}}-")}}
+    return fds, children, launches
+
+if __name__ == "__main__":
+    call = parallel(nprocs=2, start_method={start_method!r}, timeout=60)(workers.identity)
+    call(1)
+    before = state()
+{limit}
+    try:
+        outcome = {{"returned": call(1)}}
+    except BaseException as error:
+        outcome = {{"type": type(error).__name__, "message": str(error)}}
+    after = state()
+    outcome["fds"] = sorted(after[0] - before[0])
+    outcome["children"] = sorted(after[1] - before[1])
+    outcome["launches"] = sorted(after[2])
+    print(json.dumps(outcome))
+"""
+_ROOT = str(Path(__file__).parents[2])
+
+
+def _run_scenario(tmp_path: Path, start_method: str, limit: str) -> dict[str, object]:
+    script = tmp_path / "scenario.py"
+    script.write_text(_SCENARIO.format(root=_ROOT, start_method=start_method, limit=limit))
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=_ROOT, env=os.environ.copy()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome["fds"] == [] and outcome["children"] == [] and outcome["launches"] == [], outcome
+    return outcome
+
+
+def _pids_cgroup() -> str | None:
+    """A directory where a new cgroup with a ``pids.max`` can be made (cgroup v1 ``pids`` or v2), or None."""
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            left, _, right = line.partition(" - ")
+            kind, options = right.split()[0], right.split()[-1] if right.split() else ""
+            point = left.split()[4]
+            if kind == "cgroup" and "pids" in options.split(","):
+                return point
+            if kind == "cgroup2" and os.path.exists(os.path.join(point, "cgroup.subtree_control")):
+                with open(os.path.join(point, "cgroup.subtree_control")) as control:
+                    if "pids" in control.read().split():
+                        return point
+    return None
+
+
+@contextlib.contextmanager
+def _process_limit(room: int) -> Iterator[str]:
+    """Script lines that leave room for ``room`` more processes or threads: a new cgroup with ``pids.max``
+    (as Docker's ``--pids-limit``) holding the script and its fork server, where this process may make one,
+    else ``RLIMIT_NPROC`` for a user that is not root (root is exempt from it)."""
+    base = _pids_cgroup()
+    cgroup = None
+    if base is not None and os.access(base, os.W_OK):
+        candidate = os.path.join(base, f"mplaunch-test-{os.getpid()}")
+        with contextlib.suppress(OSError):
+            os.mkdir(candidate)
+            cgroup = candidate
+    if cgroup is None:
+        if os.geteuid() == 0:
+            pytest.skip("no cgroup with a pids controller can be made here, and RLIMIT_NPROC does not bind root")
+        yield (
+            "    used = sum(len(os.listdir(f'/proc/{p.pid}/task')) for p in psutil.process_iter() "
+            "if p.uids().real == os.getuid())\n"
+            "    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]\n"
+            f"    resource.setrlimit(resource.RLIMIT_NPROC, (used + {room}, hard))"
+        )
+        return
+    try:
+        yield (
+            "    import multiprocessing.forkserver\n"
+            "    server = multiprocessing.forkserver._forkserver._forkserver_pid\n"
+            f"    for pid in [os.getpid()] + ([server] if server else []):\n"
+            f"        with open({cgroup!r} + '/cgroup.procs', 'w') as procs:\n"
+            "            procs.write(str(pid))\n"
+            f"    current = int(open({cgroup!r} + '/pids.current').read())\n"
+            f"    open({cgroup!r} + '/pids.max', 'w').write(str(current + {room}))"
+        )
+    finally:
+        deadline = time.monotonic() + 30
+        while True:  # empty once the script, its fork server and its reaper are gone
+            try:
+                os.rmdir(cgroup)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_the_process_limit_is_named(tmp_path: Path, start_method: str) -> None:
+    """The container's process limit reached while workers start: fork raised a bare "BlockingIOError:
+    [Errno 11]", a fork server died of it ("EOFError: unexpected EOF") and was left a zombie. Under fork there
+    is room for rank 0 (stopped when rank 1 cannot start); spawn's parent may have a thread fewer when it starts
+    them, so there is room for none there."""
+    with _process_limit(1 if start_method == "fork" else 0) as limit:
+        outcome = _run_scenario(tmp_path, start_method, limit)
+    assert outcome["type"] == "LaunchRefusedError", outcome
+    message = str(outcome["message"])
+    assert "process limit" in message and ("pids.max" in message or "RLIMIT_NPROC" in message), message
+    assert "--pids-limit" in message and "ulimit -u" in message
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_an_environment_too_large_for_exec_is_named(tmp_path: Path, start_method: str) -> None:
+    """A 2 MB environment variable: a spawn worker's exec failed with E2BIG after its fork, and it "exited with
+    code 255"; a new fork server's did too (BrokenPipeError)."""
+    limit = "    multiprocessing.forkserver._forkserver._stop()\n" if start_method == "forkserver" else ""
+    limit = ("    import multiprocessing.forkserver\n" + limit) + "    os.environ['BIG'] = 'x' * 2_000_000"
+    outcome = _run_scenario(tmp_path, start_method, limit)
+    assert outcome["type"] == "LaunchRefusedError", outcome
+    message = str(outcome["message"])
+    assert "BIG" in message and "E2BIG" in message and "start_method='fork'" in message, message
+
+
+def test_fork_needs_no_exec_for_a_large_environment(tmp_path: Path) -> None:
+    outcome = _run_scenario(tmp_path, "fork", "    os.environ['BIG'] = 'x' * 2_000_000")
+    assert outcome.get("returned") == [[1], {}], outcome
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_the_open_files_limit_is_named(tmp_path: Path, start_method: str) -> None:
+    """A low open-files limit: a bare "OSError: [Errno 24]", or "EOFError" from a fork server that died of it,
+    and fork's pipes left open."""
+    limit = (
+        "    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 4, hard))"
+    )
+    outcome = _run_scenario(tmp_path, start_method, limit)
+    assert outcome["type"] == "LaunchRefusedError", outcome
+    message = str(outcome["message"])
+    assert "RLIMIT_NOFILE" in message and "ulimit -n" in message, message
