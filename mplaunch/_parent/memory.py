@@ -32,7 +32,7 @@ def outcome_files(spec: WorkerSpec) -> Iterator[WorkerSpec]:
     fds: list[int] = []
     try:
         for rank in range(spec.nprocs):
-            fd = memory_file(f"mplaunch-rank{rank}")
+            fd = memory_file(f"rank{rank}")
             if fd is None:
                 break
             fds.append(fd)
@@ -57,7 +57,7 @@ def payload_written(
     Raises:
         LaunchRefusedError: an argument cannot be pickled, or there is no room for the call.
     """
-    fd = memory_file("mplaunch-payload") if memory else None
+    fd = memory_file("payload") if memory else None
     try:
         try:
             if fd is None:

@@ -33,6 +33,10 @@ def _rebuild(dup: Any) -> InheritedFd:
     return InheritedFd(dup.detach())
 
 
+#: The start of the name of every memory file mplaunch makes.
+PREFIX = "mplaunch-"
+
+
 def memory_file(name: str) -> int | None:
     """A new anonymous memory file (Linux's ``memfd_create``, close-on-exec), or ``None`` where there is none
     (another system, a kernel before 3.17, a seccomp filter that refuses it).
@@ -42,15 +46,35 @@ def memory_file(name: str) -> int | None:
     does, and no name of it is left anywhere when the last goes.
 
     Args:
-        name: shown in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` (as ``/memfd:<name>``), for debugging.
+        name: shown in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` (as ``/memfd:mplaunch-<name>``).
     """
     create = getattr(os, "memfd_create", None)
     if create is None:
         return None
     try:
-        return int(create(name, os.MFD_CLOEXEC))
+        return int(create(PREFIX + name, os.MFD_CLOEXEC))
     except OSError:
         return None
+
+
+def close_memory_files(keep: set[int]) -> None:
+    """Close every descriptor of a memory file of mplaunch's in this process but those in ``keep``: a forked
+    worker inherits those of every launch its parent runs at the time (``submit()``), and would hold their
+    memory until it exits."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        fd = int(name)
+        if fd in keep:
+            continue
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{PREFIX}"):
+            close_quietly(fd)
 
 
 def close_quietly(*fds: int | None) -> None:

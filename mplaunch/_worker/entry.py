@@ -28,7 +28,7 @@ from mplaunch._errors import RemoteError
 from mplaunch._output.fds import take_fds
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import transport
-from mplaunch._wire.fds import close_quietly
+from mplaunch._wire.fds import close_memory_files, close_quietly
 from mplaunch._wire.records import (
     PAYLOAD,
     REMOTE_RANK0,
@@ -178,10 +178,14 @@ def _read_payload(spec: WorkerSpec) -> Payload:
 
 
 def _keep_own_outcome_fd(spec: WorkerSpec, rank: int) -> None:
-    """Close the memory files of the other ranks' outcomes (a spawned worker gets a copy of each)."""
-    for other, inherited in enumerate(spec.outcome_fds or ()):
-        if other != rank:
+    """Close the memory files of the other ranks' outcomes (a spawned worker gets a copy of each), and under
+    fork those of other launches running in the parent."""
+    own = spec.outcome_fds[rank].fd if spec.outcome_fds is not None else None
+    for inherited in spec.outcome_fds or ():
+        if inherited.fd != own:
             close_quietly(inherited.fd)
+    if spec.start_method == "fork":
+        close_memory_files(set() if own is None else {own})
 
 
 def _dump_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> None:

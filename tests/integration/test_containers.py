@@ -233,3 +233,16 @@ def test_the_open_files_limit_is_named(tmp_path: Path, start_method: str) -> Non
     assert outcome["type"] == "LaunchRefusedError", outcome
     message = str(outcome["message"])
     assert "RLIMIT_NOFILE" in message and "ulimit -n" in message, message
+
+
+def test_a_forked_worker_holds_no_other_launchs_memory_files() -> None:
+    """A forked worker inherits every descriptor of its parent: the memory files of other launches running at
+    the time (``submit()``) would stay alive until it exits. It keeps only its own outcome's."""
+    if not _has_memory_files():
+        pytest.skip("no memfd_create here")
+    other = fds.memory_file("rank0")
+    try:
+        seen = parallel(nprocs=2, start_method="fork", timeout=60, return_all=True)(workers.memory_files_seen)()
+    finally:
+        fds.close_quietly(other)
+    assert [len(files) for files in seen] == [1, 1], seen
