@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -63,7 +64,8 @@ def start_workers(
             with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
                 kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]
                 for rank in range(spec.nprocs):
-                    process = kind(target=run, args=(rank, spec, payload), name=f"mplaunch-rank{rank}", daemon=False)
+                    worker = (rank, _for_rank(spec, rank), payload)
+                    process = kind(target=run, args=worker, name=f"mplaunch-rank{rank}", daemon=False)
                     process.start()
                     started(process)
     except (OSError, EOFError) as error:
@@ -113,6 +115,14 @@ class _ForkProcess(multiprocessing.context.ForkProcess):
     @staticmethod
     def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
         return _ForkPopen(process_obj)
+
+
+def _for_rank(spec: WorkerSpec, rank: int) -> WorkerSpec:
+    """The spec one worker gets: its own outcome's memory file, not the table of all (a fork server takes at
+    most 256 descriptors per worker)."""
+    if spec.outcome_fds is None:
+        return spec
+    return dataclasses.replace(spec, outcome_fds=None, outcome_fd=spec.outcome_fds[rank])
 
 
 def _forkserver_running() -> bool:

@@ -76,8 +76,9 @@ class WorkerSpec:
             ``None`` (see :mod:`mplaunch._output.fds`).
         payload_fd: the memory file holding the :class:`Payload` (see :func:`~mplaunch._wire.transport.dump_fd`),
             or ``None``: it is inherited (fork) or in the launch directory.
-        outcome_fds: per local rank, the memory file the rank writes its outcome into, or ``None``: it
-            writes it to the launch directory.
+        outcome_fds: the parent's table, per local rank, of the memory files the ranks write their outcomes
+            into, or ``None``: they write them to the launch directory. Never sent to a worker.
+        outcome_fd: the worker's own entry of ``outcome_fds``.
     """
 
     directory: str
@@ -103,6 +104,7 @@ class WorkerSpec:
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
     payload_fd: InheritedFd | None = None
     outcome_fds: tuple[InheritedFd, ...] | None = None
+    outcome_fd: InheritedFd | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

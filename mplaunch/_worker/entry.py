@@ -177,22 +177,18 @@ def _read_payload(spec: WorkerSpec) -> Payload:
         close_quietly(spec.payload_fd.fd)  # the mappings keep what they need
 
 
-def _keep_own_outcome_fd(spec: WorkerSpec, rank: int) -> None:
-    """Close the memory files of the other ranks' outcomes (a spawned worker gets a copy of each), and under
-    fork those of other launches running in the parent."""
-    own = spec.outcome_fds[rank].fd if spec.outcome_fds is not None else None
-    for inherited in spec.outcome_fds or ():
-        if inherited.fd != own:
-            close_quietly(inherited.fd)
+def _keep_own_outcome_fd(spec: WorkerSpec) -> None:
+    """Under fork, close the memory files inherited from the parent but this rank's outcome's: the other
+    ranks', and those of other launches running in the parent (``submit()``)."""
     if spec.start_method == "fork":
-        close_memory_files(set() if own is None else {own})
+        close_memory_files(set() if spec.outcome_fd is None else {spec.outcome_fd.fd})
 
 
 def _dump_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> None:
-    if spec.outcome_fds is None:
+    if spec.outcome_fd is None:
         transport.dump(outcome, spec.directory, outcome_name(rank))
     else:
-        transport.dump_fd(outcome, spec.outcome_fds[rank].fd)
+        transport.dump_fd(outcome, spec.outcome_fd.fd)
 
 
 def _must_unshare(spec: WorkerSpec) -> bool:
@@ -215,12 +211,12 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
         _dump_outcome(spec, rank, outcome)
         return outcome
     except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
-        if spec.outcome_fds is None:
+        if spec.outcome_fd is None:
             transport.remove(spec.directory, outcome_name(rank))
         if not isinstance(outcome, Returned):
             raise
         kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
-        in_directory = spec.outcome_fds is None
+        in_directory = spec.outcome_fd is None
         how = "pickled"
         if isinstance(error, OSError):
             how = "written to the launch directory" if in_directory else "written to shared memory"
@@ -300,7 +296,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     try:
         _start(spec)
         take_fds(spec.output_fds, rank, rank)
-        _keep_own_outcome_fd(spec, rank)
+        _keep_own_outcome_fd(spec)
         if spec.environ is not None:
             os.environ.clear()
             os.environ.update(spec.environ)
