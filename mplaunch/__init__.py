@@ -8,44 +8,56 @@ Example:
 
 from mplaunch._api import ParallelFunction, parallel
 from mplaunch._config import LaunchOptions, ParallelConfig, StartMethod
-from mplaunch._env import RankInfo, outer_launcher, worker_info
+from mplaunch._env import RankInfo, outer_launcher, preempted, worker_info
 from mplaunch._errors import (
     FailureInfo,
     InvalidOptionError,
     LaunchRefusedError,
     LaunchTimeoutError,
     MplaunchError,
+    PreemptedError,
     RemoteError,
     RemoteTraceback,
+    StallError,
     WorkerExitedError,
     WorkerFailedError,
     failure_info,
 )
 from mplaunch._parent.checks import record_cuda_init
+from mplaunch._parent.futures import LaunchFuture
+from mplaunch._parent.report import RankReport, RunReport
 from mplaunch._parent.restarts import RestartWarning
 from mplaunch._state.sharing import unshare
 from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
+from mplaunch._worker.watch import heartbeat
 
 __all__ = [
     "FailureInfo",
     "GlobalState",
     "InvalidOptionError",
+    "LaunchFuture",
     "LaunchOptions",
     "LaunchRefusedError",
     "LaunchTimeoutError",
     "MplaunchError",
     "ParallelConfig",
     "ParallelFunction",
+    "PreemptedError",
     "RankInfo",
+    "RankReport",
     "RemoteError",
     "RemoteTraceback",
     "RestartWarning",
+    "RunReport",
+    "StallError",
     "StartMethod",
     "WorkerExitedError",
     "WorkerFailedError",
     "failure_info",
+    "heartbeat",
     "outer_launcher",
     "parallel",
+    "preempted",
     "record_cuda_init",
     "register_state",
     "unregister_state",

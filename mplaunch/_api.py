@@ -7,7 +7,6 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
-from concurrent.futures import Future
 from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -18,6 +17,7 @@ from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
 from mplaunch._frames import resolve
 from mplaunch._parent import futures, in_process, launch
 from mplaunch._parent.control import LaunchControl
+from mplaunch._parent.report import RunReport
 from mplaunch._state.snapshot import GlobalState
 
 P = ParamSpec("P")
@@ -38,8 +38,11 @@ class ParallelFunction(Generic[P, T]):
 
     Attributes:
         config: the validated launch options (:class:`~mplaunch.ParallelConfig`).
+        last_report: the :class:`~mplaunch.RunReport` of the last call of this function object that ended
+            (returned or raised), else ``None``; a submitted launch's is ``future.report``.
     """
 
+    last_report: RunReport | None = None
     __wrapped__: Callable[P, Any]
     __name__: str
     __qualname__: str
@@ -71,18 +74,25 @@ class ParallelFunction(Generic[P, T]):
                 that cannot be pickled under spawn/forkserver); no worker was started.
             WorkerExitedError: a worker was killed, exited non-zero, or exited without returning.
             RemoteError: a worker's exception or result could not be pickled or unpickled.
-            LaunchTimeoutError: the launch ran past ``timeout`` seconds.
+            LaunchTimeoutError: the launch ran past ``timeout`` seconds; it carries each rank's stacks.
+            StallError: a rank stopped calling :func:`~mplaunch.heartbeat` for ``stall_timeout`` seconds.
+            PreemptedError: one of ``preempt_signals`` reached the parent; the ranks were told, had
+                ``preempt_grace`` seconds to save and return, and the rest were stopped.
             KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
         """
         __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
+        control = LaunchControl()
         try:
-            return launch.launch(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
+            return launch.launch(self, args, kwargs, self.config, sys._getframe(1), control)  # type: ignore[no-any-return]
         except BaseException as error:
             if not _ours(error):
                 raise
             # the caller's line and the worker's own traceback (the cause) tell what happened; the frames of
             # mplaunch in between do not: cut them, as concurrent.futures' result() does
             raise error.with_traceback(None) from error.__cause__
+        finally:
+            if control.report is not None:
+                self.last_report = control.report
 
     def debug(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run the function here, in this process, as rank 0 of a world of 1, set up as a worker would be.
@@ -102,7 +112,7 @@ class ParallelFunction(Generic[P, T]):
         """
         return in_process.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
 
-    def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+    def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> futures.LaunchFuture[T]:
         """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.
 
         The future's ``result()`` returns or raises exactly what calling the function with these arguments
@@ -118,8 +128,13 @@ class ParallelFunction(Generic[P, T]):
         ``CancelledError``). Ctrl-C while waiting in ``result()`` or ``exception()``, interrupting an
         IPython/Jupyter cell, and the interpreter's exit stop running launches too.
 
+        Preempting: ``future.preempt()`` tells the ranks as one of ``preempt_signals`` would (signal handlers
+        run only in the main thread, so a submitted launch handles none itself); see
+        :meth:`~mplaunch.LaunchFuture.preempt`.
+
         Returns:
-            A future of rank 0's return value (with ``return_all=True``, of the list of every rank's value).
+            A :class:`~mplaunch.LaunchFuture` (a :class:`concurrent.futures.Future`) of rank 0's return value
+            (with ``return_all=True``, of the list of every rank's value).
 
         Raises:
             RuntimeError: the interpreter is shutting down, so no thread can start.
@@ -139,6 +154,7 @@ class ParallelFunction(Generic[P, T]):
         finally:
             del frame
         if not control.in_process:
+            control.queued = self.config.devices is not None  # until the launch holds its devices
             try:
                 control.state = GlobalState.capture()
             except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
@@ -215,17 +231,27 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             is not initialised, ``spawn`` otherwise.
         return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value.
         timeout: seconds the whole call may take before every worker is stopped, or ``None`` for no limit.
+            Before the stop, each rank's Python stacks are collected (about a second at most):
+            :class:`~mplaunch.LaunchTimeoutError` carries them and names where each rank was.
+        stall_timeout: seconds a rank that has called :func:`~mplaunch.heartbeat` (e.g. once a step) may go
+            without calling it again; then every rank's stacks are collected, the workers are stopped and
+            :class:`~mplaunch.StallError` names the rank (a worker failure: ``max_restarts`` restarts it).
+            A rank that never calls ``heartbeat()`` is not watched. ``None`` (default): no rank is watched.
+            One-node launches only.
         grace_period: seconds between SIGTERM and SIGKILL when workers are stopped early.
         backend: a ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl when CUDA
             is available with a device per worker, else gloo): each worker calls ``init_process_group`` with
             it before the function (binding ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group``
             after it, also when it raises. ``None`` (default): the function manages process groups itself.
         prefix_output: prefix every line a worker writes to its stdout or stderr (file descriptors 1 and 2:
-            ``print``, logging, C code, subprocesses) with ``[rank N] ``.
+            ``print``, logging, C code, subprocesses) with ``[rank N] `` (``True``), or with a template of
+            the fields ``rank``, ``local_rank``, ``node_rank`` and ``pid``, e.g. ``"{rank}|{pid} "``.
         console_ranks: ranks whose output reaches the console, e.g. ``[0]``; ``None`` (default): all. The
             other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
         log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,
-            overwritten at each call (a restart appends to it, after a ``--- restart N ---`` line).
+            overwritten at each call (a restart appends to it, after a ``--- restart N ---`` line); stacks
+            collected on a timeout or a stall go to ``rank{N}.stacks``; with ``backend="nccl"``, NCCL's
+            flight recorder dumps there on a collective's timeout (``nccl_trace_rank_{N}``).
         nnodes: number of nodes (machines) taking part, each running this call with ``nprocs`` workers;
             ``None`` (default) reads ``MPLAUNCH_NNODES`` (or SLURM's, in an ``srun`` step with one task per
             node), else 1. With more than one, the call launches through
@@ -239,8 +265,40 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             ``--max-restarts``): each restart is announced with a :class:`~mplaunch.RestartWarning`, workers
             read the count from ``worker_info().restart_count`` (``TORCHELASTIC_RESTART_COUNT``) to resume from
             a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries
-            the earlier ones in ``earlier_attempts``. Multi-node: passed on to elastic.
+            the earlier ones in ``earlier_attempts``. The failure that causes a restart is written to stderr
+            with its rank and traceback. Multi-node: passed on to elastic.
         rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``.
+        devices: the call's CUDA devices: a list of indices among the visible ones (``[2, 3]``), a count of
+            any free ones (``2``), or ``None`` (default): every visible device, not pooled. The ranks see
+            exactly these, in order, through ``CUDA_VISIBLE_DEVICES`` (named as this process's own
+            ``CUDA_VISIBLE_DEVICES`` names them), so ``cuda:LOCAL_RANK`` is each rank's device;
+            ``nprocs="auto"`` is their number. One pool per process: a launch whose devices another launch
+            holds waits (a submitted one stays pending, not running) and they are released when it ends.
+            An index or count this process cannot see is an ``InvalidOptionError`` at the call.
+        cpu_binding: ``"cores"``: each rank pinned to its own disjoint set of whole cores within this
+            process's affinity mask, with ``OMP_NUM_THREADS`` its size unless set; ``"numa"``: each rank
+            pinned to one NUMA node's cores (round-robin; the node of its GPU first with ``devices=``), its
+            memory preferred there; ``None`` (default): the parent's affinity. The parent's never changes.
+        env: extra environment variables for the ranks, set after torchrun's: a mapping, or a function of
+            the rank returning one (called in the parent before any worker starts; in each worker in a
+            multi-node launch). Setting a torchrun variable, ``MASTER_ADDR``/``MASTER_PORT``, or
+            ``CUDA_VISIBLE_DEVICES`` with ``devices=``, is an ``InvalidOptionError``. The parent's
+            ``os.environ`` is not changed.
+        preempt_signals: signals that preempt the call instead of stopping it, e.g. ``(signal.SIGTERM,)`` or
+            SLURM's ``(signal.SIGUSR1,)``; ``()`` (default): none. When the parent receives one, no rank is
+            signalled: :func:`mplaunch.preempted` becomes true in every rank (and its DataLoader workers and
+            process group keep working), the ranks get ``preempt_grace`` seconds to save and return, the rest
+            are then stopped, and the call raises :class:`~mplaunch.PreemptedError`, also when every rank
+            returned. A second signal ends the grace at once. Handled when the call runs in the main thread;
+            a submitted launch is preempted with ``future.preempt()``. One node only (see the
+            preemption guide); SIGKILL and SIGSTOP cannot be caught and are refused.
+        preempt_grace: seconds the ranks get, once preempted, to save and return (default 60).
+        restart_on: the failures ``max_restarts`` restarts: exception classes (e.g.
+            ``(ConnectionError, WorkerExitedError)``; a worker killed by a signal is a ``WorkerExitedError``),
+            or a predicate ``(failure) -> bool`` called in the parent (never pickled); ``None`` (default): every
+            failure. Another failure is raised at once, with the attempts so far in ``earlier_attempts``.
+        restart_delay: seconds before the first restart (default 0), doubled for each further one, at most
+            60; the wait counts against ``timeout`` and ends at once on ``cancel()``, Ctrl-C or a preemption.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that
@@ -260,8 +318,10 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
     Note:
         Under ``spawn`` and ``forkserver`` the function and its arguments are pickled (by reference when a
         worker can import them, by value with cloudpickle otherwise: notebooks, ``python -c``, closures), and
-        a script must call the function under ``if __name__ == "__main__":``. Under ``fork`` nothing is
-        pickled, but CUDA must not be initialised in the parent.
+        a script must call the function under ``if __name__ == "__main__":``. Queues, locks, events, shared
+        values, ``Pipe`` ends and ``Manager`` proxies in the arguments travel with each worker's start, as
+        ``torch.multiprocessing.spawn`` sends its ``args``. Under ``fork`` nothing is pickled, but CUDA must
+        not be initialised in the parent.
 
     The decorator form follows tenacity's ``retry`` and attrs' ``define``; the launcher follows
     ``torch.multiprocessing.start_processes`` and torchrun's environment contract.

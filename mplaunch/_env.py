@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mplaunch._errors import InvalidOptionError
+from mplaunch._wire import flags
 
 #: Variables that describe a rank's place in a job. The parent's values never reach a worker: mplaunch
 #: sets each of them per rank. ``MASTER_ADDR``/``MASTER_PORT`` are kept when the user set them.
@@ -33,6 +34,7 @@ RANK_VARIABLES = (
     "TORCHELASTIC_ERROR_FILE",
     "MPLAUNCH_HOSTED_MASTER_PORT",
     "MPLAUNCH_WORKER",
+    flags.FLAG_VARIABLE,
 )
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -89,6 +91,47 @@ def rank_environment(
     return env
 
 
+#: What ``env=`` may not set: each rank's place in the job and the launch's rendezvous store are mplaunch's.
+RESERVED_VARIABLES = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[str, str]:
+    """Return ``env`` (what ``env=`` gives, or its callable returned) as a plain ``dict`` of strings.
+
+    Args:
+        env: the mapping to check.
+        source: how to name it in messages, e.g. ``"env"`` or ``"env(1)"``.
+        devices: the launch has ``devices=``, which owns ``CUDA_VISIBLE_DEVICES``.
+
+    Raises:
+        InvalidOptionError: ``env`` is not a mapping of strings to strings, or sets a variable mplaunch sets
+            for each rank (:data:`RESERVED_VARIABLES`; ``CUDA_VISIBLE_DEVICES`` with ``devices=``).
+    """
+    if not isinstance(env, Mapping):
+        raise InvalidOptionError(
+            f"{source}={env!r} is not valid: pass a mapping of variable names to strings, e.g. "
+            "env={'NCCL_DEBUG': 'INFO'}, or a function of the rank returning one."
+        )
+    wrong = [
+        f"{key!r}: {value!r}" for key, value in env.items() if not isinstance(key, str) or not isinstance(value, str)
+    ]
+    if wrong:
+        raise InvalidOptionError(f"{source} is not valid: names and values must be strings; not {', '.join(wrong)}.")
+    for name in env:
+        if name in RESERVED_VARIABLES:
+            raise InvalidOptionError(
+                f"{source} sets {name}, which mplaunch sets for each rank (torchrun's environment and the "
+                "launch's rendezvous store): leave it out (MASTER_ADDR/MASTER_PORT may be set in this "
+                "process's own environment)."
+            )
+        if devices and name == "CUDA_VISIBLE_DEVICES":
+            raise InvalidOptionError(
+                f"{source} sets CUDA_VISIBLE_DEVICES, which devices= sets for each rank: choose the devices "
+                "with devices= only."
+            )
+    return dict(env)
+
+
 def apply_environment(environ: os._Environ[str], env: Mapping[str, str]) -> None:
     """In a worker: drop the parent's rank variables from ``environ`` (those ``env`` does not set), then set
     ``env``."""
@@ -110,6 +153,8 @@ class RankInfo:
         node_rank: index of this node (``GROUP_RANK``).
         restart_count: how often the workers were restarted before this attempt (``TORCHELASTIC_RESTART_COUNT``,
             0 on the first attempt): resume from a checkpoint when it is above 0.
+        preempted: whether the launch was preempted, read live at each access (see :func:`preempted`); the
+            other attributes are read once, from the environment.
     """
 
     rank: int
@@ -118,6 +163,31 @@ class RankInfo:
     local_world_size: int
     node_rank: int
     restart_count: int = 0
+
+    @property
+    def preempted(self) -> bool:
+        """Whether this process's launch was preempted, read at each access (see :func:`preempted`)."""
+        return flags.is_set()
+
+
+def preempted() -> bool:
+    """Return whether the launch running this process was preempted: the parent received one of the launch's
+    ``preempt_signals`` (or ``future.preempt()`` was called). The rank should then save its work and return
+    within ``preempt_grace`` seconds; the call raises :class:`~mplaunch.PreemptedError` in the parent.
+
+    Cheap enough for every step of a training loop: one read of a byte of shared memory, no system call.
+    Nothing signals the rank, so its DataLoader workers and process group keep working. True in every rank
+    within moments of the signal, and in processes a rank forks (DataLoader workers); ``False`` outside a
+    launch with a preemption flag (a plain process, ``fn.debug()``, a run under torchrun, a multi-node launch).
+
+    Returns:
+        ``True`` once the launch was preempted, else ``False``.
+
+    Example:
+        >>> preempted()
+        False
+    """
+    return flags.is_set()
 
 
 def worker_info(environ: Mapping[str, str] | None = None) -> RankInfo:

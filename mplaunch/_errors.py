@@ -11,8 +11,13 @@ itself (same type), not wrapped; see :class:`RemoteTraceback`.
     ├── LaunchRefusedError(RuntimeError)    a check before launching failed; no worker was started
     ├── WorkerFailedError(RuntimeError)     a worker failed without a transferable exception
     │   ├── WorkerExitedError                 it died (signal, non-zero exit) or exited without a result
-    │   └── RemoteError                       its exception or its result could not be pickled/unpickled
-    └── LaunchTimeoutError(TimeoutError)    the launch ran past ``timeout``; every worker was stopped
+    │   ├── RemoteError                       its exception or its result could not be pickled/unpickled
+    │   └── StallError                        it stopped calling heartbeat() for ``stall_timeout`` seconds
+    ├── LaunchTimeoutError(TimeoutError)    the launch ran past ``timeout``; every worker was stopped
+    └── PreemptedError                      one of ``preempt_signals`` came: the ranks were told, then stopped
+
+Every error of a launch that ran workers also has a ``report`` attribute: the launch's
+:class:`~mplaunch.RunReport` (each rank's exit, peak memory, CPU and wall time).
 
 The design of shipping a worker's exception back as its own type with the remote traceback as
 ``__cause__`` follows CPython's ``concurrent.futures.process`` (``_ExceptionWithTraceback``).
@@ -22,6 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mplaunch._parent.report import RunReport
 
 __all__ = [
     "FailureInfo",
@@ -29,8 +38,10 @@ __all__ = [
     "LaunchRefusedError",
     "LaunchTimeoutError",
     "MplaunchError",
+    "PreemptedError",
     "RemoteError",
     "RemoteTraceback",
+    "StallError",
     "WorkerExitedError",
     "WorkerFailedError",
     "failure_info",
@@ -38,7 +49,14 @@ __all__ = [
 
 
 class MplaunchError(Exception):
-    """Base class of every exception mplaunch raises itself."""
+    """Base class of every exception mplaunch raises itself.
+
+    Attributes:
+        report: the :class:`~mplaunch.RunReport` of the launch that raised it, else ``None`` (an error raised
+            before a launch, e.g. an invalid option).
+    """
+
+    report: RunReport | None = None
 
 
 class InvalidOptionError(MplaunchError, ValueError):
@@ -65,7 +83,7 @@ class WorkerFailedError(MplaunchError, RuntimeError):
         self.pid = pid
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.rank, self.pid))
+        return (type(self), (self.args[0], self.rank, self.pid), dict(vars(self)))
 
 
 class WorkerExitedError(WorkerFailedError):
@@ -78,10 +96,21 @@ class WorkerExitedError(WorkerFailedError):
             (SIGTERM, SIGINT) and exited.
         signum: the number of the signal that ended the worker, else ``None``.
         signal_name: e.g. ``"SIGKILL"`` or ``"SIGTERM"`` when a signal ended it, else ``None``.
+        oom: ``True`` when the kernel's out-of-memory killer ended it (the ``oom_kill`` count of its cgroup,
+            cgroup v2 ``memory.events`` or v1 ``memory.oom_control``, rose while it ran and a SIGKILL ended
+            it); ``False`` when it did not (another signal or exit, or the count did not rise); ``None`` when
+            it cannot be known (a SIGKILL where no count is readable). Other ranks of the same cgroup killed
+            by ``kill -9`` while one of them was OOM-killed also read ``True``.
     """
 
     def __init__(
-        self, message: str, rank: int, pid: int | None, exitcode: int | None, signum: int | None = None
+        self,
+        message: str,
+        rank: int,
+        pid: int | None,
+        exitcode: int | None,
+        signum: int | None = None,
+        oom: bool | None = None,
     ) -> None:
         super().__init__(message, rank, pid)
         self.exitcode = exitcode
@@ -89,9 +118,10 @@ class WorkerExitedError(WorkerFailedError):
             signum = -exitcode
         self.signum = signum
         self.signal_name = signal_name(-signum if signum is not None else None)
+        self.oom = oom
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.rank, self.pid, self.exitcode, self.signum))
+        return (type(self), (self.args[0], self.rank, self.pid, self.exitcode, self.signum, self.oom), dict(vars(self)))
 
 
 class RemoteError(WorkerFailedError):
@@ -108,7 +138,41 @@ class RemoteError(WorkerFailedError):
         self.type_name = type_name
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.rank, self.pid, self.type_name))
+        return (type(self), (self.args[0], self.rank, self.pid, self.type_name), dict(vars(self)))
+
+
+class StallError(WorkerFailedError):
+    """A rank that had called :func:`~mplaunch.heartbeat` stopped calling it for ``stall_timeout`` seconds;
+    every rank's stacks were collected, then every worker was stopped.
+
+    The message names the stalled rank, how long it was silent, and where each rank was (the innermost
+    frame of the user's code in each rank's stack). With ``max_restarts``, a stall restarts the workers like
+    any worker failure.
+
+    Attributes:
+        silent: seconds since the rank's last heartbeat, when the stall was seen.
+        stall_timeout: the option's value, in seconds.
+        stacks: each live rank's Python stacks (all threads) as :mod:`faulthandler` wrote them, by rank; a
+            rank that could not dump within about a second is missing.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int,
+        pid: int | None,
+        silent: float,
+        stall_timeout: float,
+        stacks: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message, rank, pid)
+        self.silent = silent
+        self.stall_timeout = stall_timeout
+        self.stacks = dict(stacks or {})
+
+    def __reduce__(self) -> tuple[object, ...]:
+        args = (self.args[0], self.rank, self.pid, self.silent, self.stall_timeout, self.stacks)
+        return (type(self), args, dict(vars(self)))
 
 
 class LaunchTimeoutError(MplaunchError, TimeoutError):
@@ -117,15 +181,57 @@ class LaunchTimeoutError(MplaunchError, TimeoutError):
     Attributes:
         timeout: the limit, in seconds.
         running: the ranks that were still running when it expired, sorted.
+        stacks: each of those ranks' Python stacks (all threads) as :mod:`faulthandler` wrote them just before
+            the stop, by rank; a rank that could not dump within about a second is missing (empty for a
+            multi-node launch, whose workers torch elastic runs).
     """
 
-    def __init__(self, message: str, timeout: float, running: tuple[int, ...]) -> None:
+    def __init__(
+        self, message: str, timeout: float, running: tuple[int, ...], stacks: dict[int, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.timeout = timeout
         self.running = running
+        self.stacks = dict(stacks or {})
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.timeout, self.running))
+        return (type(self), (self.args[0], self.timeout, self.running, self.stacks), dict(vars(self)))
+
+
+class PreemptedError(MplaunchError):
+    """The launch was preempted: one of ``preempt_signals`` reached the parent (or ``future.preempt()`` was
+    called), every rank saw ``mplaunch.preempted()`` become true and had ``preempt_grace`` seconds to save and
+    return; the ranks still running then were stopped. Raised even when every rank returned within the grace:
+    the work is not done, and a script should requeue (e.g. exit with ``128 + signum``).
+
+    Attributes:
+        signum: the signal that preempted the launch, or ``None`` for ``future.preempt()`` without one.
+        signal_name: its name, e.g. ``"SIGTERM"``, or ``None``.
+        returned: the ranks that returned within the grace, sorted.
+        values: their return values by rank, as the call would return them: rank 0's (others ``None``), or
+            every rank's with ``return_all=True``.
+        stopped: the ranks still running at the end of the grace (or at a second signal), which were stopped.
+        failures: exceptions raised by ranks during the grace, in rank order.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        signum: int | None,
+        values: dict[int, object] | None = None,
+        stopped: tuple[int, ...] = (),
+        failures: tuple[BaseException, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.signal_name = signal_name(-signum) if signum is not None else None
+        self.values = dict(values or {})
+        self.returned = tuple(sorted(self.values))
+        self.stopped = tuple(stopped)
+        self.failures = tuple(failures)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.args[0], self.signum, self.values, self.stopped, self.failures))
 
 
 class RemoteTraceback(Exception):
@@ -159,12 +265,14 @@ class FailureInfo:
         failures: the other ranks' own failures in the same attempt, by rank (never a rank the launch
             stopped).
         earlier_attempts: the failures that ended earlier attempts (``max_restarts``), oldest first.
+        report: the launch's :class:`~mplaunch.RunReport` (each rank's exit, memory, CPU and wall time).
     """
 
     rank: int
     pid: int | None
     failures: tuple[BaseException, ...] = ()
     earlier_attempts: tuple[BaseException, ...] = ()
+    report: RunReport | None = None
 
 
 def failure_info(error: BaseException) -> FailureInfo | None:
@@ -197,4 +305,5 @@ def failure_info(error: BaseException) -> FailureInfo | None:
         pid=pid if isinstance(pid, int) else None,
         failures=tuple(getattr(error, "failures", ())),
         earlier_attempts=tuple(getattr(error, "earlier_attempts", ())),
+        report=getattr(error, "report", None),
     )

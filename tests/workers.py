@@ -537,6 +537,236 @@ def mutate_items(items: dict[str, Any]) -> dict[str, float]:
     }
 
 
+# --- objects that multiprocessing sends only to a starting process (test_handles.py) --------------------
+
+
+@dataclasses.dataclass
+class LogQueue:
+    """A logging ``QueueHandler``'s queue, inside a dataclass."""
+
+    queue: Any
+
+
+class Counter:
+    """A plain object holding a shared value and the lock that guards it."""
+
+    def __init__(self, value: Any, lock: Any) -> None:
+        self.value = value
+        self.lock = lock
+
+
+def use_start_objects(queue: Any, sync: dict[str, Any], counters: list[Any], conn: Any, shared: Any) -> int:
+    """Use each object the way mp.spawn code does; the parent checks what the ranks did through them."""
+    import logging.handlers
+
+    rank = worker_info().rank
+    queue.put(rank)
+    if rank == 1:
+        sync["event"].set()
+    elif not sync["event"].wait(60):
+        raise TimeoutError("rank 1 never set the Event")
+    sync["barrier"].wait(60)
+    value, counter = counters
+    with value.get_lock():
+        value.value += 1
+    with counter.lock:
+        counter.value.value += 1
+    shared[rank] = os.getpid()
+    if rank == 0:
+        conn.send("hello from rank 0")
+        tensor = sync["tensors"].get(timeout=60)
+        tensor.add_(1)  # torch shared memory: the parent's tensor changes too
+    logger = logging.getLogger(f"mplaunch-start-objects-{rank}")
+    logger.propagate = False
+    logger.addHandler(logging.handlers.QueueHandler(sync["log"].queue))
+    logger.warning("rank %d logs through the queue", rank)
+    return rank
+
+
+def put_rank(queue: Any) -> int:
+    """Put this rank into ``queue``."""
+    rank = worker_info().rank
+    queue.put(rank)
+    return rank
+
+
+def device_trial(directory: str, name: str) -> str:
+    """Write ``name.start`` (when, and the devices seen), wait for the test's ``release`` file, write ``name.end``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    with open(os.path.join(directory, f"{name}.start"), "w") as file:
+        file.write(f"{time.monotonic()} {visible}")
+    while not os.path.exists(os.path.join(directory, "release")):
+        time.sleep(0.01)
+    with open(os.path.join(directory, f"{name}.end"), "w") as file:
+        file.write(str(time.monotonic()))
+    return visible
+
+
+def placement_seen() -> dict[str, Any]:
+    """What placement this rank got: its CPUs, threads and a few variables."""
+    return {
+        "rank": worker_info().rank,
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "threads": torch.get_num_threads(),
+        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "extra": {k: v for k, v in os.environ.items() if k.startswith("PLACEMENT_")},
+    }
+
+
+def touch(path: str) -> None:
+    with open(path, "w"):
+        pass
+
+
+def cuda_seen() -> tuple[str | None, int]:
+    """This rank's CUDA_VISIBLE_DEVICES and the number of devices torch sees."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
+
+
+def stuck_here(seconds: float) -> None:
+    """Issue 22: where a rank is stuck, in the user's code."""
+    time.sleep(seconds)
+
+
+def stuck_or_in_barrier(seconds: float) -> None:
+    """Issue 22: rank 0 stuck in a user function, the others waiting for it in a gloo barrier."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        if dist.get_rank() == 0:
+            stuck_here(seconds)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def blocked_in_read(ready: str) -> None:
+    """Issue 22: every rank blocked in a C call (a read from a pipe nobody writes)."""
+    read_end, write_end = os.pipe()
+    open(f"{ready}.{worker_info().rank}", "w").close()
+    os.read(read_end, 1)
+    os.close(write_end)
+
+
+def waiting_here(ready: str, seconds: float) -> int:
+    """Issue 22: each rank says it runs, then waits (future.stacks() looks meanwhile)."""
+    open(f"{ready}.{worker_info().rank}", "w").close()
+    time.sleep(seconds)
+    return worker_info().rank
+
+
+def silent_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def beat_then_fall_silent(silent_rank: int, beats: int, period: float) -> int:
+    """Issue 22: every rank beats ``beats`` times, ``period`` s apart; ``silent_rank`` then stops beating
+    (and sleeps), the others keep beating until the launch stops them."""
+    import mplaunch
+
+    rank = worker_info().rank
+    for _ in range(beats):
+        mplaunch.heartbeat()
+        time.sleep(period)
+    if rank == silent_rank:
+        silent_here(60)
+    while True:
+        mplaunch.heartbeat()
+        time.sleep(period)
+
+
+def beat_or_not(beating_ranks: tuple[int, ...], seconds: float, period: float) -> int:
+    """Issue 22: the ranks in ``beating_ranks`` beat every ``period`` s, the others never; all return after
+    ``seconds``."""
+    import mplaunch
+
+    rank = worker_info().rank
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if rank in beating_ranks:
+            mplaunch.heartbeat()
+        time.sleep(period)
+    return rank
+
+
+def allocate_until_killed(rank: int) -> None:
+    """Issue 22: ``rank`` allocates (and touches) memory until the out-of-memory killer ends it."""
+    if worker_info().rank != rank:
+        time.sleep(120)
+        return
+    import faulthandler
+
+    faulthandler.disable()  # pytest's crash dump, inherited through fork, would only add noise
+    chunks = []
+    while True:
+        chunks.append(bytearray(b"\x01") * (32 << 20))
+
+
+def rank1_frozen(ready: str) -> None:
+    """Issue 22: rank 1 stops itself (SIGSTOP): it cannot dump its stacks; rank 0 waits in a user function."""
+    open(f"{ready}.{worker_info().rank}", "w").close()
+    if worker_info().rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    stuck_here(60)
+
+
+class Endless(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """0, 1, 2, ... without end (a DataLoader worker process serves it)."""
+
+    def __iter__(self) -> Any:
+        count = 0
+        while True:
+            yield torch.tensor([float(count)])
+            count += 1
+
+
+def save_when_preempted(directory: str) -> int:
+    """Read batches from a DataLoader with one worker process until ``mplaunch.preempted()``; then read one more
+    batch, save ``ckpt_rank{N}.pt`` and return the rank. ``ready-{N}`` holds the pids of the rank and of its
+    DataLoader worker once the loader runs."""
+    import psutil
+
+    from mplaunch import preempted
+
+    rank = worker_info().rank
+    batches = iter(torch.utils.data.DataLoader(Endless(), batch_size=None, num_workers=1))
+    seen = [next(batches)]
+    pids = [os.getpid(), *(child.pid for child in psutil.Process().children())]
+    _write(os.path.join(directory, f"ready-{rank}.tmp"), " ".join(map(str, pids)))
+    os.rename(os.path.join(directory, f"ready-{rank}.tmp"), os.path.join(directory, f"ready-{rank}"))
+    deadline = time.monotonic() + 120
+    while not worker_info().preempted:
+        if time.monotonic() > deadline:
+            raise TimeoutError("never preempted")
+        seen.append(next(batches))
+        time.sleep(0.01)
+    seen.append(next(batches))  # the DataLoader worker still serves after the notice
+    assert preempted()
+    torch.save({"rank": rank, "seen": len(seen), "last": seen[-1]}, os.path.join(directory, f"ckpt_rank{rank}.pt"))
+    return rank
+
+
+def record_start_then_raise(directory: str, kind: str, succeed_at: int = -1) -> int:
+    """Append this attempt's start time to ``starts``; raise ``kind`` (``ValueError``, ``ConnectionError``,
+    ``retry``/``fatal`` as ``RuntimeError``, ``kill`` by SIGKILL) unless the attempt is ``succeed_at``."""
+    info = worker_info()
+    with open(os.path.join(directory, "starts"), "a") as file:
+        file.write(f"{time.monotonic()}\n")
+    if info.restart_count == succeed_at:
+        return info.restart_count
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    errors: dict[str, BaseException] = {
+        "value": ValueError("bad input"),
+        "connection": ConnectionError("peer went away"),
+        "retry": RuntimeError("flaky: retry me"),
+        "fatal": RuntimeError("fatal"),
+    }
+    raise errors[kind]
+
+
 def memory_files_seen() -> list[str]:
     """The memory files (memfd) this worker holds descriptors of."""
     found = []

@@ -40,9 +40,11 @@ DRAIN = 0.5
 _PIPE_SIZE = 1 << 20  # bytes of pipe buffer asked for, so a rank rarely waits on the reader
 _READ = 1 << 16
 _BATCH = 0.002  # seconds the reader lets text gather in the pipes before reading
+#: The prefix of ``prefix_output=True``.
+DEFAULT_PREFIX = "[rank {rank}] "
 
 
-def should_route(prefix: bool, console_ranks: frozenset[int] | None, log_dir: str | None) -> bool:
+def should_route(prefix: bool | str, console_ranks: frozenset[int] | None, log_dir: str | None) -> bool:
     """Whether the launch routes output through the parent: an option asks for it, or the parent's
     ``sys.stdout``/``sys.stderr`` is not its fd 1/2 (e.g. a Jupyter kernel, ``redirect_stdout``, pytest)."""
     if prefix or console_ranks is not None or log_dir is not None:
@@ -62,6 +64,8 @@ class _Source:
 
     def __init__(self, fd: int, rank: int | None, local_rank: int, err: bool) -> None:
         self.fd, self.rank, self.local_rank, self.err = fd, rank, local_rank, err
+        self.pid: int | None = None  # announced by a multi-node worker
+        self.node_rank = 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.carry = b""  # an incomplete rank mark
         self.pending = ""  # decoded text the console has not taken yet
@@ -74,7 +78,8 @@ class Pump:
     Args:
         ranks: the global rank of each local rank, or ``None`` where it is not known before the worker
             announces it (multi-node launches).
-        prefix: put ``[rank N] `` before each line.
+        prefix: put ``[rank N] `` before each line (``True``), or this template of ``rank``, ``local_rank``,
+            ``node_rank`` and ``pid`` (a non-empty ``str``).
         console_ranks: the ranks whose output reaches the console; ``None``: all.
         log_dir: directory for ``rank{N}.log`` files, or ``None``.
         restart: the attempt's restart count: a restart appends to the log files, after a marker line.
@@ -83,12 +88,14 @@ class Pump:
     def __init__(
         self,
         ranks: list[int | None],
-        prefix: bool,
+        prefix: bool | str,
         console_ranks: frozenset[int] | None,
         log_dir: str | None,
         restart: int = 0,
     ) -> None:
-        self.prefix, self.console_ranks, self.log_dir, self.restart = prefix, console_ranks, log_dir, restart
+        self.console_ranks, self.log_dir, self.restart = console_ranks, log_dir, restart
+        self.template = DEFAULT_PREFIX if prefix is True else prefix or None
+        self.pids: dict[int, int] = {}  # local rank -> pid, noted by the launch as each worker starts
         self.consoles = consoles()
         self.logs: dict[int, tuple[TextIO, Sink]] = {}
         self.sources: list[_Source] = []
@@ -232,7 +239,7 @@ class Pump:
                 break
             self._take(source, source.decoder.decode(data[:start]))
             self._write(source)  # what came before belongs to the old rank
-            source.rank = int(data[start + len(RANK_MARK) : end])
+            source.rank, source.pid, source.node_rank = _announced(data[start + len(RANK_MARK) : end])
             self._log(source.rank)
             data = data[end + 1 :]
         if start < 0:
@@ -243,7 +250,10 @@ class Pump:
 
     def _label(self, source: _Source) -> tuple[int, str]:
         rank = source.rank if source.rank is not None else source.local_rank
-        return rank, f"[rank {rank}] " if self.prefix else ""
+        if self.template is None:
+            return rank, ""
+        pid = source.pid if source.pid is not None else self.pids.get(source.local_rank, 0)
+        return rank, self.template.format(rank=rank, local_rank=source.local_rank, node_rank=source.node_rank, pid=pid)
 
     def _take(self, source: _Source, text: str) -> None:
         if not text:
@@ -287,6 +297,12 @@ class Pump:
             warnings.warn(f"mplaunch: cannot write {path}: {error}", RuntimeWarning, stacklevel=1)
             return
         self.logs[rank] = (file, Sink(file))
+
+
+def _announced(text: bytes) -> tuple[int, int | None, int]:
+    """``(rank, pid, node_rank)`` from a rank mark's ``rank[,pid,node_rank]``."""
+    fields = [int(field) for field in text.split(b",")]
+    return fields[0], fields[1] if len(fields) > 1 else None, fields[2] if len(fields) > 2 else 0
 
 
 def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:

@@ -16,7 +16,7 @@ import torch
 
 from mplaunch._errors import LaunchRefusedError
 from mplaunch._parent import policy
-from mplaunch._wire import transport
+from mplaunch._wire import start_objects, transport
 from mplaunch._wire.importable import WorkerImports, rerun_main_file, script_source
 
 
@@ -169,14 +169,43 @@ def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], imports:
     """Name the first argument that cannot be pickled for workers that can import ``imports``, and why;
     ``"the function"`` if every argument can."""
     for index, value in enumerate(args):
-        error = transport.pickle_error(value, imports=imports)
+        error = transport.pickle_error(value, imports=imports, start_objects=True)
         if error is not None:
             return f"positional argument {index} ({type(value).__qualname__}): {error}"
     for name, value in kwargs.items():
-        error = transport.pickle_error(value, imports=imports)
+        error = transport.pickle_error(value, imports=imports, start_objects=True)
         if error is not None:
             return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
     return "the function or the captured global state"
+
+
+def check_start_objects(objects: list[Any], start_method: str) -> None:
+    """Refuse, before any worker starts, an argument that ``multiprocessing`` would fail to send to a starting
+    ``spawn``/``forkserver`` worker (see :mod:`mplaunch._wire.start_objects`), as ``Process.start()`` would
+    fail: e.g. a ``Queue`` or lock made from a ``fork`` context, whose semaphores a spawned process cannot open.
+
+    Args:
+        objects: the call's objects that travel with each worker's start.
+        start_method: the launch's start method, for the advice.
+
+    Raises:
+        LaunchRefusedError: one of them cannot be sent; the message names its type, the error and the fix.
+    """
+    failure = start_objects.rehearse(objects)
+    if failure is None:
+        return
+    culprit, error = failure
+    if "fork context" in str(error):
+        advice = (
+            "It was made from a 'fork' context (multiprocessing's default on Linux before Python 3.14): make it "
+            f"from multiprocessing.get_context({start_method!r}) instead"
+        )
+    else:
+        advice = "Create it inside the function, or use start_method='fork'"
+    raise LaunchRefusedError(
+        f"cannot send the {type(culprit).__qualname__} in the call's arguments to {start_method!r} workers: "
+        f"{type(error).__name__}: {str(error).rstrip('.')}. {advice}."
+    ) from error
 
 
 def check_log_dir(log_dir: str | None) -> None:

@@ -7,8 +7,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mplaunch._state.snapshot import GlobalState
+
+if TYPE_CHECKING:
+    from mplaunch._parent.preemption import Preemption
+    from mplaunch._parent.report import RankReport, RunReport
 
 
 class LaunchStopped(BaseException):
@@ -26,6 +32,13 @@ class LaunchControl:
         state: the parent's :class:`~mplaunch.GlobalState`, captured when the launch was submitted, or ``None``
             to capture it when the launch starts.
         in_process: the call runs the function in this process (already under a launcher): it cannot be stopped.
+        queued: the launch waits for its devices (``devices=``): its future is not running yet.
+        stacks_source: while workers run, the function that collects their stacks (the supervisor's), else
+            ``None``.
+        restarts: the number of the attempt under way (0: the first).
+        ranks: the :class:`~mplaunch.RankReport` of each rank of the last attempt that started workers.
+        report: the launch's :class:`~mplaunch.RunReport`, once it has ended.
+        preemption: the launch's preemption notice while it runs (see :mod:`mplaunch._parent.preemption`).
     """
 
     def __init__(self, *, stoppable: bool = False) -> None:
@@ -33,6 +46,13 @@ class LaunchControl:
         self.failure: BaseException | None = None
         self.state: GlobalState | None = None
         self.in_process = False
+        self.queued = False
+        self.stacks_source: Callable[[], dict[int, str]] | None = None
+        self.restarts = 0
+        self.ranks: tuple[RankReport, ...] = ()
+        self.report: RunReport | None = None
+        self.preemption: Preemption | None = None
+        self._preempt_calls = 0  # future.preempt() calls, also those made before the launch had its notice
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pipe = os.pipe() if stoppable else None
@@ -56,6 +76,23 @@ class LaunchControl:
             self._stop.set()
             if self._pipe is not None:
                 os.write(self._pipe[1], b"x")
+
+    def preempt(self) -> None:
+        """Notify the launch's preemption (``future.preempt()``): now if it runs, else as soon as it starts."""
+        with self._lock:
+            self._preempt_calls += 1
+            preemption = self.preemption
+        if preemption is not None:
+            preemption.notify(None)
+
+    def set_preemption(self, preemption: Preemption | None) -> None:
+        """Hand the launch's preemption notice to whoever may preempt it (or ``None`` once it ends); the
+        ``future.preempt()`` calls made before reach it now."""
+        with self._lock:
+            self.preemption = preemption
+            calls = self._preempt_calls
+        for _ in range(min(calls, 2) if preemption is not None else 0):
+            preemption.notify(None)  # type: ignore[union-attr]
 
     @property
     def stop_requested(self) -> bool:

@@ -15,9 +15,12 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mplaunch._parent.control import LaunchControl, LaunchStopped
+
+if TYPE_CHECKING:
+    from mplaunch._parent.report import RunReport
 
 T = TypeVar("T")
 
@@ -39,10 +42,31 @@ class LaunchFuture(Future[T]):
         self._thread: threading.Thread | None = None
         self._settle_lock = threading.Lock()
 
+    def stacks(self) -> dict[int, str]:
+        """Return every running rank's Python stacks (all threads), by rank; the workers keep running.
+
+        Each worker writes them with :mod:`faulthandler` on a real-time signal (never SIGUSR1/SIGUSR2, which
+        are the user's), also while it is blocked in C code or a collective. Takes at most about a second.
+
+        Returns:
+            Each rank's stacks as text, by rank; empty when no worker runs (the launch has not started its
+            workers yet, or has ended, or runs in this process). A rank still starting, or that does not
+            dump within the second, is missing.
+        """
+        source = self._control.stacks_source
+        return {} if source is None else source()
+
+    @property
+    def report(self) -> RunReport | None:
+        """The launch's :class:`~mplaunch.RunReport` once it has ended (each rank's exit, peak memory, CPU and
+        wall time), else ``None``."""
+        return self._control.report
+
     def running(self) -> bool:
-        """Return whether the launch is under way (starting, running its workers, or stopping them)."""
+        """Return whether the launch is under way (starting, running its workers, or stopping them); a launch
+        waiting for its devices (``devices=``) is not."""
         thread = self._thread
-        return not self.done() and thread is not None and thread.is_alive()
+        return not self.done() and not self._control.queued and thread is not None and thread.is_alive()
 
     def cancel(self) -> bool:
         """Stop the launch: its workers get SIGTERM, then SIGKILL after ``grace_period`` seconds.
@@ -66,6 +90,25 @@ class LaunchFuture(Future[T]):
             super().cancel()
             self.set_running_or_notify_cancel()  # wakes concurrent.futures.wait() and as_completed()
             return True
+
+    def preempt(self) -> bool:
+        """Preempt the launch, as one of ``preempt_signals`` preempts a call: every rank's
+        ``mplaunch.preempted()`` becomes true, the ranks get ``preempt_grace`` seconds to save and return, the
+        rest are stopped, and ``result()`` raises :class:`~mplaunch.PreemptedError`. A second call ends the
+        grace at once. Returns at once.
+
+        A submitted launch runs in a thread, and Python runs signal handlers only in the main thread, so
+        ``preempt_signals`` are not handled for it: call this from your own handler, e.g.
+        ``signal.signal(signal.SIGTERM, lambda *_: future.preempt())``.
+
+        Returns:
+            ``True`` when the launch is told (now, or as soon as it starts); ``False`` when it has finished or
+            runs in this process (under an outer launcher), which cannot be preempted.
+        """
+        if self.done() or self._control.in_process:
+            return False
+        self._control.preempt()
+        return True
 
     def result(self, timeout: float | None = None) -> T:
         """Wait for the launch and return its result, or raise what the call would raise; Ctrl-C while

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from mplaunch._config import ParallelConfig
-from mplaunch._env import apply_environment, rank_environment
+from mplaunch._env import apply_environment, check_extra_env, rank_environment
 from mplaunch._parent.checks import check_arguments, check_log_dir
 from mplaunch._parent.policy import resolve_backend
 from mplaunch._parent.store import rendezvous
@@ -28,10 +28,13 @@ def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
     """Run ``function`` (a ``ParallelFunction``) in this process as rank 0 of a world of 1, set up as a worker
     is: torchrun's environment (put back as it was afterwards), a store hosted here for ``MASTER_PORT``, and
-    the process group when ``backend=`` is set. For debuggers and profilers."""
+    the process group when ``backend=`` is set, ``env=``'s variables for rank 0 (``devices=`` and
+    ``cpu_binding=`` are not applied: they would change this process). For debuggers and profilers."""
     check_arguments(function, args, kwargs)
     check_log_dir(config.log_dir)
     # the function runs in this thread: nobody else could serve the store, so it starts at once
     with rendezvous(lazy=False) as store, environ_kept():
         apply_environment(os.environ, rank_environment(0, 1, store.addr, store.port, agent_store=store.agent_store))
+        if config.env is not None:
+            os.environ.update(check_extra_env(config.env(0) if callable(config.env) else config.env, "env(0)"))
         return run_in_process(function, args, kwargs, config)

@@ -10,6 +10,8 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -19,13 +21,15 @@ from mplaunch._config import ParallelConfig
 from mplaunch._env import node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._output.pump import Pump, routed, worker_fds
-from mplaunch._parent import checks, policy
+from mplaunch._parent import checks, devices, placement, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.in_process import run_in_process
 from mplaunch._parent.limits import open_files_explained
 from mplaunch._parent.memory import outcome_files, payload_written
+from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.processes import start_workers
+from mplaunch._parent.report import RunReport
 from mplaunch._parent.restarts import run_attempts
 from mplaunch._parent.signals import parent_signals
 from mplaunch._parent.store import Rendezvous, rendezvous
@@ -35,7 +39,8 @@ from mplaunch._state.sharing import shared_mappings, unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.importable import WorkerImports, worker_imports
-from mplaunch._wire.records import Payload, WorkerSpec, outcome_name
+from mplaunch._wire.records import Payload, WorkerSpec, outcome_name, set_attribute
+from mplaunch._wire.watch import Board
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
@@ -60,8 +65,23 @@ def launch(
     checks.check_not_bootstrapping(_name(function))
     if outer_launcher() is not None:
         return run_in_process(function, args, kwargs, config)
-    with parent_signals(), open_files_explained():  # outermost: a SIGTERM unwinds through the clean-ups below
-        return _launch(function, args, kwargs, config, frame, control or LaunchControl())
+    control = control or LaunchControl()
+    started = time.monotonic()
+    try:
+        with parent_signals(), open_files_explained():  # outermost: a SIGTERM unwinds through the clean-ups
+            return _launch(function, args, kwargs, config, frame, control)
+    except BaseException as error:
+        set_attribute(error, "report", _report(control, started))
+        raise
+    finally:
+        _report(control, started)
+
+
+def _report(control: LaunchControl, started: float) -> RunReport:
+    """The launch's report, made once, when it ends (on ``control``)."""
+    if control.report is None:
+        control.report = RunReport(control.ranks, time.monotonic() - started, control.restarts)
+    return control.report
 
 
 def check_call(
@@ -74,6 +94,7 @@ def check_call(
         return False
     checks.check_arguments(function, args, kwargs)
     checks.check_main_guard(config.start_method or policy.default_start_method(), frame, _name(function))
+    devices.check_request(config.devices)
     return True
 
 
@@ -92,11 +113,33 @@ def _launch(
 ) -> Any:
     checks.check_arguments(function, args, kwargs)
     checks.check_log_dir(config.log_dir)
-    nprocs = policy.resolve_nprocs(config.nprocs)
+    with devices.held(config.devices, control) as names:  # waits while another launch holds the devices
+        control.queued = False
+        return _launch_on(function, args, kwargs, config, frame, control, names)
+
+
+def _launch_on(
+    function: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: ParallelConfig,
+    frame: Any,
+    control: LaunchControl,
+    names: list[str] | None,
+) -> Any:
+    """The launch on the devices ``names`` (``None``: every visible one, as the parent sees them)."""
+    nprocs = len(names) if names is not None and config.nprocs == "auto" else policy.resolve_nprocs(config.nprocs)
     nodes = node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
+    if nodes is not None:
+        _check_single_node(config)
     start_method = config.start_method or policy.default_start_method()
     checks.check_cuda_fork(start_method)
     checks.check_main_guard(start_method, frame, _name(function))
+    if nodes is not None and config.stall_timeout is not None:
+        raise InvalidOptionError(
+            f"stall_timeout={config.stall_timeout:g} watches the ranks of a one-node launch, and this launch has "
+            f"nnodes={nodes.nnodes}: leave stall_timeout=None (heartbeat() does nothing there)."
+        )
     imports = worker_imports() if start_method != "fork" or nodes is not None else None
     world_size = nprocs * (nodes.nnodes if nodes else 1)
     if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
@@ -115,22 +158,33 @@ def _launch(
     payload = Payload(_function_reference(function, imports), args, kwargs, state)
     if isinstance(state, GlobalState) and state.python is not None and not inherited:
         warn_not_carried(state.python)
+    num_threads = policy.worker_threads(nprocs, start_method)
+    placements = placement.plan(
+        config,
+        nprocs,
+        names,
+        multinode=nodes is not None,
+        threads_kept="OMP_NUM_THREADS" not in os.environ and num_threads >= policy.wanted_threads(nprocs),
+    )
+    env_function = placement.env_function(config, start_method) if nodes is not None else None
     with launch_directory() as directory, contextlib.ExitStack() as held:
         spec = WorkerSpec(
             directory=directory,
             nprocs=nprocs,
             start_method=start_method,
             parent_pid=os.getpid(),
-            num_threads=policy.worker_threads(nprocs, start_method),
+            num_threads=num_threads,
             reporting_ranks=frozenset(range(world_size)) if config.return_all else frozenset({0}),
             environ=dict(os.environ) if start_method == "forkserver" and nodes is None else None,
-            backend=policy.resolve_backend(config.backend, nprocs),
+            backend=policy.resolve_backend(config.backend, nprocs, None if names is None else len(names)),
             prefix_output=config.prefix_output,
             console_ranks=config.console_ranks,
             log_dir=config.log_dir,
             grace_period=config.grace_period,
             mp_start_method=multiprocessing.get_start_method(allow_none=True),
             unshare=start_method != "fork" or unshare_verdict((args, kwargs)),
+            placements=placements,
+            env_function=env_function,
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
@@ -143,11 +197,14 @@ def _launch(
         else:
             in_memory = payload if start_method == "fork" else None
             preload = _preload(imports, function)
-            results = run_attempts(
-                lambda restart: _attempt(spec, in_memory, config, preload, control, restart),
-                config.max_restarts,
-                control,
-            )
+            with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
+                results = run_attempts(
+                    lambda restart: _attempt(spec, in_memory, config, preload, control, restart, notice),
+                    config.max_restarts,
+                    control,
+                    config.restart_on,
+                    config.restart_delay,
+                )
     return results if config.return_all else results[0]
 
 
@@ -158,8 +215,13 @@ def _attempt(
     preload: list[str],
     control: LaunchControl,
     restart: int,
+    notice: Preemption,
 ) -> list[Any]:
-    """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt."""
+    """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt; none
+    once the launch was preempted (e.g. while it waited to restart)."""
+    control.restarts = restart
+    if notice.noticed:
+        raise notice.error({}, 0)
     for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
         transport.remove(spec.directory, outcome_name(rank))
     with rendezvous() as store:
@@ -174,6 +236,20 @@ def _attempt(
         with outcome_files(spec) as spec, routed(list(range(spec.nprocs)), spec) as pump:
             spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
             return _run_workers(spec, payload, config, preload, pump, control, store)
+
+
+def _check_single_node(config: ParallelConfig) -> None:
+    """Refuse the options a multi-node launch does not support (torch elastic restarts and signals there)."""
+    given = [
+        f"{name}={getattr(config, name)!r}"
+        for name, default in (("preempt_signals", ()), ("restart_on", None), ("restart_delay", 0.0))
+        if getattr(config, name) != default
+    ]
+    if given:
+        raise InvalidOptionError(
+            f"{', '.join(given)} is not supported with more than one node: torch elastic restarts and handles "
+            "signals there. Leave it out, or run on one node."
+        )
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
@@ -203,13 +279,19 @@ def _run_workers(
     store: Rendezvous,
 ) -> list[Any]:
     processes: list[BaseProcess] = []
-    supervisor = Supervisor(spec, processes, config.timeout, config.grace_period, control, store)
+    try:
+        board: Board | None = Board(spec.directory, spec.nprocs, create=True)  # heartbeats, usage; zeroed
+    except (OSError, ValueError):
+        board = None  # no heartbeats: the launch runs unwatched
+    supervisor = Supervisor(
+        spec, processes, config.timeout, config.grace_period, control, store, config.stall_timeout, board
+    )
     pipe: tuple[int, int] | None = None  # large fork arguments: see _answer_unshare
     try:
         if spec.start_method == "fork" and spec.unshare is None:
             pipe = os.pipe()
             spec = dataclasses.replace(spec, unshare_pipe=pipe)
-        start_workers(spec, payload, preload, supervisor.started)
+        start_workers(spec, payload, preload, _noting_pids(supervisor.started, pump))
         if pipe is not None:
             _answer_unshare(pipe, spec.nprocs)
         if pump is not None:
@@ -221,12 +303,29 @@ def _run_workers(
             os.close(fd)
         try:
             supervisor.stop()
+            control.ranks = supervisor.report()
         finally:
+            if board is not None:
+                board.close()
             for process in processes:
                 # a Ctrl-C landing just after multiprocessing reaped a worker, before it noted the exit code,
                 # leaves it "running" to multiprocessing: its descriptors are closed when it is collected
                 with contextlib.suppress(ValueError):
                     process.close()
+
+
+def _noting_pids(started: Callable[[BaseProcess], None], pump: Pump | None) -> Callable[[BaseProcess], None]:
+    """``started``, also telling the pump each rank's pid (for ``prefix_output`` templates with ``{pid}``)."""
+    if pump is None:
+        return started
+    ranks = iter(range(len(pump.fds)))
+
+    def note(process: BaseProcess) -> None:
+        started(process)
+        if process.pid is not None:
+            pump.pids[next(ranks)] = process.pid
+
+    return note
 
 
 def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:

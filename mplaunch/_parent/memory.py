@@ -52,7 +52,8 @@ def payload_written(
 ) -> Iterator[WorkerSpec]:
     """Write the call for workers that cannot inherit it: to a memory file (with ``memory``, where there are
     such files), else to the launch directory; yield ``spec`` naming the file (``payload_fd``); close it
-    after. Refuse, naming the argument, what cannot be pickled.
+    after. Refuse, naming the argument, what cannot be pickled. The call's objects that travel with each
+    worker's start (queues, locks...) are put in the spec (``start_objects``).
 
     Raises:
         LaunchRefusedError: an argument cannot be pickled, or there is no room for the call.
@@ -61,9 +62,9 @@ def payload_written(
     try:
         try:
             if fd is None:
-                transport.dump(payload, spec.directory, PAYLOAD, imports=imports)
+                found = transport.dump(payload, spec.directory, PAYLOAD, imports=imports, start_objects=True)
             else:
-                transport.dump_fd(payload, fd, imports=imports)
+                found = transport.dump_fd(payload, fd, imports=imports, start_objects=True)
         except OSError as error:
             where = os.path.dirname(spec.directory) if fd is None else "memory"
             raise LaunchRefusedError(
@@ -77,6 +78,9 @@ def payload_written(
                 "every argument is pickled; pass picklable values, create the object inside the function, or use "
                 "start_method='fork'."
             ) from error
+        if spec.start_method != "fork":  # forked workers inherit them: nothing is pickled
+            checks.check_start_objects(found, spec.start_method)
+        spec = dataclasses.replace(spec, start_objects=tuple(found))
         yield spec if fd is None else dataclasses.replace(spec, payload_fd=InheritedFd(fd))
     finally:
         close_quietly(fd)

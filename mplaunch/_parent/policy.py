@@ -50,11 +50,13 @@ def resolve_nprocs(nprocs: int | str) -> int:
     return usable_cpu_count()
 
 
-def resolve_backend(backend: str | None, nprocs: int) -> str | None:
-    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available with at least ``nprocs`` devices, else
-    ``"gloo"``; other values are returned as they are. Does not initialise CUDA."""
+def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None) -> str | None:
+    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available with at least ``nprocs`` devices (the launch's
+    ``devices`` when given), else ``"gloo"``; other values are returned as they are. Does not initialise CUDA."""
     if backend != "auto":
         return backend
+    if devices is not None:
+        return "nccl" if devices >= nprocs else "gloo"
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
 
 

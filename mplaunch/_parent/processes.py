@@ -16,6 +16,7 @@ import multiprocessing.popen_fork
 import multiprocessing.util
 import os
 import platform
+import signal
 import sys
 import threading
 import traceback
@@ -212,6 +213,20 @@ def signal_worker(process: BaseProcess, signum: int, *, group: bool, group_only:
             os.killpg(pid, signum)
         else:
             _to_main_thread(pid, signum)
+
+
+def send_signal(pid: int, pidfd: int | None, signum: int) -> None:
+    """Send ``signum`` to process ``pid`` through ``pidfd`` (never to a process that took a reaped worker's
+    pid), else by pid.
+
+    Raises:
+        ProcessLookupError: the process has ended (and been reaped).
+        OSError: the signal could not be sent.
+    """
+    if pidfd is not None and hasattr(signal, "pidfd_send_signal"):
+        signal.pidfd_send_signal(pidfd, signum)
+    else:
+        os.kill(pid, signum)
 
 
 #: tgkill's system call number by machine (Linux has no libc wrapper before glibc 2.30).

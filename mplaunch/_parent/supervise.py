@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterable
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from mplaunch._errors import LaunchTimeoutError, RemoteError
+from mplaunch._errors import LaunchTimeoutError, RemoteError, StallError
+from mplaunch._parent import stacks
 from mplaunch._parent.control import LaunchControl, LaunchStopped
-from mplaunch._parent.processes import signal_worker
+from mplaunch._parent.processes import send_signal, signal_worker
+from mplaunch._parent.report import RankRecords, RankReport
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.store import Rendezvous
 from mplaunch._wire import transport
@@ -26,6 +31,13 @@ from mplaunch._wire.records import (
     rank_state,
     set_attribute,
 )
+from mplaunch._wire.watch import BEAT, STACKS_SIGNAL, Board
+
+
+def _earliest(*seconds: float | None) -> float | None:
+    """The shortest of these waits (``None``: no limit)."""
+    known = [s for s in seconds if s is not None]
+    return min(known) if known else None
 
 
 class Supervisor:
@@ -38,6 +50,8 @@ class Supervisor:
         grace_period: seconds between SIGTERM and SIGKILL when stopping workers.
         control: the launch's deadline (shared by all its attempts) and stop request.
         store: the launch's rendezvous; its store is started when a worker first connects.
+        stall_timeout: seconds a rank that has beaten may stay silent, or ``None``.
+        board: the attempt's board (heartbeats, usage), or ``None``.
     """
 
     def __init__(
@@ -48,6 +62,8 @@ class Supervisor:
         grace_period: float,
         control: LaunchControl | None = None,
         store: Rendezvous | None = None,
+        stall_timeout: float | None = None,
+        board: Board | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
@@ -59,6 +75,11 @@ class Supervisor:
         self.stopped: set[int] = set()
         self.failed_at: dict[int, float] = {}  # when each rank failed (raised, or was seen to end)
         self._pidfds: dict[int, int] = {}  # rank -> a pidfd of its worker (see started)
+        self.stall_timeout = stall_timeout
+        self.board = board
+        self.records = RankRecords(board, spec.start_method)
+        self._signalling = threading.Lock()  # a stacks request (another thread) against closing the pidfds
+        self._dumping = threading.Lock()  # one stacks collection at a time
 
     def started(self, process: BaseProcess) -> None:
         """Take the worker just started as the next rank, and open a pidfd to wait for its end on (Linux 5.3+).
@@ -72,6 +93,7 @@ class Supervisor:
         self.processes.append(process)
         with contextlib.suppress(AttributeError, OSError):  # no pidfds here: the sentinel it is
             self._pidfds[len(self.processes) - 1] = os.pidfd_open(process.pid)  # type: ignore[arg-type]
+        self.records.started(len(self.processes) - 1, process.pid)
 
     def _end(self, rank: int) -> int:
         """A descriptor that becomes readable when ``rank``'s worker ends."""
@@ -89,17 +111,36 @@ class Supervisor:
         self.control.start_clock(self.timeout)  # one deadline for every attempt of the launch
         stop = self.control.fileno()
         listener = None if self.store is None else self.store.fileno()
-        self._wait({self._end(rank): rank for rank in range(len(self.processes))}, stop, listener)
+        self.control.stacks_source = self.stacks
+        try:
+            self._wait({self._end(rank): rank for rank in range(len(self.processes))}, stop, listener)
+        finally:
+            self.control.stacks_source = None
+        preemption = self.control.preemption
+        if preemption is not None and preemption.noticed:
+            raise preemption.error(self.states, self.spec.nprocs)
         return [state.value if isinstance(state := self.states[r], Returned) else None for r in range(self.spec.nprocs)]
 
     def _wait(self, pending: dict[int, int], stop: int | None, listener: int | None) -> None:
         """Collect each worker as its end becomes readable (``pending``: descriptor -> rank); start the store
         when ``listener`` is; raise as :meth:`wait` says."""
+        preemption = self.control.preemption
+        notice = None if preemption is None else preemption.fileno()
         while pending:
-            watched = [*pending, *(fd for fd in (stop, listener) if fd is not None)]
-            ready = wait(watched, timeout=self.control.remaining())
+            watched = [*pending, *(fd for fd in (stop, listener, notice) if fd is not None)]
+            grace = preemption.remaining() if preemption else None
+            ready = wait(watched, timeout=_earliest(self._next_look(pending.values()), grace))
+            if preemption is not None and preemption.noticed:
+                if preemption.remaining() == 0.0 or self.control.remaining() == 0.0:
+                    self._raise_preempted()  # the grace (or the timeout in it) is over, or a second notice came
             if not ready:
-                self._raise_timeout(sorted(pending.values()))
+                if self.control.remaining() == 0.0:
+                    self._raise_timeout(sorted(pending.values()))
+                if preemption is None or not preemption.noticed:  # saving may be silent: the grace bounds it
+                    self._check_stalls(sorted(pending.values()))
+                continue
+            if notice in ready and preemption is not None:
+                preemption.drain()  # the first notice: the ranks are told through the flag, and wait()'s timeout
             if stop in ready:
                 raise LaunchStopped()  # the caller's clean-up stops the workers
             if listener in ready and self.store is not None:
@@ -109,13 +150,15 @@ class Supervisor:
                 rank = pending.pop(sentinel)
                 state = self._collect(rank)
                 if isinstance(state, BaseException):
+                    if preemption is not None and preemption.noticed:
+                        self._raise_preempted()  # a failure while saving: preempted all the same
                     self._raise_failure(state, rank)
 
     def _collect(self, rank: int) -> RankState:
         """Read the outcome of a finished worker and decide its state."""
         process = self.processes[rank]
         with signals_held():  # a Ctrl-C there would lose the exit code of the worker it reaps
-            process.join()
+            self.records.reap(rank, process)
         try:
             outcome = self._load(rank)
         except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
@@ -129,7 +172,8 @@ class Supervisor:
             failure.__cause__ = error
             self.states[rank] = failure
             return failure
-        state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped)
+        oom_kills = self.records.oom_kills(rank)
+        state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped, oom_kills)
         self.states[rank] = state
         self.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()
         return state
@@ -161,23 +205,98 @@ class Supervisor:
         self.control.failure = failure
         raise failure from failure.__cause__
 
-    def _raise_timeout(self, running: list[int]) -> None:
+    def _raise_preempted(self) -> None:
+        """Stop the ranks still running and raise the :class:`~mplaunch.PreemptedError`."""
+        preemption = self.control.preemption
+        assert preemption is not None
         self.stop()
-        for rank in running:
-            self._collect(rank)
+        for rank in range(self.spec.nprocs):
+            if rank not in self.states and rank < len(self.processes):
+                self._collect(rank)
+        raise preemption.error(self.states, self.spec.nprocs)
+
+    def _raise_timeout(self, running: list[int]) -> None:
+        found = self._stacks_before_stop(running)
         timeout = self.timeout or 0.0
+        where = _where(found, self.spec.log_dir, running)
         raise LaunchTimeoutError(
             f"the launch did not finish within timeout={timeout:g} s; ranks {running} were still running and "
-            "have been stopped. Raise `timeout`, or look for a rank stuck in a collective.",
+            f"have been stopped.{where} Raise `timeout`, or look for a rank stuck in a collective.",
             timeout,
             tuple(running),
+            found,
         )
+
+    def _next_look(self, running: Iterable[int]) -> float | None:
+        """Seconds until the deadline or the next moment a running rank could be stalled, else ``None``."""
+        remaining = self.control.remaining()
+        if self.stall_timeout is None or self.board is None:
+            return remaining
+        now = time.monotonic()
+        beats = [beat for rank in running if (beat := self.board.get(rank, BEAT)) > 0.0]
+        # none beating yet: a rank that beats now could be stalled in stall_timeout seconds, no sooner
+        due = min((beat + self.stall_timeout - now for beat in beats), default=self.stall_timeout)
+        due = max(due, 0.0) + 0.005
+        return due if remaining is None else min(due, remaining)
+
+    def _check_stalls(self, running: list[int]) -> None:
+        """Raise :class:`StallError` for the most silent running rank silent for ``stall_timeout`` seconds."""
+        if self.stall_timeout is None or self.board is None:
+            return
+        now = time.monotonic()
+        silent = [(now - beat, rank) for rank in running if (beat := self.board.get(rank, BEAT)) > 0.0]
+        stalled = [(seconds, rank) for seconds, rank in silent if seconds >= self.stall_timeout]
+        if not stalled:
+            return
+        seconds, rank = max(stalled, key=lambda found: (found[0], -found[1]))
+        pid = self.processes[rank].pid
+        found = self._stacks_before_stop(running)
+        where = _where(found, self.spec.log_dir, running)
+        failure = StallError(
+            f"rank {rank} (pid {pid}) stalled: its last mplaunch.heartbeat() was {seconds:.1f} s ago, more than "
+            f"stall_timeout={self.stall_timeout:g} s; every worker has been stopped.{where}",
+            rank,
+            pid,
+            seconds,
+            self.stall_timeout,
+            found,
+        )
+        self.control.failure = failure
+        raise failure
+
+    def _stacks_before_stop(self, running: list[int]) -> dict[int, str]:
+        """Collect the running ranks' stacks (at most ``DUMP_BOUND`` seconds), write them to ``log_dir``, then
+        stop every worker and collect the running ranks' ends."""
+        try:
+            found = self.stacks(running)
+            stacks.write_to_log_dir(self.spec.log_dir, found)
+        finally:
+            self.stop()
+            for rank in running:
+                self._collect(rank)
+        return found
+
+    def stacks(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
+        """Every running rank's Python stacks (all threads), by rank, within ``DUMP_BOUND`` seconds; the
+        workers keep running. ``ranks``: only these. Thread-safe."""
+        with self._dumping:
+            wanted = range(len(self.processes)) if ranks is None else ranks
+            senders = {rank: functools.partial(self._send_dump, rank) for rank in wanted if rank not in self.states}
+            return stacks.collect(self.spec.directory, senders)
+
+    def _send_dump(self, rank: int) -> None:
+        """Signal ``rank``'s worker to dump its stacks (through its pidfd: never another process)."""
+        with self._signalling:
+            process, pidfd = self.processes[rank], self._pidfds.get(rank)
+            if process.pid is None or STACKS_SIGNAL is None or (pidfd is None and rank in self.states):
+                raise ProcessLookupError(process.pid)
+            send_signal(process.pid, pidfd, STACKS_SIGNAL)
 
     def stop(self) -> None:
         """SIGTERM every live worker (each then stops what it started), SIGKILL its whole process group if it
         is still alive after ``grace_period`` seconds, reap all; then SIGKILL whatever the finished workers
         left running in their process groups."""
-        alive = [(rank, p) for rank, p in enumerate(self.processes) if p.exitcode is None]
+        alive = [(rank, p) for rank, p in enumerate(self.processes) if not _ended(self._end(rank))]
         try:
             for rank, process in alive:
                 self.stopped.add(rank)
@@ -186,14 +305,36 @@ class Supervisor:
             remaining = [rank for rank, _ in alive]
             while remaining and time.monotonic() < deadline:
                 wait([self._end(rank) for rank in remaining], timeout=max(0.0, deadline - time.monotonic()))
-                remaining = [rank for rank in remaining if self.processes[rank].exitcode is None]
+                remaining = [rank for rank in remaining if not _ended(self._end(rank))]
         finally:
-            for _, process in alive:
-                if process.exitcode is None:
+            for rank, process in alive:
+                if not _ended(self._end(rank)):
                     signal_worker(process, signal.SIGKILL, group=True)
-            for process in self.processes:
-                process.join()
+            for rank, process in enumerate(self.processes):
+                with signals_held():
+                    self.records.reap(rank, process)
                 signal_worker(process, signal.SIGKILL, group=True, group_only=True)  # grandchildren left behind
-            for fd in self._pidfds.values():
-                os.close(fd)
-            self._pidfds.clear()
+            with self._signalling:
+                for fd in self._pidfds.values():
+                    os.close(fd)
+                self._pidfds.clear()
+
+    def report(self) -> tuple[RankReport, ...]:
+        """Each rank's :class:`~mplaunch.RankReport` (call after :meth:`stop`)."""
+        return self.records.report(self.processes, self.states, self.stopped)
+
+
+def _ended(fd: int) -> bool:
+    """Whether the worker whose end ``fd`` (pidfd or sentinel) signals has ended, without reaping it."""
+    return bool(wait([fd], timeout=0))
+
+
+def _where(found: dict[int, str], log_dir: str | None, running: list[int]) -> str:
+    """The sentences of an error message that say where each rank was, from their stacks."""
+    missing = [rank for rank in running if rank not in found]
+    silent = f" Ranks {missing} sent no stacks (still starting, or no dump within 1 s)." if missing else ""
+    if not found:
+        return silent
+    kept = " and in log_dir/rank{N}.stacks" if log_dir is not None else ""
+    where = f" Where each rank was: {stacks.summary(found)} (every thread's stack is on the error's `stacks`{kept})."
+    return where + silent

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from mplaunch._output.fds import RankFds
     from mplaunch._state.snapshot import ForkState, GlobalState
     from mplaunch._wire.fds import InheritedFd
+    from mplaunch._wire.placement import RankPlacement
 
 #: Name of the call in the launch directory.
 PAYLOAD = "payload"
@@ -74,6 +75,13 @@ class WorkerSpec:
             has started, writes one byte per worker: ``b"1"`` to look, ``b"0"`` not to.
         output_fds: per local rank, the descriptors that replace fd 1 and 2 when output is routed, else
             ``None`` (see :mod:`mplaunch._output.fds`).
+        start_objects: the call's objects that ``multiprocessing`` sends only to a starting process (queues,
+            locks, ``Pipe`` ends...), which the payload refers to by index: they travel here, pickled by each
+            worker's start (see :mod:`mplaunch._wire.start_objects`).
+        placements: per local rank, its devices, CPUs and extra variables, or ``None`` (see
+            :mod:`mplaunch._wire.placement`).
+        env_function: ``env=``'s function of the global rank, called in each worker of a multi-node launch
+            (where the parent does not know the ranks), else ``None``.
         payload_fd: the memory file holding the :class:`Payload` (see :func:`~mplaunch._wire.transport.dump_fd`),
             or ``None``: it is inherited (fork) or in the launch directory.
         outcome_fds: the parent's table, per local rank, of the memory files the ranks write their outcomes
@@ -92,7 +100,7 @@ class WorkerSpec:
     agent_store: bool = True
     environ: dict[str, str] | None = None
     backend: str | None = None
-    prefix_output: bool = False
+    prefix_output: bool | str = False
     console_ranks: frozenset[int] | None = None
     log_dir: str | None = None
     grace_period: float = 5.0
@@ -105,6 +113,9 @@ class WorkerSpec:
     payload_fd: InheritedFd | None = None
     outcome_fds: tuple[InheritedFd, ...] | None = None
     outcome_fd: InheritedFd | None = None
+    start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+    placements: tuple[RankPlacement, ...] | None = None
+    env_function: Callable[[int], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -204,10 +215,19 @@ def exit_status(code: object) -> int:
     return 1
 
 
-def rank_state(rank: int, outcome: Outcome | None, exitcode: int | None, pid: int | None, stopped: bool) -> RankState:
+def rank_state(
+    rank: int,
+    outcome: Outcome | None,
+    exitcode: int | None,
+    pid: int | None,
+    stopped: bool,
+    oom_kills: int | None = None,
+) -> RankState:
     """Decide what happened to ``rank`` from its outcome record (``None``: it wrote none), its process exit
     code, and whether the launch had stopped it. A rank the launch stopped is :class:`Stopped` unless it had
-    returned (then :class:`Returned`) or had raised on its own before the stop reached it (a failure)."""
+    returned (then :class:`Returned`) or had raised on its own before the stop reached it (a failure).
+    ``oom_kills``: how many processes the out-of-memory killer ended in the rank's cgroup while it ran, or
+    ``None`` where that is unknown."""
     if isinstance(outcome, Returned):
         return outcome
     if isinstance(outcome, Raised):
@@ -216,21 +236,33 @@ def rank_state(rank: int, outcome: Outcome | None, exitcode: int | None, pid: in
         return Stopped(rank)
     if isinstance(outcome, Signalled):
         return exit_error(rank, outcome.pid, exitcode, outcome.signum)
-    return exit_error(rank, pid, exitcode, None)
+    return exit_error(rank, pid, exitcode, None, oom_kills)
 
 
-def exit_error(rank: int, pid: int | None, exitcode: int | None, signum: int | None) -> WorkerExitedError:
+def exit_error(
+    rank: int, pid: int | None, exitcode: int | None, signum: int | None, oom_kills: int | None = None
+) -> WorkerExitedError:
     """The error for a rank that ended without an exception of its own: killed by a signal (``signum``, or a
-    negative ``exitcode``), or an exit with no outcome."""
+    negative ``exitcode``), or an exit with no outcome. ``oom_kills``: as for :func:`rank_state`; only a
+    SIGKILL while the count rose is the out-of-memory killer's."""
     error = WorkerExitedError("", rank, pid, exitcode, signum)
-    if error.signal_name is not None:
+    killed = signum is None and error.signal_name == "SIGKILL"
+    error.oom = (None if oom_kills is None else oom_kills > 0) if killed else False
+    if error.oom:
+        what = (
+            f"was killed by the out-of-memory killer (SIGKILL; its cgroup counted {oom_kills} out-of-memory "
+            "kill(s) while it ran): lower its memory use, or raise the memory limit"
+        )
+    elif error.signal_name is not None:
         number = signum if signum is not None else -(exitcode or 0)
         what = f"was ended by {error.signal_name} (signal {number}"
         what += f", exit code {exitcode})" if exitcode is not None and exitcode >= 0 else ")"
         if signum is not None:
             what += " that came from outside the launch"
-        if error.signal_name == "SIGKILL":
-            what += "; the out-of-memory killer is a likely cause (see `dmesg`), or a `kill -9`"
+        if killed and error.oom is None:
+            what += "; the out-of-memory killer is a possible cause (see `dmesg`), or a `kill -9`"
+        elif killed:
+            what += "; a `kill -9`? Not the out-of-memory killer: its cgroup counted no out-of-memory kill"
     elif exitcode == 0:
         what = "exited with code 0 before returning (os._exit() or sys.exit() from another thread?)"
     else:

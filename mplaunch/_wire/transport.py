@@ -37,12 +37,14 @@ import pickle
 import struct
 import threading
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
 import cloudpickle.cloudpickle_fast
 import torch
 
+from mplaunch._wire import start_objects as at_start
 from mplaunch._wire.importable import WorkerImports
 from mplaunch._wire.mappings import map_file, read_file
 
@@ -70,14 +72,22 @@ class _StorageWriter:
     """The storage half of a pickler: records every storage once, in the order first seen, and pickles a
     reference to it. It hooks ``reducer_override``, which pickle consults only for objects that are not
     builtin containers or atoms, so a list of a million ints costs nothing extra (``persistent_id`` would
-    be a Python call per object). Large out-of-band buffers are recorded by ``buffer_callback``."""
+    be a Python call per object). Large out-of-band buffers are recorded by ``buffer_callback``.
+
+    Given ``start_objects``, it also puts a placeholder in place of each object that ``multiprocessing``
+    sends only to a starting process (see :mod:`mplaunch._wire.start_objects`), and collects the objects
+    there; its type is judged once per pickle (one dict look-up per object), and, with ``probe``, by the
+    object's own reduction where the type is unknown."""
 
     inline_bytes = INLINE_BYTES
 
-    def _init_storages(self) -> None:
+    def _init_storages(self, start_objects: at_start.StartObjects | None = None, probe: bool = False) -> None:
         self.storages: list[torch.UntypedStorage] = []
         self.buffers: list[pickle.PickleBuffer] = []
         self._seen: dict[int, int] = {}
+        self.start_objects = start_objects
+        self._probe = probe
+        self._kinds: dict[type, int] = {}
 
     def _keep_buffer(self, buffer: pickle.PickleBuffer) -> bool:
         """``buffer_callback``: large contiguous buffers go out of band (return False), others in band."""
@@ -92,8 +102,10 @@ class _StorageWriter:
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
             untyped, dtype = obj, None
+        elif self.start_objects is None or self._kinds.get(type(obj)) == at_start.NEVER:
+            return NotImplemented  # (the common case, first: one look-up per object)
         else:
-            return NotImplemented
+            return self._reduce_start_object(obj)
         if untyped.device.type == "meta":
             return NotImplemented
         key = untyped._cdata
@@ -109,6 +121,18 @@ class _StorageWriter:
             return (_rebuild_storage, ("inline", index, dtype, bytes(_storage_bytes(untyped))))
         return (_rebuild_storage, ("file", index, dtype, nbytes))
 
+    def _reduce_start_object(self, obj: object) -> Any:
+        """An object that only a starting process may receive (collecting ``start_objects``), by index; else
+        ``NotImplemented``. Its type is judged on first sight."""
+        kind = self._kinds.get(type(obj))
+        if kind is None:
+            kind = self._kinds[type(obj)] = at_start.kind_of(type(obj))
+            if kind == at_start.NEVER and self._probe and at_start.refused_outside_start(obj):
+                kind = self._kinds[type(obj)] = at_start.ALWAYS
+        if kind == at_start.NEVER or not at_start.is_start_object(obj, kind):
+            return NotImplemented
+        return (_start_object, (self.start_objects.add(obj),))  # type: ignore[union-attr]
+
 
 class _NeedsValue(pickle.PicklingError):
     """A function or class that the reader cannot import by name: the object must be pickled by value."""
@@ -118,8 +142,14 @@ class _Pickler(_StorageWriter, pickle.Pickler):
     """Pickles by reference, like ``pickle``; storages are recorded, not copied. Given ``imports`` (what the
     reader can import), a function or class the reader cannot import raises :class:`_NeedsValue`."""
 
-    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None) -> None:
-        self._init_storages()
+    def __init__(
+        self,
+        file: io.BytesIO,
+        imports: WorkerImports | None = None,
+        start_objects: at_start.StartObjects | None = None,
+        probe: bool = False,
+    ) -> None:
+        self._init_storages(start_objects, probe)
         self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
@@ -140,8 +170,14 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     worker writing to a file wants.
     """
 
-    def __init__(self, file: io.BytesIO, imports: WorkerImports | None = None) -> None:
-        self._init_storages()
+    def __init__(
+        self,
+        file: io.BytesIO,
+        imports: WorkerImports | None = None,
+        start_objects: at_start.StartObjects | None = None,
+        probe: bool = False,
+    ) -> None:
+        self._init_storages(start_objects, probe)
         self._imports = imports
         super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
@@ -161,20 +197,35 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
         return super().reducer_override(obj)
 
 
-def _pickle(obj: object, by_value: bool, imports: WorkerImports | None = None) -> tuple[memoryview, _StorageWriter]:
+def _pickle(
+    obj: object, by_value: bool, imports: WorkerImports | None = None, start_objects: bool = False
+) -> tuple[memoryview, _StorageWriter]:
     """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails or if
     it holds a function or class that ``imports`` says the reader cannot import. Returns the pickle and the
-    pickler, which holds the storages and out-of-band buffers it recorded."""
+    pickler, which holds the storages and out-of-band buffers it recorded, and with ``start_objects`` the
+    objects that travel only with a starting process (found by type; if one of unknown type refuses, again
+    by trying each object's reduction)."""
+    try:
+        return _pickle_once(obj, by_value, imports, at_start.StartObjects() if start_objects else None, False)
+    except RuntimeError as error:
+        if not (start_objects and at_start.says_start_only(error)):
+            raise
+    return _pickle_once(obj, by_value, imports, at_start.StartObjects(), True)
+
+
+def _pickle_once(
+    obj: object, by_value: bool, imports: WorkerImports | None, found: at_start.StartObjects | None, probe: bool
+) -> tuple[memoryview, _StorageWriter]:
     if not by_value:
         buffer = io.BytesIO()
-        pickler: _StorageWriter = _Pickler(buffer, imports)
+        pickler: _StorageWriter = _Pickler(buffer, imports, found, probe)
         try:
             pickler.dump(obj)  # type: ignore[attr-defined]
             return buffer.getbuffer(), pickler
         except _PICKLE_ERRORS:
             pass
     buffer = io.BytesIO()
-    cloud_pickler = _CloudPickler(buffer, imports)
+    cloud_pickler = _CloudPickler(buffer, imports, None if found is None else at_start.StartObjects(), probe)
     cloud_pickler.dump(obj)
     return buffer.getbuffer(), cloud_pickler
 
@@ -196,10 +247,13 @@ def from_bytes(data: bytes) -> Any:
     return _Reader(-1, "private").load(data, [])
 
 
-def pickle_error(obj: object, *, by_value: bool = False, imports: WorkerImports | None = None) -> Exception | None:
-    """Return why ``obj`` cannot be sent (the pickling exception), or ``None`` if it can."""
+def pickle_error(
+    obj: object, *, by_value: bool = False, imports: WorkerImports | None = None, start_objects: bool = False
+) -> Exception | None:
+    """Return why ``obj`` cannot be sent (the pickling exception), or ``None`` if it can; with
+    ``start_objects``, objects that travel with a starting process are not counted (see :func:`dump`)."""
     try:
-        _pickle(obj, by_value, imports)
+        _pickle(obj, by_value, imports, start_objects)
     except Exception as error:  # noqa: BLE001 - the error is the answer
         return error
     return None
@@ -217,11 +271,12 @@ def _aligned(offset: int) -> int:
 
 
 def _layout(
-    obj: object, by_value: bool, imports: WorkerImports | None
-) -> tuple[list[tuple[int, memoryview]], int, bytes, memoryview]:
+    obj: object, by_value: bool, imports: WorkerImports | None, start_objects: bool
+) -> tuple[list[tuple[int, memoryview]], int, bytes, memoryview, list[Any]]:
     """Pickle ``obj``; return the data pieces (offset, bytes) at page-aligned offsets, where the data ends
-    (page-aligned), the header (the buffers' extents and the storages' offsets) and the pickle."""
-    data, pickler = _pickle(obj, by_value, imports)
+    (page-aligned), the header (the buffers' extents and the storages' offsets), the pickle, and with
+    ``start_objects`` the objects written as placeholders (see :func:`dump`)."""
+    data, pickler = _pickle(obj, by_value, imports, start_objects)
     pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
     offsets: dict[int, int] = {}  # storage index -> offset
     end = 0
@@ -240,12 +295,18 @@ def _layout(
     header = b"".join(
         [_HEADER.pack(len(extents)), *(_EXTENT.pack(*extent) for extent in extents), _HEADER.pack(len(table)), table]
     )
-    return pieces, end, header, data
+    return pieces, end, header, data, [] if pickler.start_objects is None else pickler.start_objects.objects
 
 
 def dump(
-    obj: object, directory: str, name: str, *, by_value: bool = False, imports: WorkerImports | None = None
-) -> None:
+    obj: object,
+    directory: str,
+    name: str,
+    *,
+    by_value: bool = False,
+    imports: WorkerImports | None = None,
+    start_objects: bool = False,
+) -> list[Any]:
     """Write ``obj`` as ``directory/name.pkl``, plus ``name.bin`` holding its storages and buffers of
     64 KiB or more.
 
@@ -253,11 +314,26 @@ def dump(
     sees a complete object. Tensors on other devices are copied to the CPU first. With ``imports`` (what
     the reading workers can import by name), functions and classes they cannot import travel by value.
 
+    Args:
+        obj: what to write.
+        directory: where to write it.
+        name: its name there.
+        by_value: pickle with cloudpickle from the start.
+        imports: what the readers can import by name (``None``: pickle's and cloudpickle's own rules).
+        start_objects: write a placeholder for each object that ``multiprocessing`` sends only to a starting
+            process (queues, locks, ``Pipe`` ends...: :mod:`mplaunch._wire.start_objects`) and return the
+            objects; the reader passes the same objects, received with its start, to :func:`load`.
+
+    Returns:
+        The objects written as placeholders, in placeholder order (empty without ``start_objects``).
+
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
+        RuntimeError: ``obj`` holds an object that travels only with a starting process, and not
+            ``start_objects``.
         OSError: the directory is missing or full.
     """
-    pieces, _, header, data = _layout(obj, by_value, imports)
+    pieces, _, header, data, objects = _layout(obj, by_value, imports, start_objects)
     if pieces:
         fd = os.open(os.path.join(directory, f"{name}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -273,24 +349,30 @@ def dump(
     finally:
         os.close(fd)
     os.replace(staging, os.path.join(directory, f"{name}.pkl"))
+    return objects
 
 
-def dump_fd(obj: object, fd: int, *, by_value: bool = False, imports: WorkerImports | None = None) -> None:
+def dump_fd(
+    obj: object, fd: int, *, by_value: bool = False, imports: WorkerImports | None = None, start_objects: bool = False
+) -> list[Any]:
     """Write ``obj`` into the memory file ``fd`` (see :func:`mplaunch._wire.fds.memory_file`), replacing what
     it held: the storages and buffers of 64 KiB or more, then the header and the pickle, then the trailer,
-    last, so a reader that finds the trailer finds a complete object.
+    last, so a reader that finds the trailer finds a complete object. Arguments and the return value as for
+    :func:`dump`.
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
+        RuntimeError: as for :func:`dump`.
         OSError: no memory for it.
     """
-    pieces, end, header, data = _layout(obj, by_value, imports)
+    pieces, end, header, data, objects = _layout(obj, by_value, imports, start_objects)
     os.ftruncate(fd, 0)
     for offset, piece in pieces:
         _write_at(fd, piece, offset)
     _write_at(fd, header, end)
     _write_at(fd, data, end + len(header))
     _write_at(fd, _TRAILER.pack(end, _MAGIC), end + len(header) + len(data))
+    return objects
 
 
 def remove(directory: str, name: str) -> None:
@@ -303,11 +385,14 @@ def remove(directory: str, name: str) -> None:
 class _Reader:
     """Maps the storages of one object being unpickled; :func:`_rebuild_storage` finds it in ``_reading``."""
 
-    def __init__(self, fd: int, how: str, offsets: dict[int, int] | None = None) -> None:
+    def __init__(
+        self, fd: int, how: str, offsets: dict[int, int] | None = None, start_objects: Sequence[Any] = ()
+    ) -> None:
         self._fd = fd
         self._how = how  # "private", "shared" (mapped) or "copy" (read)
         self._offsets = offsets or {}
         self._storages: dict[int, torch.UntypedStorage] = {}
+        self.start_objects = start_objects
 
     def storage(self, kind: str, index: int, dtype: torch.dtype | None, data: Any) -> Any:
         if kind == "inline":
@@ -352,7 +437,7 @@ def _rebuild_storage(kind: str, index: int, dtype: torch.dtype | None, data: Any
     return reader.storage(kind, index, dtype, data)
 
 
-def _read(view: mmap.mmap, start: int, fd: int, how: str) -> Any:
+def _read(view: mmap.mmap, start: int, fd: int, how: str, start_objects: Sequence[Any] = ()) -> Any:
     """Unpickle the object whose header begins at ``start`` of ``view``, its data in ``fd``."""
     (count,) = _HEADER.unpack_from(view, start)
     extents = [_EXTENT.unpack_from(view, start + _HEADER.size + i * _EXTENT.size) for i in range(count)]
@@ -360,14 +445,33 @@ def _read(view: mmap.mmap, start: int, fd: int, how: str) -> Any:
     (table_size,) = _HEADER.unpack_from(view, start)
     start += _HEADER.size
     offsets = pickle.loads(view[start : start + table_size])
-    reader = _Reader(fd, how, offsets)
+    reader = _Reader(fd, how, offsets, start_objects)
     with memoryview(view) as pickled, pickled[start + table_size :] as data:
         # released here, not by the traceback: an error while unpickling must not become
         # "BufferError: cannot close exported pointers exist" when the file's mapping closes
         return reader.load(data, reader.buffers(extents))
 
 
-def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: bool = False) -> Any:
+def _start_object(index: int) -> Any:
+    """Unpickling side of a start object's placeholder: the object the reader received with its start."""
+    reader: _Reader | None = getattr(_reading, "reader", None)
+    if reader is None or index >= len(reader.start_objects):
+        raise pickle.UnpicklingError(
+            "this pickle refers to an object sent with the process start (a queue, lock, Pipe end...) "
+            "that the reader was not given"
+        )
+    return reader.start_objects[index]
+
+
+def load(
+    directory: str,
+    name: str,
+    *,
+    private: bool,
+    remove: bool,
+    missing_ok: bool = False,
+    start_objects: Sequence[Any] = (),
+) -> Any:
     """Read the object ``name`` written by :func:`dump`.
 
     Args:
@@ -377,6 +481,8 @@ def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: 
             the rest stays backed by the file) instead of reading them into this process's own memory.
         remove: unlink its files once read (mapped data lives on in the mappings until they are freed).
         missing_ok: return ``None`` when no complete object ``name`` was written, instead of raising.
+        start_objects: what :func:`dump` returned, received with this process's start: the objects its
+            placeholders stand for.
 
     Raises:
         FileNotFoundError: nothing complete was written as ``name`` (and not ``missing_ok``).
@@ -397,7 +503,7 @@ def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: 
             except FileNotFoundError:
                 fd = -1  # everything is in the pickle
             try:
-                return _read(view, 0, fd, "private" if private else "copy")
+                return _read(view, 0, fd, "private" if private else "copy", start_objects)
             finally:
                 if fd >= 0:
                     os.close(fd)
@@ -408,7 +514,7 @@ def load(directory: str, name: str, *, private: bool, remove: bool, missing_ok: 
                     os.unlink(leftover)
 
 
-def load_fd(fd: int, *, private: bool, missing_ok: bool = False) -> Any:
+def load_fd(fd: int, *, private: bool, missing_ok: bool = False, start_objects: Sequence[Any] = ()) -> Any:
     """Read the object that :func:`dump_fd` wrote into the memory file ``fd`` (which stays open).
 
     Args:
@@ -418,6 +524,7 @@ def load_fd(fd: int, *, private: bool, missing_ok: bool = False) -> Any:
             data lives in this process's mappings, whose changes a process forked from this one would share
             (see :func:`mplaunch._wire.mappings.make_private`).
         missing_ok: return ``None`` when the file holds no complete object, instead of raising.
+        start_objects: as for :func:`load`.
 
     Raises:
         FileNotFoundError: the file holds no complete object (and not ``missing_ok``).
@@ -432,7 +539,7 @@ def load_fd(fd: int, *, private: bool, missing_ok: bool = False) -> Any:
             return None
         raise FileNotFoundError("the memory file holds no complete object")
     with mmap.mmap(fd, size - start, offset=start, access=mmap.ACCESS_READ) as view:
-        value = _read(view, 0, fd, "private" if private else "shared")
+        value = _read(view, 0, fd, "private" if private else "shared", start_objects)
     if not private:
         os.ftruncate(fd, start)  # the header and pickle: only the data is kept
     return value

@@ -27,7 +27,7 @@ from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import RemoteError
 from mplaunch._output.fds import take_fds
 from mplaunch._state.sharing import unshare
-from mplaunch._wire import transport
+from mplaunch._wire import flags, transport
 from mplaunch._wire.fds import close_memory_files, close_quietly
 from mplaunch._wire.records import (
     PAYLOAD,
@@ -40,9 +40,11 @@ from mplaunch._wire.records import (
     WorkerSpec,
     outcome_name,
 )
+from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
+from mplaunch._worker.watch import record_usage, watch
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _signal_received: int | None = None  # the first SIGTERM/SIGINT this worker got
@@ -146,7 +148,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
     raised_at = None  # when the function raised: before the process group's teardown makes peers fail too
     try:
-        _set_threads(spec.num_threads)
+        placement.apply(spec, local_rank, rank)  # devices, CPUs, env=: before anything reads them
+        _set_threads(placement.thread_count(spec, local_rank))
         if payload is None:
             payload = _read_payload(spec)
         payload.state.restore()
@@ -168,10 +171,12 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
 def _read_payload(spec: WorkerSpec) -> Payload:
     """The call, mapped copy-on-write from the parent's memory file or from the launch directory."""
     if spec.payload_fd is None:
-        payload: Payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+        payload: Payload = transport.load(
+            spec.directory, PAYLOAD, private=True, remove=False, start_objects=spec.start_objects
+        )
         return payload
     try:
-        payload = transport.load_fd(spec.payload_fd.fd, private=True)
+        payload = transport.load_fd(spec.payload_fd.fd, private=True, start_objects=spec.start_objects)
         return payload
     finally:
         close_quietly(spec.payload_fd.fd)  # the mappings keep what they need
@@ -262,6 +267,7 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
     finally:
+        record_usage()
         # threads the function left running must not keep the worker (and the call) alive
         os._exit(_exit_code(outcome))
 
@@ -312,6 +318,8 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
                 max_restarts=spec.max_restarts,
             ),
         )
+        watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
+        flags.attach(spec.directory)  # the launch's preemption flag, if it has one: mplaunch.preempted()
         outcome = _execute(rank, rank, spec, payload)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
         pass

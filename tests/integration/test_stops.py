@@ -188,21 +188,30 @@ def test_a_ctrl_c_right_after_a_worker_is_reaped_stays_a_ctrl_c(monkeypatch: pyt
     import threading
 
     reaped: list[int] = []
-    waitpid = os.waitpid
+    waitpid, wait4 = os.waitpid, os.wait4
 
-    def waitpid_then_ctrl_c(pid: int, options: int) -> tuple[int, int]:
-        result = waitpid(pid, options)
+    def ctrl_c_after(pid: int, result: tuple[Any, ...]) -> None:
         if result[0] == pid and not reaped:
             reaped.append(pid)
             sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
             sender.start()
             sender.join()
             time.sleep(0.01)  # Python runs the handler here, in the main thread
+
+    def waitpid_then_ctrl_c(pid: int, options: int) -> tuple[int, int]:
+        result = waitpid(pid, options)
+        ctrl_c_after(pid, result)
+        return result
+
+    def wait4_then_ctrl_c(pid: int, options: int) -> tuple[int, int, Any]:
+        result = wait4(pid, options)
+        ctrl_c_after(pid, result)
         return result
 
     launch(workers.sleep)(0)  # what a first launch opens for good (the reaper's pipe) is open before
     before = set(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(os, "waitpid", waitpid_then_ctrl_c)  # what multiprocessing's popen_fork calls
+    monkeypatch.setattr(os, "wait4", wait4_then_ctrl_c)  # what the supervisor reaps with (RunReport)
     with pytest.raises(KeyboardInterrupt):
         launch(workers.sleep)(0)
     assert reaped and set(os.listdir("/proc/self/fd")) <= before

@@ -120,3 +120,12 @@ def test_an_unwritable_log_dir_is_refused_before_any_pipe_is_made(tmp_path: Path
     with pytest.raises(LaunchRefusedError, match="log_dir=.*file/logs"):
         Pump([0], prefix=False, console_ranks=None, log_dir=str(blocker / "logs"))
     assert len(os.listdir("/proc/self/fd")) == open_fds
+
+
+def test_a_template_takes_the_announced_pid_and_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    consoles = _consoles(monkeypatch)
+    pump = Pump([None], prefix="{rank}|{pid}|{node_rank}|{local_rank} ", console_ranks=None, log_dir=None)
+    pump.start(keep_writers=True)
+    os.write(pump.writers[0], RANK_MARK + b"5,4321,1\x00" + "hé\n".encode())
+    pump.close()
+    assert consoles[0].getvalue() == "5|4321|1|0 hé\n"

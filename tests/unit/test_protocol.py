@@ -185,7 +185,11 @@ def test_exit_status_is_cpythons(code: object, status: int) -> None:
 @pytest.mark.parametrize(
     ("exitcode", "signum", "message"),
     [
-        (-signal.SIGKILL, None, "rank 1 (pid 9) was ended by SIGKILL (signal 9); the out-of-memory killer is a likely"),
+        (
+            -signal.SIGKILL,
+            None,
+            "rank 1 (pid 9) was ended by SIGKILL (signal 9); the out-of-memory killer is a possible",
+        ),
         (-signal.SIGSEGV, None, "rank 1 (pid 9) was ended by SIGSEGV (signal 11)"),
         (
             128 + signal.SIGTERM,

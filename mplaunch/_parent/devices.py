@@ -1,0 +1,186 @@
+"""The process-wide pool of CUDA devices that ``devices=`` draws from.
+
+Launches of one process that ask for devices get disjoint ones: a launch whose devices are taken waits (its
+future stays pending) until another launch releases them, and a launch releases its devices when it ends,
+however it ends. Waiting launches are served in the order they asked, a later one going first only where an
+earlier one cannot start yet (a request for two devices may wait while one-device requests overtake it).
+
+The devices are this process's visible ones, numbered from 0 as ``torch.cuda`` numbers them. A launch's ranks
+see exactly its devices, in order, through ``CUDA_VISIBLE_DEVICES``, written with the names this process's own
+``CUDA_VISIBLE_DEVICES`` gives them (index 1 of ``"4,5,6"`` is ``"5"``; UUIDs stay UUIDs). The pool follows
+Ray's ``num_gpus`` resource and Lightning's ``devices=[...]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+from mplaunch._errors import InvalidOptionError
+from mplaunch._parent.control import LaunchControl
+
+#: Seconds between checks for a stop request while a launch waits for devices.
+_POLL = 0.05
+
+
+def device_count() -> int:
+    """The number of CUDA devices this process sees, without initialising CUDA (tests replace this function)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def visible_names(environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:
+    """What each visible device (by index) is called in this process's ``CUDA_VISIBLE_DEVICES``: its entries,
+    or ``"0"``, ``"1"``, ... where it is not set."""
+    count = device_count()
+    given = environ.get("CUDA_VISIBLE_DEVICES")
+    if given is None:
+        return [str(index) for index in range(count)]
+    entries = [entry.strip() for entry in given.split(",") if entry.strip()]
+    return entries[:count] + [str(index) for index in range(len(entries), count)]
+
+
+def check_request(devices: int | tuple[int, ...] | None) -> None:
+    """Refuse a request this process can never grant, before anything waits or starts.
+
+    Raises:
+        InvalidOptionError: an index that is not a visible device, or more devices than are visible; the
+            message lists the visible ones.
+    """
+    if devices is None:
+        return
+    names = visible_names()
+    visible = ", ".join(f"{index} ({name})" for index, name in enumerate(names)) or "none"
+    if isinstance(devices, int):
+        if devices > len(names):
+            raise InvalidOptionError(
+                f"devices={devices} asks for more CUDA devices than this process sees ({len(names)}; visible: "
+                f"{visible}). Pass at most {len(names)}, or devices=None."
+            )
+        return
+    unknown = [index for index in devices if index >= len(names)]
+    if unknown:
+        raise InvalidOptionError(
+            f"devices={list(devices)} names device(s) {unknown} that this process does not see: the visible "
+            f"devices are {visible} (indices count from 0 within CUDA_VISIBLE_DEVICES). Pass indices among them."
+        )
+
+
+class _Ticket:
+    """One waiting request (compared by identity: two requests for one device are two tickets)."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: int | tuple[int, ...]) -> None:
+        self.request = request
+
+
+class DevicePool:
+    """Hands out device indices to launches, each at most to one launch at a time (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._busy: set[int] = set()
+        self._waiting: list[_Ticket] = []
+
+    def busy(self) -> frozenset[int]:
+        """The indices held by running launches now."""
+        with self._condition:
+            return frozenset(self._busy)
+
+    def _fit(self, request: int | tuple[int, ...], count: int) -> tuple[int, ...] | None:
+        if isinstance(request, int):
+            free = [index for index in range(count) if index not in self._busy]
+            return tuple(free[:request]) if len(free) >= request else None
+        return None if self._busy & set(request) else request
+
+    def acquire(self, request: int | tuple[int, ...], control: LaunchControl | None = None) -> tuple[int, ...]:
+        """Wait until the request can be granted, take its devices and return their indices.
+
+        Args:
+            request: a number of any free devices, or the indices of the devices wanted, in order.
+            control: the launch's control; a stop requested while waiting ends the wait.
+
+        Raises:
+            InvalidOptionError: the request can never be granted (see :func:`check_request`).
+            LaunchStopped: the launch was stopped while waiting.
+        """
+        check_request(request)
+        count = device_count()
+        ticket = _Ticket(request if isinstance(request, int) else tuple(request))
+        with self._condition:
+            self._waiting.append(ticket)
+            try:
+                while True:
+                    earlier = self._waiting[: self._waiting.index(ticket)]
+                    granted = self._fit(ticket.request, count)
+                    if granted is not None and all(self._fit(t.request, count) is None for t in earlier):
+                        self._busy.update(granted)
+                        return granted
+                    if control is not None:
+                        control.check()
+                    self._condition.wait(_POLL if control is not None else None)
+            finally:
+                self._waiting = [t for t in self._waiting if t is not ticket]
+                self._condition.notify_all()  # a later request may fit now
+
+    def release(self, granted: tuple[int, ...]) -> None:
+        """Give back devices taken by :meth:`acquire`."""
+        with self._condition:
+            self._busy.difference_update(granted)
+            self._condition.notify_all()
+
+
+#: This process's pool.
+POOL = DevicePool()
+os.register_at_fork(after_in_child=lambda: globals().__setitem__("POOL", DevicePool()))
+
+
+@contextlib.contextmanager
+def held(request: int | tuple[int, ...] | None, control: LaunchControl | None = None) -> Iterator[list[str] | None]:
+    """Hold the devices of ``request`` for the block and yield their ``CUDA_VISIBLE_DEVICES`` names, in order;
+    ``None`` (all visible, not pooled) yields ``None``. Released on the way out, however the block ends."""
+    if request is None:
+        yield None
+        return
+    granted = POOL.acquire(request, control)
+    try:
+        names = visible_names()
+        yield [names[index] for index in granted]
+    finally:
+        POOL.release(granted)
+
+
+def bus_ids(names: list[str]) -> list[str | None]:
+    """The PCI bus id of each named device where NVML (the ``nvidia-ml-py`` package) can tell without
+    initialising CUDA, else ``None``; NVML's index order is the PCI bus order, CUDA's only with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so indices are looked up only then (UUIDs always)."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML: no bus ids
+        return [None] * len(names)
+    by_index = os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+    found: list[str | None] = []
+    try:
+        for name in names:
+            try:
+                if name.startswith(("GPU-", "MIG-")):
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+                elif by_index and name.isdigit():
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(int(name))
+                else:
+                    found.append(None)
+                    continue
+                bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
+                found.append((bus.decode() if isinstance(bus, bytes) else str(bus)).lower()[-12:])
+            except Exception:  # noqa: BLE001 - this device is not known to NVML
+                found.append(None)
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return found

@@ -1,0 +1,110 @@
+"""The placement of each rank of a launch, decided in the parent before any worker starts: the launch's devices
+(``devices=``), each rank's CPUs (``cpu_binding=``) and its extra variables (``env=``). Each worker applies its
+own (:mod:`mplaunch._worker.placement`); the parent's environment and affinity are never changed."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Mapping
+
+from mplaunch._config import ParallelConfig
+from mplaunch._env import check_extra_env
+from mplaunch._errors import InvalidOptionError, LaunchRefusedError
+from mplaunch._parent import devices as device_pool
+from mplaunch._platform import topology
+from mplaunch._wire.placement import RankPlacement
+
+
+def plan(
+    config: ParallelConfig, nprocs: int, names: list[str] | None, *, multinode: bool, threads_kept: bool
+) -> tuple[RankPlacement, ...] | None:
+    """Each local rank's :class:`RankPlacement`, or ``None`` when no option asks for one.
+
+    Args:
+        config: the launch's options.
+        nprocs: ranks on this node.
+        names: the ``CUDA_VISIBLE_DEVICES`` names of the launch's devices, or ``None`` without ``devices=``.
+        multinode: the ranks are numbered by the rendezvous: ``env=``'s function is called in the workers.
+        threads_kept: each rank may run as many intra-op threads as it has CPUs (the user did not set
+            ``OMP_NUM_THREADS``, and forked workers can run more than one).
+
+    Raises:
+        InvalidOptionError: ``env=``'s function returned a bad mapping.
+        LaunchRefusedError: ``cpu_binding`` has fewer CPUs than ranks to share.
+    """
+    if names is None and config.cpu_binding is None and config.env is None:
+        return None
+    cuda = ",".join(names) if names is not None else None
+    cpus: list[tuple[int | None, tuple[int, ...] | None]] = [(None, None)] * nprocs
+    if config.cpu_binding is not None:
+        cpus = _bind(config.cpu_binding, nprocs, names)
+    sharing = {cpu_set: sum(1 for _, other in cpus if other == cpu_set) for _, cpu_set in cpus}
+    placements = []
+    for rank in range(nprocs):
+        node, rank_cpus = cpus[rank]
+        placements.append(
+            RankPlacement(
+                cuda_visible_devices=cuda,
+                cpus=rank_cpus,
+                numa_node=node,
+                # ranks on one NUMA node share its cores: never more threads than cores
+                num_threads=max(1, len(rank_cpus) // sharing[rank_cpus]) if rank_cpus and threads_kept else None,
+                environ=_rank_env(config.env, rank, names is not None) if not multinode else _shared_env(config),
+            )
+        )
+    return tuple(placements)
+
+
+def env_function(config: ParallelConfig, start_method: str) -> Callable[[int], Mapping[str, str]] | None:
+    """``env=``'s function, for the workers of a multi-node launch to call with their global rank.
+
+    Raises:
+        InvalidOptionError: the function cannot be pickled, as ``spawn``/``forkserver`` workers need.
+    """
+    if not callable(config.env):
+        return None
+    if start_method != "fork":
+        try:
+            pickle.dumps(config.env)
+        except Exception as error:
+            raise InvalidOptionError(
+                f"env={config.env!r} cannot be sent to the workers of a multi-node launch ({error}): pass a "
+                "function defined at the top level of a module, or a mapping."
+            ) from error
+    return config.env
+
+
+def _shared_env(config: ParallelConfig) -> dict[str, str]:
+    return dict(config.env) if isinstance(config.env, Mapping) else {}
+
+
+def _rank_env(env: object, rank: int, devices: bool) -> dict[str, str]:
+    if env is None:
+        return {}
+    if isinstance(env, Mapping):
+        return dict(env)
+    assert callable(env)
+    return check_extra_env(env(rank), f"env({rank})", devices=devices)
+
+
+def _bind(kind: str, nprocs: int, names: list[str] | None) -> list[tuple[int | None, tuple[int, ...] | None]]:
+    """Each rank's NUMA node (``"numa"``) and CPUs, within this process's affinity mask (and so its cpuset)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if kind == "numa":
+        preferred: list[int | None] = []
+        if names is not None:
+            preferred = [None if bus is None else topology.pci_numa_node(bus) for bus in device_pool.bus_ids(names)]
+        return [(node, cpus) for node, cpus in topology.split_numa(allowed, nprocs, preferred=preferred)]
+    try:
+        return [(None, cpus) for cpus in topology.split_cores(allowed, nprocs)]
+    except ValueError:
+        raise LaunchRefusedError(
+            f"cpu_binding='cores' cannot give each of {nprocs} ranks CPUs of its own: this process may use "
+            f"{len(allowed)} CPU(s) ({topology_text(allowed)}). Use fewer processes, cpu_binding='numa', or None."
+        ) from None
+
+
+def topology_text(cpus: list[int]) -> str:
+    """``cpus`` as a short list for messages."""
+    return ",".join(map(str, cpus[:16])) + ("..." if len(cpus) > 16 else "")

@@ -1,0 +1,176 @@
+"""Preemption of a one-node launch: a signal in ``preempt_signals`` (or ``future.preempt()``) tells every rank,
+through the flag of :mod:`mplaunch._wire.flags`, instead of stopping it; the ranks get ``preempt_grace`` seconds
+to save and return, then the rest are stopped and the call raises :class:`~mplaunch.PreemptedError`.
+
+The idea follows SLURM's ``--signal`` and submitit's checkpointing, and torchrun's ``--signals-to-handle``:
+the scheduler warns, the job saves, the scheduler requeues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from types import FrameType
+from typing import Any
+
+from mplaunch._errors import PreemptedError
+from mplaunch._parent.control import LaunchControl
+from mplaunch._wire import flags
+from mplaunch._wire.records import RankState, Returned, Stopped
+
+
+class Preemption:
+    """The preemption notice of one launch. The first :meth:`notify` raises the flag and starts the grace; a
+    second one ends the grace at once. Safe to call from a signal handler and from another thread.
+
+    Args:
+        grace: seconds the ranks get after the notice (``preempt_grace``).
+    """
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.signum: int | None = None
+        self.noticed_at: float | None = None
+        self.forced = False
+        self.reported = False  # a PreemptedError was raised for the notice
+        self._mapping: mmap.mmap | None = None
+        self._read, self._write = os.pipe()
+        fcntl.fcntl(self._write, fcntl.F_SETFL, os.O_NONBLOCK)
+
+    @property
+    def noticed(self) -> bool:
+        return self.noticed_at is not None
+
+    def attach(self, directory: str) -> None:
+        """Create the launch's flag in ``directory`` (raised at once if the notice came first)."""
+        mapping = flags.create(directory)
+        self._mapping = mapping
+        if self.noticed:
+            flags.raise_flag(mapping)
+
+    def detach(self) -> None:
+        """Unmap the flag (before the launch directory goes)."""
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            mapping.close()
+
+    def notify(self, signum: int | None) -> None:
+        """The notice (``signum``: the signal, or ``None`` from ``future.preempt()``); a second one forces the end."""
+        if self.noticed:
+            self.forced = True
+        else:
+            self.signum = signum
+            self.noticed_at = time.monotonic()
+            mapping = self._mapping
+            if mapping is not None:
+                flags.raise_flag(mapping)
+        with contextlib.suppress(OSError):  # BlockingIOError: a wake-up is already pending
+            os.write(self._write, b"x")
+
+    def fileno(self) -> int:
+        """A descriptor that becomes readable at each notice (for ``connection.wait``)."""
+        return self._read
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.set_blocking(self._read, False)
+            os.read(self._read, 4096)
+
+    def remaining(self) -> float | None:
+        """Seconds left of the grace (``0.0`` when over or forced), or ``None`` before a notice."""
+        if self.noticed_at is None:
+            return None
+        if self.forced:
+            return 0.0
+        return max(0.0, self.noticed_at + self.grace - time.monotonic())
+
+    def error(self, states: Mapping[int, RankState], nprocs: int) -> PreemptedError:
+        """The :class:`PreemptedError` for these rank states (rank -> what became of it)."""
+        self.reported = True
+        values = {rank: state.value for rank, state in sorted(states.items()) if isinstance(state, Returned)}
+        stopped = tuple(rank for rank in range(nprocs) if isinstance(states.get(rank), Stopped) or rank not in states)
+        failures = tuple(state for _, state in sorted(states.items()) if isinstance(state, BaseException))
+        what = notice_name(self.signum)
+        if self.forced:
+            how = "a second notice ended the grace at once"
+        else:
+            how = f"preempt_grace={self.grace:g} s"
+        message = (
+            f"the launch was preempted by {what} ({how}): ranks {sorted(values)} returned, ranks {list(stopped)} "
+            "were stopped. Save in the ranks when mplaunch.preempted() is true, and resume on the next call."
+        )
+        return PreemptedError(message, self.signum, values, stopped, failures)
+
+    def close(self) -> None:
+        self.detach()
+        for fd in (self._read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def notice_name(signum: int | None) -> str:
+    """Name the notice: ``SIGTERM``, or ``future.preempt()``."""
+    if signum is None:
+        return "future.preempt()"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@contextlib.contextmanager
+def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterator[None]:
+    """While the launch runs, let ``signals`` notify ``preemption`` instead of their handlers; put the handlers
+    back after. Python runs signal handlers in the main thread only, so another thread (a submitted launch)
+    installs nothing: ``future.preempt()`` is its notice. A signal noticed too late for any rank to see (the
+    launch returned all the same) goes on to the handler it had before."""
+    if not signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner:  # a forked worker before its own set-up: as in a fresh process
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        preemption.notify(signum)
+
+    try:
+        for signum in signals:
+            previous[signum] = signal.signal(signum, handler)
+        yield
+    except BaseException:
+        preemption.reported = True  # the call ends with an error, which the caller sees: nothing to pass on
+        raise
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, signal.SIG_DFL if old is None else old)
+        if preemption.noticed and not preemption.reported and preemption.signum in previous:
+            signal.raise_signal(preemption.signum)
+
+
+@contextlib.contextmanager
+def preemption_notice(
+    control: LaunchControl, directory: str, signals: tuple[int, ...], grace: float
+) -> Iterator[Preemption]:
+    """The preemption notice of a one-node launch while it runs: a flag in ``directory`` when the launch can
+    be preempted (``signals``, or a submitted launch, which ``future.preempt()`` can preempt), the handlers of
+    ``signals`` in the main thread, and ``control.preemption``."""
+    preemption = Preemption(grace)
+    try:
+        if signals or control.fileno() is not None:
+            preemption.attach(directory)
+        control.set_preemption(preemption)
+        with preempt_signals(preemption, signals):
+            yield preemption
+    finally:
+        control.set_preemption(None)
+        preemption.close()

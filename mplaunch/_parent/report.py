@@ -1,0 +1,165 @@
+"""What each rank of a launch cost and how it ended, from the kernel: :class:`RunReport`.
+
+A worker that is this process's child is reaped with ``wait4``, which returns the kernel's account of it
+(peak resident memory, CPU time), also after a SIGKILL; ``multiprocessing`` is then told its exit code
+(``Popen.returncode``, which its ``poll()`` returns once set). A fork server's workers are not this process's
+children: they write their own account to the launch's board when they exit (none after a SIGKILL). The
+out-of-memory killer's count of each worker's cgroup is read when it starts and when it has ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from multiprocessing.process import BaseProcess
+
+from mplaunch._errors import signal_name
+from mplaunch._platform.memory import oom_counters, oom_kills
+from mplaunch._wire.watch import MAX_RSS, SYSTEM_TIME, USER_TIME, Board
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """How one rank's worker ended and what it used, as the kernel counted it.
+
+    Attributes:
+        rank: the global rank.
+        pid: its worker's process id.
+        exitcode: its exit code as ``multiprocessing`` gives it (negative ``-N``: killed by signal ``N``),
+            or ``None`` if it was never seen to end.
+        signal_name: the signal that killed it (e.g. ``"SIGKILL"``), else ``None``.
+        max_rss: its peak resident memory, in bytes, or ``None`` when unknown (a fork server's worker
+            killed by a signal).
+        user_time: CPU seconds it spent in user mode, or ``None`` when unknown.
+        system_time: CPU seconds it spent in the kernel, or ``None`` when unknown.
+        wall_time: seconds from its start to its end, as the parent saw them.
+        oom: whether the out-of-memory killer ended it: as :attr:`mplaunch.WorkerExitedError.oom`.
+    """
+
+    rank: int
+    pid: int | None
+    exitcode: int | None
+    signal_name: str | None
+    max_rss: int | None
+    user_time: float | None
+    system_time: float | None
+    wall_time: float | None
+    oom: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReport:
+    """A launch's account, per rank: reachable as ``fn.last_report`` after a call, ``future.report`` from a
+    submitted launch, and ``error.report`` on every error a launch raises.
+
+    Attributes:
+        ranks: one :class:`RankReport` per rank of this node, of the launch's last attempt, in rank order;
+            empty when no worker was started, or for a multi-node launch (torch elastic runs its workers).
+        wall_time: seconds the whole launch took, restarts included.
+        restarts: how many times the workers were restarted (``max_restarts``).
+    """
+
+    ranks: tuple[RankReport, ...]
+    wall_time: float
+    restarts: int = 0
+
+    def __str__(self) -> str:
+        lines = [f"launch: {self.wall_time:.2f} s, {self.restarts} restart(s)"]
+        for r in self.ranks:
+            memory = "?" if r.max_rss is None else f"{r.max_rss / 2**20:.0f} MiB"
+            cpu = "?" if r.user_time is None or r.system_time is None else f"{r.user_time + r.system_time:.2f} s"
+            end = r.signal_name or f"exit {r.exitcode}"
+            wall = "?" if r.wall_time is None else f"{r.wall_time:.2f} s"
+            lines.append(f"rank {r.rank} (pid {r.pid}): {end}, peak RSS {memory}, CPU {cpu}, wall {wall}")
+        return "\n".join(lines)
+
+
+class RankRecords:
+    """The parent's notes on each worker of one attempt: start, cgroup counts, end, usage.
+
+    Args:
+        board: the attempt's board, where fork-server workers leave their usage, or ``None``.
+        start_method: the launch's start method.
+    """
+
+    def __init__(self, board: Board | None, start_method: str) -> None:
+        self.board = board
+        self.children = start_method != "forkserver"
+        self._started: dict[int, float] = {}
+        self._ended: dict[int, float] = {}
+        self._counters: dict[int, tuple[tuple[str, ...], int | None]] = {}
+        self._usage: dict[int, tuple[int, float, float]] = {}
+        self._oom_kills: dict[int, int | None] = {}
+
+    def started(self, rank: int, pid: int | None) -> None:
+        """Note that ``rank`` started as ``pid``; read its cgroup's out-of-memory count."""
+        self._started[rank] = time.monotonic()
+        counters = oom_counters(pid) if pid is not None else ()
+        self._counters[rank] = (counters, oom_kills(counters))
+
+    def reap(self, rank: int, process: BaseProcess) -> None:
+        """Reap ``rank``'s ended worker (``process``), keeping the kernel's account of it; wait for it if it
+        has not ended. Idempotent."""
+        if rank in self._ended:
+            process.join()
+            return
+        counters, before = self._counters.get(rank, ((), None))
+        after = oom_kills(counters)  # before reaping: the cgroup is the one it died in
+        self._oom_kills[rank] = None if before is None or after is None else after - before
+        popen = getattr(process, "_popen", None)
+        if self.children and popen is not None and popen.returncode is None and process.pid is not None:
+            try:
+                pid, status, usage = os.wait4(process.pid, 0)
+            except ChildProcessError:
+                pass  # reaped by multiprocessing meanwhile (another thread started a process): it has the code
+            else:
+                if pid == process.pid:
+                    popen.returncode = os.waitstatus_to_exitcode(status)
+                    self._usage[rank] = (usage.ru_maxrss * 1024, usage.ru_utime, usage.ru_stime)
+        process.join()
+        self._ended[rank] = time.monotonic()
+
+    def oom_kills(self, rank: int) -> int | None:
+        """How many processes the out-of-memory killer ended in ``rank``'s cgroup while it ran, or ``None``."""
+        return self._oom_kills.get(rank)
+
+    def report(
+        self, processes: list[BaseProcess], states: Mapping[int, object], stopped: set[int]
+    ) -> tuple[RankReport, ...]:
+        """One :class:`RankReport` per rank (``states``, ``stopped``: the supervisor's, for the out-of-memory
+        verdict: a rank the launch stopped was not the killer's)."""
+        found = []
+        for rank, process in enumerate(processes):
+            usage = self._usage.get(rank) or self._board_usage(rank)
+            exitcode = process.exitcode if rank in self._ended else None
+            started, ended = self._started.get(rank), self._ended.get(rank)
+            oom = getattr(states.get(rank), "oom", None)
+            if oom is None and (rank in stopped or (exitcode is not None and exitcode != -9)):
+                oom = False
+            elif oom is None and (kills := self._oom_kills.get(rank)) is not None:
+                oom = kills > 0
+            found.append(
+                RankReport(
+                    rank=rank,
+                    pid=process.pid,
+                    exitcode=exitcode,
+                    signal_name=signal_name(exitcode),
+                    max_rss=None if usage is None else usage[0],
+                    user_time=None if usage is None else usage[1],
+                    system_time=None if usage is None else usage[2],
+                    wall_time=None if started is None or ended is None else ended - started,
+                    oom=oom,
+                )
+            )
+        return tuple(found)
+
+    def _board_usage(self, rank: int) -> tuple[int, float, float] | None:
+        if self.board is None:
+            return None
+        try:
+            rss = self.board.get(rank, MAX_RSS)
+            return (int(rss), self.board.get(rank, USER_TIME), self.board.get(rank, SYSTEM_TIME)) if rss else None
+        except (ValueError, IndexError):  # the board is closed
+            return None

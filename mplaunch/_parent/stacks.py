@@ -1,0 +1,159 @@
+"""Every live rank's Python stacks, on request: each worker dumps them with :mod:`faulthandler` when it gets
+:data:`~mplaunch._wire.watch.STACKS_SIGNAL` (see :mod:`mplaunch._worker.watch`); and where each rank was, in
+one line: the innermost frame of the user's code in the thread that runs the function.
+
+The idea of dumping every thread without the GIL from a signal handler is CPython's ``faulthandler`` (as
+``py-spy dump`` does from outside); torchrun has no equivalent, NCCL's flight recorder covers collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import sysconfig
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from mplaunch._wire.watch import stacks_name
+
+#: Seconds the parent waits for the dumps (all ranks together): stacks never delay a stop by more.
+DUMP_BOUND = 1.0
+_POLL = 0.01  # seconds between looks at the dump files
+_STEADY = 3  # looks without growth after which a dump is complete
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.*)$')
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mplaunch/
+_WORKER_ENTRY = os.path.join(_PACKAGE, "_worker", "entry.py")
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_LIBRARIES = ("site-packages", "dist-packages")
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One line of a dump: ``File "<file>", line <line> in <function>``."""
+
+    file: str
+    line: int | None
+    function: str
+
+    def __str__(self) -> str:
+        file = os.path.relpath(self.file) if os.path.isabs(self.file) else self.file
+        if file.startswith(".."):
+            file = self.file
+        return f"{self.function} ({file}:{self.line if self.line is not None else '?'})"
+
+
+def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: float = DUMP_BOUND) -> dict[int, str]:
+    """Ask each rank in ``senders`` for its stacks and return those that came within ``bound`` seconds.
+
+    Args:
+        directory: the launch directory, where each rank's dump file is.
+        senders: per rank, a function that sends it :data:`~mplaunch._wire.watch.STACKS_SIGNAL` (raising
+            ``OSError`` when the worker is gone).
+        bound: seconds to wait for every dump together.
+
+    Returns:
+        Each rank's dump text, by rank; a rank that cannot dump yet (still starting), has ended, or did not
+        finish its dump in time is missing (a partial dump is returned as it is).
+    """
+    paths: dict[int, str] = {}
+    for rank, send in senders.items():
+        path = os.path.join(directory, stacks_name(rank))
+        try:
+            os.truncate(path, 0)  # the worker appends: its next dump starts the file
+            send()
+        except OSError:  # no dump file yet (the rank is starting: the signal would end it), or it has ended
+            continue
+        paths[rank] = path
+    sizes = dict.fromkeys(paths, 0)
+    steady = dict.fromkeys(paths, 0)
+    deadline = time.monotonic() + bound
+    while any(count < _STEADY for count in steady.values()) and time.monotonic() < deadline:
+        time.sleep(_POLL)
+        for rank in paths:
+            with contextlib.suppress(OSError):
+                size = os.path.getsize(paths[rank])
+                steady[rank] = steady[rank] + 1 if size and size == sizes[rank] else 0
+                sizes[rank] = size
+    found = {}
+    for rank, path in paths.items():
+        with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as file:
+            text = file.read()
+            if text:
+                found[rank] = text
+    return found
+
+
+def threads(text: str) -> list[list[Frame]]:
+    """The frames of each thread in a faulthandler dump, innermost first, in the dump's order."""
+    found: list[list[Frame]] = []
+    for line in text.splitlines():
+        if _THREAD.match(line) or line.startswith("Stack (most recent call first)"):
+            found.append([])
+        elif (match := _FRAME.match(line)) is not None:
+            if not found:
+                found.append([])
+            number = match["line"]
+            found[-1].append(Frame(match["file"], int(number) if number.isdigit() else None, match["function"]))
+    return found
+
+
+def _tier(file: str) -> int:
+    """0: the user's code; 1: another installed library; 2: mplaunch, torch, the standard library, frozen."""
+    if file.startswith("<") or file.startswith(_PACKAGE + os.sep) or file.startswith(_TORCH + os.sep):
+        return 2
+    if any(f"{os.sep}{name}{os.sep}" in file for name in _LIBRARIES):
+        return 1
+    if any(file.startswith(path + os.sep) for path in _stdlib()):
+        return 2
+    return 0
+
+
+def _stdlib() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple({os.path.abspath(paths[key]) for key in ("stdlib", "platstdlib") if key in paths})
+
+
+def innermost_user_frame(text: str) -> Frame | None:
+    """Where the rank was: in the thread that runs the function (the one under mplaunch's worker entry; else
+    the first thread), its innermost frame of the user's code above the entry (else of another library, else
+    its innermost frame). ``None`` for a dump without frames."""
+    stacks = [stack for stack in threads(text) if stack]
+    if not stacks:
+        return None
+    stack = next((s for s in stacks if any(_runs_function(f) for f in s)), stacks[0])
+    entry = next((i for i, f in enumerate(stack) if _runs_function(f)), len(stack))
+    stack = stack[:entry] or stack  # below the entry: the parent's frames a forked worker inherited
+    for tier in (0, 1):
+        frame = next((f for f in stack if _tier(f.file) == tier), None)
+        if frame is not None:
+            return frame
+    return stack[0]
+
+
+def _runs_function(frame: Frame) -> bool:
+    """Whether ``frame`` is the worker entry's frame that calls the user's function."""
+    return frame.file == _WORKER_ENTRY and frame.function in ("_execute", "run", "elastic_entry")
+
+
+def summary(stacks: Mapping[int, str]) -> str:
+    """One clause per rank, e.g. ``rank 0 in stuck_here (train.py:12); rank 1 in step (train.py:30)``."""
+    parts = []
+    for rank in sorted(stacks):
+        frame = innermost_user_frame(stacks[rank])
+        parts.append(f"rank {rank} in {frame}" if frame is not None else f"rank {rank}: no Python frame")
+    return "; ".join(parts)
+
+
+def write_to_log_dir(log_dir: str | None, stacks: Mapping[int, str]) -> None:
+    """Write each rank's dump to ``log_dir/rank{N}.stacks`` (nothing without ``log_dir``); never raises."""
+    if log_dir is None:
+        return
+    for rank, text in stacks.items():
+        with contextlib.suppress(OSError), open(os.path.join(log_dir, f"rank{rank}.stacks"), "w") as file:
+            file.write(text)

@@ -1,0 +1,112 @@
+"""The worker's side of watching a launch: its stacks on request, its heartbeat, its usage at exit, and NCCL's
+flight recorder pointed at ``log_dir``.
+
+Stacks: the worker registers :mod:`faulthandler` for :data:`~mplaunch._wire.watch.STACKS_SIGNAL`, writing
+every thread's Python stack to ``rank{N}.stacks`` in the launch directory. faulthandler writes from the
+signal handler itself, without the GIL, so a rank blocked in C (a collective, a ``read``, a lock) dumps too.
+Its handler is installed with ``SA_RESTART``: an interrupted system call resumes. The file appears under its
+final name only once the handler is in place; the parent never signals a rank before (the signal's default
+action would end it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import resource
+import time
+from typing import Any
+
+from mplaunch._wire.records import WorkerSpec
+from mplaunch._wire.watch import (
+    BEAT,
+    FIELDS,
+    MAX_RSS,
+    STACKS_SIGNAL,
+    SYSTEM_TIME,
+    USER_TIME,
+    Board,
+    stacks_name,
+    stacks_pending_name,
+)
+
+_board: Board | None = None
+_rank = 0
+_slots: Any = None  # the board's slots (a memoryview of doubles) while this process is a watched worker
+_index = 0  # this rank's beat slot
+_monotonic = time.monotonic
+
+#: NCCL's flight recorder (torch.distributed): what it keeps, and a dump when a collective times out.
+_NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def heartbeat() -> None:
+    """Tell the launch that this rank is making progress; call it e.g. once per training step.
+
+    With the ``stall_timeout`` option, a rank that has called ``heartbeat()`` once and then not again for
+    ``stall_timeout`` seconds is stalled: the launch collects every rank's stacks, stops the workers and
+    raises :class:`~mplaunch.StallError` (or restarts, with ``max_restarts``). A rank that never calls it is
+    not watched. One store into memory shared with the parent, no system call: about 0.1 µs. Outside a
+    launch (in the parent, in ``fn.debug()``, under another launcher, in a process a rank forked) it does
+    nothing.
+
+    Example:
+        >>> for batch in loader:  # doctest: +SKIP
+        ...     train_step(batch)
+        ...     mplaunch.heartbeat()
+    """
+    slots = _slots
+    if slots is not None:
+        slots[_index] = _monotonic()
+
+
+def watch(spec: WorkerSpec, rank: int) -> None:
+    """Set up this worker (local rank ``rank``) to dump its stacks on request and to beat (one-node launches,
+    whose parent made the board); point NCCL's flight recorder at ``log_dir``."""
+    global _board, _rank, _slots, _index
+    _flight_recorder(spec)
+    pending = os.path.join(spec.directory, stacks_pending_name(rank))
+    with contextlib.suppress(OSError, ValueError, RuntimeError):
+        if STACKS_SIGNAL is None:
+            raise ValueError("no real-time signals here")
+        fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+        os.rename(pending, os.path.join(spec.directory, stacks_name(rank)))  # the parent may signal from now on
+    try:
+        _board = Board(spec.directory, spec.nprocs, create=False)
+    except (OSError, ValueError):
+        return  # a multi-node launch (elastic's agent watches those workers), or the launch is ending
+    _rank, _index, _slots = rank, rank * FIELDS + BEAT, _board.slots
+    os.register_at_fork(after_in_child=_forget)
+
+
+def record_usage() -> None:
+    """Write this worker's peak memory and CPU time to its slots, for a parent that cannot read them when it
+    reaps the worker (a fork server's workers are not its children)."""
+    if _board is None:
+        return
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    with contextlib.suppress(ValueError):
+        _board.set(_rank, MAX_RSS, float(usage.ru_maxrss * 1024))  # KiB on Linux
+        _board.set(_rank, USER_TIME, usage.ru_utime)
+        _board.set(_rank, SYSTEM_TIME, usage.ru_stime)
+
+
+def _forget() -> None:
+    """In a process the worker forks (a DataLoader worker): not the rank, so no beat and no dump."""
+    global _board, _slots
+    _board = _slots = None
+    if STACKS_SIGNAL is not None:
+        with contextlib.suppress(RuntimeError, ValueError):
+            faulthandler.unregister(STACKS_SIGNAL)
+
+
+def _flight_recorder(spec: WorkerSpec) -> None:
+    """With ``backend="nccl"`` and ``log_dir``: keep NCCL's flight recorder and dump it to
+    ``log_dir/nccl_trace_rank_{N}`` when a collective times out, unless the user set these variables."""
+    if spec.backend != "nccl" or spec.log_dir is None:
+        return
+    for name, value in _NCCL_FLIGHT_RECORDER.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(spec.log_dir, "nccl_trace_rank_"))

@@ -1,0 +1,217 @@
+"""Issue 22: when a run hangs, stalls or dies without a word, the launch says which rank, where, and why."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mplaunch import LaunchTimeoutError, StallError, WorkerExitedError, parallel
+from mplaunch._platform.memory import oom_counters
+from tests import workers
+
+#: spawn workers import torch each: on a busy two-core machine that takes many seconds, so the clock of a
+#: spawn launch leaves them that long before they reach the function
+STARTS = {"fork": 0.0, "forkserver": 0.0, "spawn": 30.0}
+ALL = pytest.mark.parametrize("start_method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
+
+
+def _wait_for(paths: list[str], seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(os.path.exists(p) for p in paths):
+        assert time.monotonic() < deadline, f"never appeared: {paths}"
+        time.sleep(0.02)
+
+
+@ALL
+def test_timeout_names_where_each_rank_was(start_method: str, tmp_path: Path) -> None:
+    timeout = 4.0 + STARTS[start_method]
+    run = parallel(nprocs=2, start_method=start_method, timeout=timeout, grace_period=1.0, log_dir=str(tmp_path))(  # type: ignore[call-overload]
+        workers.stuck_or_in_barrier
+    )
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as caught:
+        run(120)
+    took = time.monotonic() - start
+    error = caught.value
+    assert took < timeout + 2.5 + (8.0 if start_method == "forkserver" else 0.0)  # the first server starts
+    assert set(error.stacks) == {0, 1}
+    assert "stuck_here" in error.stacks[0] and "barrier" in error.stacks[1]
+    message = str(error)
+    assert "rank 0 in stuck_here (" in message and "rank 1 in stuck_or_in_barrier (" in message
+    assert (tmp_path / "rank0.stacks").read_text() == error.stacks[0]
+    assert "barrier" in (tmp_path / "rank1.stacks").read_text()
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy.stacks == error.stacks and copy.running == (0, 1) and copy.report == error.report
+    assert error.report is not None and [r.rank for r in error.report.ranks] == [0, 1]
+
+
+def test_a_rank_blocked_in_a_c_call_still_dumps(tmp_path: Path) -> None:
+    ready = str(tmp_path / "ready")
+    run = parallel(nprocs=2, start_method="fork", timeout=3.0, grace_period=0.5)(workers.blocked_in_read)
+    with pytest.raises(LaunchTimeoutError) as caught:
+        run(ready)
+    for rank in (0, 1):
+        assert "blocked_in_read" in caught.value.stacks[rank]
+    assert "rank 0 in blocked_in_read (" in str(caught.value)
+
+
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_stall_timeout_catches_the_silent_rank_and_names_it(start_method: str) -> None:
+    run = parallel(nprocs=2, start_method=start_method, timeout=90, stall_timeout=1.0, grace_period=1.0)(  # type: ignore[call-overload]
+        workers.beat_then_fall_silent
+    )
+    with pytest.raises(StallError) as caught:
+        run(1, 5, 0.05)
+    error = caught.value
+    assert error.rank == 1 and error.silent >= 1.0 and error.stall_timeout == 1.0
+    assert "rank 1 (pid" in str(error) and "stalled" in str(error) and "rank 1 in silent_here (" in str(error)
+    assert "beat_then_fall_silent" in error.stacks[0] and "silent_here" in error.stacks[1]
+    assert isinstance(error, WorkerExitedError.__mro__[1])  # a WorkerFailedError
+    assert pickle.loads(pickle.dumps(error)).silent == error.silent
+
+
+def test_ranks_that_keep_beating_or_never_beat_are_not_stopped() -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=60, stall_timeout=0.5, return_all=True)(workers.beat_or_not)
+    assert run((0,), 2.0, 0.05) == [0, 1]  # rank 0 beats every 0.05 s, rank 1 never: neither is a stall
+
+
+def test_a_stall_restarts_with_max_restarts() -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=60, stall_timeout=0.5, max_restarts=1, grace_period=0.5)(
+        workers.beat_then_fall_silent
+    )
+    with pytest.warns(RuntimeWarning, match="attempt 1 of 2 failed"), pytest.raises(StallError) as caught:
+        run(0, 2, 0.05)
+    assert caught.value.rank == 0 and len(caught.value.earlier_attempts) == 1  # type: ignore[attr-defined]
+
+
+def test_future_stacks_while_it_runs(tmp_path: Path) -> None:
+    ready = str(tmp_path / "ready")
+    future = parallel(nprocs=2, start_method="fork", timeout=60)(workers.waiting_here).submit(ready, 60)
+    try:
+        _wait_for([f"{ready}.0", f"{ready}.1"])
+        start = time.monotonic()
+        stacks = future.stacks()
+        assert time.monotonic() - start < 1.5
+        assert set(stacks) == {0, 1} and all("waiting_here" in text for text in stacks.values())
+        assert future.running()
+        assert "waiting_here" in future.stacks()[1]  # again: the files start over
+    finally:
+        assert future.cancel()
+    assert future.stacks() == {}
+
+
+def test_report_after_a_call() -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=60)(workers.sleep)
+    assert run.last_report is None
+    run(0.2)
+    report = run.last_report
+    assert report is not None and [r.exitcode for r in report.ranks] == [0, 0]
+    for rank in report.ranks:
+        assert rank.max_rss is not None and rank.max_rss > 10 * 2**20
+        assert rank.user_time is not None and rank.wall_time is not None and rank.wall_time >= 0.2
+        assert rank.oom is False and rank.signal_name is None
+    assert report.wall_time >= 0.2 and report.restarts == 0
+
+
+def test_report_of_a_forkserver_launch_comes_from_the_workers() -> None:
+    future = parallel(nprocs=2, start_method="forkserver", timeout=90)(workers.sleep).submit(0.1)
+    assert future.result() == 0
+    report = future.report
+    assert report is not None and all(r.max_rss and r.exitcode == 0 for r in report.ranks)
+
+
+def test_kill_9_is_not_the_oom_killer() -> None:
+    with pytest.raises(WorkerExitedError) as caught:
+        parallel(nprocs=2, start_method="fork", timeout=60)(workers.kill_self)(signal.SIGKILL)
+    error = caught.value
+    known = bool(oom_counters(os.getpid()))
+    assert error.oom is (False if known else None)
+    assert "killed by the out-of-memory killer" not in str(error)
+    assert error.report is not None and error.report.ranks[1].oom is error.oom
+    assert pickle.loads(pickle.dumps(error)).oom is error.oom
+
+
+def _memory_cgroup(tmp_name: str) -> tuple[Path, str] | None:
+    """A new child of this process's memory cgroup (v1 or v2) that the test may limit, else ``None``."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base, limit = Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes"
+        elif controllers == "":
+            base, limit = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max"
+            if "memory" not in (base / "cgroup.subtree_control").read_text() if base.exists() else "":
+                continue
+        else:
+            continue
+        try:
+            (base / tmp_name).mkdir()
+        except OSError:
+            continue
+        return base / tmp_name, limit
+    return None
+
+
+OOM_SCRIPT = textwrap.dedent(
+    """
+    from mplaunch import WorkerExitedError, parallel
+    from tests import workers
+
+    if __name__ == "__main__":
+        try:
+            parallel(nprocs=2, start_method="fork", timeout=60, grace_period=1)(workers.allocate_until_killed)(1)
+        except WorkerExitedError as error:
+            print("OOM", error.rank, error.oom, error.report.ranks[1].oom, "|", error)
+    """
+)
+
+
+@pytest.mark.slow
+def test_oom_under_a_memory_limit_is_named() -> None:
+    found = _memory_cgroup(f"mplaunch-test-{os.getpid()}")
+    if found is None:
+        pytest.skip("no memory cgroup this test may create and limit (needs cgroup v1 or a delegated v2 tree)")
+    group, limit = found
+    try:
+        (group / limit).write_text(str(1536 * 2**20))
+        procs = str(group / "cgroup.procs")
+
+        def enter() -> None:
+            with open(procs, "w") as file:
+                file.write(str(os.getpid()))
+
+        result = subprocess.run(
+            [sys.executable, "-c", OOM_SCRIPT],
+            preexec_fn=enter,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=str(Path(__file__).parents[2]),
+        )
+        line = next((line for line in result.stdout.splitlines() if line.startswith("OOM ")), None)
+        assert line is not None, result.stdout + result.stderr
+        assert line.startswith("OOM 1 True True |") and "killed by the out-of-memory killer" in line
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_rank_that_cannot_dump_delays_the_stop_by_the_bound_at_most(tmp_path: Path) -> None:
+    run = parallel(nprocs=2, start_method="fork", timeout=3.0, grace_period=0.5)(workers.rank1_frozen)
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as caught:
+        run(str(tmp_path / "ready"))
+    assert time.monotonic() - start < 3.0 + 1.0 + 0.5 + 1.5  # timeout + the dump's bound + grace + slack
+    assert set(caught.value.stacks) == {0} and "stuck_here" in caught.value.stacks[0]
+    assert "Ranks [1] sent no stacks" in str(caught.value)
