@@ -15,6 +15,7 @@ from mplaunch._errors import (
     LaunchRefusedError,
     LaunchTimeoutError,
     MplaunchError,
+    NodeLostError,
     PreemptedError,
     RemoteError,
     RemoteTraceback,
@@ -27,6 +28,8 @@ from mplaunch._parent.checks import record_cuda_init
 from mplaunch._parent.futures import LaunchFuture
 from mplaunch._parent.report import RankReport, RunReport
 from mplaunch._parent.restarts import RestartWarning
+from mplaunch._parent.stream import Stream
+from mplaunch._parent.warm import Workers
 from mplaunch._state.sharing import unshare
 from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
 from mplaunch._worker.watch import heartbeat
@@ -40,6 +43,7 @@ __all__ = [
     "LaunchRefusedError",
     "LaunchTimeoutError",
     "MplaunchError",
+    "NodeLostError",
     "ParallelConfig",
     "ParallelFunction",
     "PreemptedError",
@@ -51,8 +55,10 @@ __all__ = [
     "RunReport",
     "StallError",
     "StartMethod",
+    "Stream",
     "WorkerExitedError",
     "WorkerFailedError",
+    "Workers",
     "failure_info",
     "heartbeat",
     "outer_launcher",

@@ -15,7 +15,7 @@ from typing_extensions import ParamSpec, Unpack
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config, replace_options
 from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
 from mplaunch._frames import resolve
-from mplaunch._parent import futures, in_process, launch
+from mplaunch._parent import futures, generators, in_process, launch
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.report import RunReport
 from mplaunch._state.snapshot import GlobalState
@@ -64,7 +64,10 @@ class ParallelFunction(Generic[P, T]):
 
         Returns:
             Rank 0's return value with every tensor on the CPU, or, with ``return_all=True``, a list of every
-            rank's value ordered by rank.
+            rank's value ordered by rank. For a generator function, at once a :class:`~mplaunch.Stream`: an
+            iterator (and async iterator) over the values rank 0 yields, as they are yielded (``(rank,
+            value)`` pairs from every rank with ``return_all=True``); the workers stop when it ends or is
+            closed (see the guide's "Interactive work").
 
         Raises:
             BaseException: the exception a worker raised, as its own type, with ``rank`` and ``pid``
@@ -83,6 +86,8 @@ class ParallelFunction(Generic[P, T]):
         __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
         control = LaunchControl()
         try:
+            if inspect.isgeneratorfunction(self.__wrapped__):
+                return generators.launch_stream(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
             return launch.launch(self, args, kwargs, self.config, sys._getframe(1), control)  # type: ignore[no-any-return]
         except BaseException as error:
             if not _ours(error):
@@ -135,6 +140,8 @@ class ParallelFunction(Generic[P, T]):
         Returns:
             A :class:`~mplaunch.LaunchFuture` (a :class:`concurrent.futures.Future`) of rank 0's return value
             (with ``return_all=True``, of the list of every rank's value).
+            For a generator function, a future of its return value whose ``items`` attribute iterates over
+            the values yielded, as they arrive.
 
         Raises:
             RuntimeError: the interpreter is shutting down, so no thread can start.
@@ -145,6 +152,8 @@ class ParallelFunction(Generic[P, T]):
             (False, True)
         """
         frame = sys._getframe(1)
+        if inspect.isgeneratorfunction(self.__wrapped__):
+            return generators.submit_stream(self, args, kwargs, self.config)
         control = LaunchControl(stoppable=True)
         try:
             control.in_process = not launch.check_call(self, args, kwargs, self.config, frame)
@@ -232,7 +241,8 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
         return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value.
         timeout: seconds the whole call may take before every worker is stopped, or ``None`` for no limit.
             Before the stop, each rank's Python stacks are collected (about a second at most):
-            :class:`~mplaunch.LaunchTimeoutError` carries them and names where each rank was.
+            :class:`~mplaunch.LaunchTimeoutError` carries them and names where each rank was. Multi-node: each
+            node stops its own workers when it expires, without stacks.
         stall_timeout: seconds a rank that has called :func:`~mplaunch.heartbeat` (e.g. once a step) may go
             without calling it again; then every rank's stacks are collected, the workers are stopped and
             :class:`~mplaunch.StallError` names the rank (a worker failure: ``max_restarts`` restarts it).
@@ -256,7 +266,8 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             ``None`` (default) reads ``MPLAUNCH_NNODES`` (or SLURM's, in an ``srun`` step with one task per
             node), else 1. With more than one, the call launches through
             ``torch.distributed.launcher.api.elastic_launch`` with c10d rendezvous, and returns rank 0's value
-            on every node (with ``return_all``, this node's ranks' values).
+            on every node (with ``return_all``, this node's ranks' values). A node whose launching process
+            dies is named by the others: they stop their workers and raise :class:`~mplaunch.NodeLostError`.
         node_rank: this node's index (``MPLAUNCH_NODE_RANK``, ``SLURM_NODEID``); informative, as c10d
             rendezvous orders the nodes itself.
         rdzv_endpoint: ``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
@@ -299,6 +310,9 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             failure. Another failure is raised at once, with the attempts so far in ``earlier_attempts``.
         restart_delay: seconds before the first restart (default 0), doubled for each further one, at most
             60; the wait counts against ``timeout`` and ends at once on ``cancel()``, Ctrl-C or a preemption.
+        post_mortem: the first rank that raises opens pdb at its failing line, on the caller's terminal,
+            before the launch stops the others (``q`` or ``c`` ends the session; the failure is then raised
+            as usual). Without a terminal (a notebook), a ``RuntimeWarning`` points to :meth:`debug`.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that

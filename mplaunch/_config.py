@@ -53,6 +53,7 @@ class LaunchOptions(TypedDict, total=False):
     preempt_grace: float
     restart_on: RestartOn
     restart_delay: float
+    post_mortem: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +96,7 @@ class ParallelConfig:
         restart_on: the failures ``max_restarts`` restarts: ``None`` for every failure, exception classes (a
             class is kept as a one-class tuple), or a predicate ``(failure) -> bool`` run in the parent.
         restart_delay: seconds before the first restart, doubled for each further one, at most 60.
+        post_mortem: open pdb, on the caller's terminal, at the failing frame of the first rank that raises.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
@@ -123,6 +125,7 @@ class ParallelConfig:
     preempt_grace: float = 60.0
     restart_on: RestartOn = None
     restart_delay: float = 0.0
+    post_mortem: bool = False
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
@@ -135,6 +138,8 @@ class ParallelConfig:
                 f"cpu_binding={self.cpu_binding!r} is not valid: pass 'cores' (each rank on its own cores), "
                 "'numa' (each rank on one NUMA node), or None."
             )
+        if not isinstance(self.post_mortem, bool):
+            raise InvalidOptionError(f"post_mortem={self.post_mortem!r} is not valid: pass True or False.")
         _check_seconds("timeout", self.timeout, "> 0, or None for no limit", optional=True)
         _check_seconds("stall_timeout", self.stall_timeout, "> 0, or None to watch no rank", optional=True)
         _check_seconds("grace_period", self.grace_period, ">= 0", allow_zero=True)

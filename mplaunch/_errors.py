@@ -13,6 +13,7 @@ itself (same type), not wrapped; see :class:`RemoteTraceback`.
     │   ├── WorkerExitedError                 it died (signal, non-zero exit) or exited without a result
     │   ├── RemoteError                       its exception or its result could not be pickled/unpickled
     │   └── StallError                        it stopped calling heartbeat() for ``stall_timeout`` seconds
+    ├── NodeLostError(RuntimeError)         another node of a multi-node launch is gone; this node's workers stopped
     ├── LaunchTimeoutError(TimeoutError)    the launch ran past ``timeout``; every worker was stopped
     └── PreemptedError                      one of ``preempt_signals`` came: the ranks were told, then stopped
 
@@ -38,6 +39,7 @@ __all__ = [
     "LaunchRefusedError",
     "LaunchTimeoutError",
     "MplaunchError",
+    "NodeLostError",
     "PreemptedError",
     "RemoteError",
     "RemoteTraceback",
@@ -180,7 +182,7 @@ class LaunchTimeoutError(MplaunchError, TimeoutError):
 
     Attributes:
         timeout: the limit, in seconds.
-        running: the ranks that were still running when it expired, sorted.
+        running: the ranks that were still running when it expired, sorted (empty for a multi-node launch).
         stacks: each of those ranks' Python stacks (all threads) as :mod:`faulthandler` wrote them just before
             the stop, by rank; a rank that could not dump within about a second is missing (empty for a
             multi-node launch, whose workers torch elastic runs).
@@ -232,6 +234,34 @@ class PreemptedError(MplaunchError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.args[0], self.signum, self.values, self.stopped, self.failures))
+
+
+class NodeLostError(MplaunchError, RuntimeError):
+    """Another node of a multi-node launch is gone: its launching process stopped sending the rendezvous's
+    heartbeats, the rendezvous store it hosted stopped answering, or it closed the rendezvous while this
+    node's ranks ran. This node's workers were stopped.
+
+    Attributes:
+        node_rank: the lost node's rank in the rendezvous (its ``GROUP_RANK``), or ``None`` when not known (the
+            store's host in a launch of more than two nodes, or a node that closed the rendezvous).
+        host: the lost node's address as the rendezvous recorded it, or ``None`` when not known.
+        launcher_pid: the process id of the lost node's launching process, on its host, or ``None`` when not
+            known.
+        endpoint: the rendezvous endpoint of the launch, ``host:port``.
+    """
+
+    def __init__(
+        self, message: str, node_rank: int | None, host: str | None, launcher_pid: int | None, endpoint: str
+    ) -> None:
+        super().__init__(message)
+        self.node_rank = node_rank
+        self.host = host
+        self.launcher_pid = launcher_pid
+        self.endpoint = endpoint
+
+    def __reduce__(self) -> tuple[object, ...]:
+        args = (self.args[0], self.node_rank, self.host, self.launcher_pid, self.endpoint)
+        return (type(self), args, dict(vars(self)))
 
 
 class RemoteTraceback(Exception):

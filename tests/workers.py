@@ -123,12 +123,30 @@ def sleep(seconds: float) -> int:
     return worker_info().rank
 
 
+def launch_store() -> Any:
+    """A client of the launch's c10d store (MASTER_ADDR:MASTER_PORT), as a bare TCPStore."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timedelta(seconds=60))
+
+
+def meet(name: str) -> None:
+    """Wait until every rank of the launch has called ``meet(name)`` (a barrier on the launch's c10d store, no
+    process group)."""
+    info = worker_info()
+    store = launch_store()
+    store.set(f"{name}-{info.rank}", "")
+    store.wait([f"{name}-{rank}" for rank in range(info.world_size)])
+
+
 def mutate(module: torch.nn.Linear, tensor: torch.Tensor) -> dict[str, float]:
     rank = worker_info().rank
     with torch.no_grad():
         module.weight.add_(rank + 1)
         tensor.add_(rank + 1)
-    time.sleep(0.5)  # let the other rank's update land, if memory were shared
+    meet("updated")  # the other rank's update has landed, if memory were shared
     return {"weight": module.weight.sum().item(), "tensor": tensor.sum().item()}
 
 
@@ -156,19 +174,30 @@ def ignore_sigterm_and_sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def _wait_for(path: str, timeout: float = 60) -> None:
+    """Wait until ``path`` exists; TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.01)
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as file:
         file.write(text)
 
 
 def finally_marker(path: str) -> None:
+    """Rank 0 registers an atexit handler and waits in a try block (ready: ``path.ready``); then rank 1 fails."""
     if worker_info().rank == 1:
-        time.sleep(1.0)  # rank 0 is inside its try block by then
+        _wait_for(path + ".ready")
         raise RuntimeError("rank 1 fails")
     import atexit
 
     atexit.register(_write, path + ".atexit", "atexit ran")
     try:
+        _write(path + ".ready", "")
         time.sleep(30)
     finally:
         with open(path, "w") as file:
@@ -276,7 +305,9 @@ class BrokenStr(Exception):
 
 
 def raise_broken_str() -> None:
-    raise BrokenStr("hidden")
+    if worker_info().rank == 1:
+        raise BrokenStr("hidden")
+    time.sleep(30)  # stopped when rank 1 fails
 
 
 def raise_at_once() -> None:
@@ -351,21 +382,26 @@ def inner_collective() -> tuple[float, int]:
 
 
 class SlowToPickle:
-    """A value whose pickling takes ``seconds``: rank 0 is still writing its outcome when the stop comes."""
+    """A value whose pickling takes ``seconds``: rank 0 is still writing its outcome when the stop comes.
+    Pickling creates ``started`` first, if given."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, started: str | None = None) -> None:
         self.seconds = seconds
+        self.started = started
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self.started:
+            _write(self.started, "")
         time.sleep(self.seconds)
         return (SlowToPickle, (0.0,))
 
 
-def slow_result_while_rank1_raises(seconds: float) -> Any:
+def slow_result_while_rank1_raises(seconds: float, started: str) -> Any:
+    """Rank 0 returns a value whose pickling takes ``seconds``; rank 1 raises once that pickling has begun."""
     if worker_info().rank == 1:
-        time.sleep(0.3)
+        _wait_for(started)
         raise RuntimeError("hello")
-    return SlowToPickle(seconds)
+    return SlowToPickle(seconds, started)
 
 
 def raise_from_every_rank() -> None:
@@ -441,15 +477,20 @@ def fail_after(seconds: float) -> None:
     time.sleep(600)
 
 
-def dataloader_forever(seconds: float) -> None:
-    """Iterate a DataLoader with worker processes until stopped (issue 10: a stop prints nothing)."""
+def dataloader_forever(directory: str, fail: bool = False) -> None:
+    """Iterate a DataLoader with worker processes until stopped (issue 10: a stop prints nothing). Each rank
+    creates ``directory/ready-<rank>`` once its DataLoader delivered a batch; with ``fail``, rank 1 raises
+    RuntimeError once every rank is ready."""
     from torch.utils.data import DataLoader, TensorDataset
 
+    info = worker_info()
     loader = DataLoader(TensorDataset(torch.arange(1000.0)), batch_size=10, num_workers=2, persistent_workers=True)
-    deadline = time.monotonic() + seconds
+    ready = [os.path.join(directory, f"ready-{rank}") for rank in range(info.world_size)]
     while True:
         for _ in loader:
-            if worker_info().rank == 1 and time.monotonic() > deadline:
+            if not os.path.exists(ready[info.rank]):
+                _write(ready[info.rank], "")
+            if fail and info.rank == 1 and all(os.path.exists(path) for path in ready):
                 raise RuntimeError("peer failed")
 
 
@@ -469,10 +510,11 @@ def fail_while_peer_in_collective() -> None:
     closed by peer): the root cause is rank 1's ValueError."""
     import torch.distributed as dist
 
-    dist.barrier()
+    store = launch_store()
     if worker_info().rank == 1:
-        time.sleep(0.2)
+        store.wait(["entering all_reduce"])
         raise ValueError("the root cause")
+    store.set("entering all_reduce", "")
     dist.all_reduce(torch.ones(1))
 
 
@@ -531,7 +573,7 @@ def mutate_items(items: dict[str, Any]) -> dict[str, float]:
         items["module"].weight.add_(rank + 1)
     items["tensor"].add_(rank + 1)
     items["array"] += rank + 1
-    time.sleep(0.5)  # let the other rank's update land, if memory were shared
+    meet("updated")  # the other rank's update has landed, if memory were shared
     return {key: float(items[key].sum()) for key in ("tensor", "array")} | {
         "weight": items["module"].weight.sum().item()
     }
@@ -765,6 +807,23 @@ def record_start_then_raise(directory: str, kind: str, succeed_at: int = -1) -> 
         "fatal": RuntimeError("fatal"),
     }
     raise errors[kind]
+
+
+def _append(path: str, text: str) -> None:
+    with open(path, "a") as file:
+        file.write(text + "\n")
+
+
+def record_and_sleep(directory: str, seconds: float) -> int:
+    """Append ``<pid> <restart_count>`` to ``directory/pid-<rank>``, sleep ``seconds``, then append ``ran`` to
+    ``directory/finally-<rank>`` (also when stopped by SIGTERM)."""
+    info = worker_info()
+    _append(os.path.join(directory, f"pid-{info.rank}"), f"{os.getpid()} {info.restart_count}")
+    try:
+        time.sleep(seconds)
+    finally:
+        _append(os.path.join(directory, f"finally-{info.rank}"), "ran")
+    return info.world_size
 
 
 def memory_files_seen() -> list[str]:

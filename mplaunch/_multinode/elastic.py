@@ -2,8 +2,10 @@
 
 mplaunch does not start or watch these workers itself: elastic's agent does, with c10d rendezvous. What
 mplaunch adds around it: the state snapshot, private arguments, per-rank output and the process group (all
-in :func:`mplaunch._worker.elastic_entry`), rank 0's result on every node, the original exception type, and
-the caller's signal handlers and environment as they were (elastic replaces the handlers and sets variables).
+in :func:`mplaunch._worker.elastic_entry`), rank 0's result on every node, the original exception type, the
+caller's signal handlers and environment as they were (elastic replaces the handlers and sets variables),
+and, through the rendezvous handler of :mod:`mplaunch._multinode.watch`, ``timeout`` and a clear error for a
+lost node.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 from mplaunch._config import ParallelConfig
 from mplaunch._env import NodeSetup
-from mplaunch._errors import LaunchTimeoutError
+from mplaunch._errors import LaunchTimeoutError, NodeLostError
+from mplaunch._multinode import watch
 from mplaunch._output.pump import routed, worker_fds
 from mplaunch._platform.environ import environ_kept
 from mplaunch._wire import transport
@@ -59,6 +62,10 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> 
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
 
+    watch.register()
+    node_watch = watch.NodeWatch(nodes.rdzv_endpoint, nodes.nnodes, config.timeout)
+    # a worker waits for rank 0's result at most this long (rank 0's node may be gone)
+    spec = dataclasses.replace(spec, result_wait=node_watch.remaining() or config.rdzv_timeout)
     elastic_config = ElasticConfig(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
@@ -66,8 +73,8 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> 
         run_id=nodes.run_id,
         role="mplaunch",
         rdzv_endpoint=nodes.rdzv_endpoint,
-        rdzv_backend="c10d",
-        rdzv_configs={"join_timeout": config.rdzv_timeout},
+        rdzv_backend=watch.BACKEND,
+        rdzv_configs=watch.rendezvous_configs(node_watch, config.rdzv_timeout),
         max_restarts=config.max_restarts,
         monitor_interval=0.1,
         start_method=spec.start_method,
@@ -82,7 +89,11 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> 
             elastic_launch(elastic_config, elastic_entry)(spec)
         except ChildFailedError as error:
             failed = dict(error.failures)
+            if node_watch.store_lost is not None:  # this node's ranks failed as their peers vanished
+                raise node_watch.store_error(node_watch.store_lost) from error
         except RendezvousError as error:
+            if node_watch.joined:
+                raise node_watch.store_error(error) from error
             raise LaunchTimeoutError(
                 f"not all {nodes.nnodes} nodes joined the rendezvous at {nodes.rdzv_endpoint} within "
                 f"rdzv_timeout={config.rdzv_timeout:g} s ({type(error).__name__}: {error}). Start the call on every "
@@ -90,7 +101,17 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> 
                 config.rdzv_timeout,
                 (),
             ) from error
-    return _collect(spec, failed, config)
+    try:
+        return _collect(spec, failed, config)
+    except NodeLostError as error:  # rank 0's result never came: name its node if the store says who it was
+        if node_watch.store_lost is None:
+            raise
+        raise node_watch.store_error(node_watch.store_lost) from error
+    except Exception as error:  # a rank failed: in a collective with a rank of a lost node?
+        lost = node_watch.lost_peer() if failed and node_watch.lost_peer is not None else None
+        if lost is None:
+            raise
+        raise lost from error
 
 
 def _collect(spec: WorkerSpec, failed: dict[int, Any], config: ParallelConfig) -> list[Any]:

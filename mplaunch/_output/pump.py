@@ -103,6 +103,8 @@ class Pump:
         self.fds: list[RankFds] = []
         self._finishing = False
         self._thread: threading.Thread | None = None
+        self._context: contextvars.Context | None = None  # where text goes from now on (see retarget)
+        self._syncs: list[threading.Event] = []  # callers of sync() waiting
         self._open_logs([rank for rank in ranks if rank is not None])
         self._wake_r, self._wake_w = os.pipe()
         for local_rank, rank in enumerate(ranks):
@@ -141,6 +143,24 @@ class Pump:
         context = contextvars.copy_context()  # ipykernel finds the cell of a thread's output there
         self._thread = threading.Thread(target=context.run, args=(self._loop,), name="mplaunch-output", daemon=True)
         self._thread.start()
+
+    def retarget(self) -> None:
+        """Write what comes from now on to the caller's ``sys.stdout``/``sys.stderr``, in the caller's context
+        (where ipykernel finds the cell): warm workers' pump outlives the cell that started it."""
+        self._context = contextvars.copy_context()
+        if (sys.stdout, sys.stderr) != (self.consoles[0].stream, self.consoles[1].stream):
+            self.consoles = consoles()
+
+    def sync(self, timeout: float = 1.0) -> None:
+        """Write out, within ``timeout`` seconds, everything the ranks have written to their pipes so far (a
+        warm call's output, before the call returns); the ranks flushed their buffers before."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._syncs.append(done)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"s")
+        done.wait(timeout)
 
     def close(self) -> None:
         """Once the workers are reaped: drain the pipes (to their end, or :data:`DRAIN` seconds for processes
@@ -195,7 +215,15 @@ class Pump:
                 elif not self._read(key.data, _PIPE_SIZE):
                     selector.unregister(key.fd)
                     del open_sources[key.fd]
-            self._to_consoles(final=False)
+            syncs, self._syncs = self._syncs, []
+            for source in open_sources.values() if syncs else ():
+                self._read(source, _PIPE_SIZE)
+            if self._context is None:
+                self._to_consoles(final=bool(syncs))
+            else:
+                self._context.run(self._to_consoles, bool(syncs))
+            for done in syncs:
+                done.set()
         selector.close()
         self._finish(list(open_sources.values()))
 

@@ -244,3 +244,25 @@ def check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     except TypeError as error:
         name = getattr(target, "__qualname__", repr(target))
         raise TypeError(f"{name}(): {error} (checked before launching any worker)") from None
+
+
+def post_mortem_terminal(post_mortem: bool) -> bool:
+    """Whether the workers may open the post-mortem debugger: ``post_mortem`` is set and this process reads a
+    terminal. Where it does not (a notebook, a pipe), warn once per call and point to ``fn.debug()``, which
+    runs the function here, where a debugger works."""
+    if not post_mortem:
+        return False
+    try:
+        interactive = sys.stdin is not None and sys.stdin.isatty() and os.path.exists("/dev/tty")
+    except (AttributeError, ValueError, OSError):
+        interactive = False
+    if not interactive:
+        from mplaunch._frames import warn_at_user
+
+        warn_at_user(
+            "post_mortem=True needs a terminal, and this process reads none (a notebook, or input from a pipe): "
+            "no debugger opens in the workers. Run the function here with fn.debug(...) and debug it in this "
+            "process (%debug in IPython, or pdb.pm()).",
+            RuntimeWarning,
+        )
+    return interactive

@@ -19,7 +19,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
-from mplaunch._parent.processes import start_reaper
+from mplaunch._parent.processes import forget_reaper, start_reaper
 
 _DIR_PREFIX = "mplaunch-"
 _ENSURING = threading.Lock()
@@ -92,6 +92,7 @@ def _start_reaper(root: str) -> None:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(_reapers[key], os.WNOHANG) == (0, 0):
                 return  # still running
+        forget_reaper(_reapers.pop(key))
     remove_stale_directories(root)
     started = start_reaper(root, own_prefix())
     if started is not None:  # else directories of a killed parent are removed by a later launch

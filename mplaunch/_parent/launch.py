@@ -178,6 +178,7 @@ def _launch_on(
             environ=dict(os.environ) if start_method == "forkserver" and nodes is None else None,
             backend=policy.resolve_backend(config.backend, nprocs, None if names is None else len(names)),
             prefix_output=config.prefix_output,
+            post_mortem=checks.post_mortem_terminal(config.post_mortem),
             console_ranks=config.console_ranks,
             log_dir=config.log_dir,
             grace_period=config.grace_period,

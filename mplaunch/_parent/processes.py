@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -41,10 +41,17 @@ os.register_at_fork(after_in_child=_STARTING._at_fork_reinit)  # type: ignore[at
 
 
 def start_workers(
-    spec: WorkerSpec, payload: Payload | None, preload: list[str], started: Callable[[BaseProcess], None]
+    spec: WorkerSpec,
+    payload: Payload | None,
+    preload: list[str],
+    started: Callable[[BaseProcess], None],
+    *,
+    target: Callable[..., None] = run,
+    rank_args: Sequence[tuple[Any, ...]] = (),
 ) -> None:
-    """Start ``spec.nprocs`` workers, rank 0 first, each running :func:`mplaunch._worker.entry.run`; hand
-    each to ``started`` as soon as it runs (the supervisor opens its pidfd before anything can reap it).
+    """Start ``spec.nprocs`` workers, rank 0 first, each running ``target`` (a launch's
+    :func:`mplaunch._worker.entry.run`); hand each to ``started`` as soon as it runs (the supervisor opens
+    its pidfd before anything can reap it).
 
     Args:
         spec: the launch's worker spec (start method, nprocs, ...).
@@ -52,6 +59,9 @@ def start_workers(
             directory.
         preload: modules the fork server imports once, when this launch starts it.
         started: called with each started process, in rank order.
+        target: what each worker runs, called as ``target(rank, spec, payload, *rank_args[rank])``.
+        rank_args: per rank, more arguments for ``target`` (e.g. a warm worker's end of its pipe);
+            empty: none.
     """
     context = mp.get_context(spec.start_method)
     rank = 0
@@ -65,8 +75,8 @@ def start_workers(
             with _STARTING, signals_held(), spawn_hash_seed(spec.start_method):
                 kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]
                 for rank in range(spec.nprocs):
-                    worker = (rank, _for_rank(spec, rank), payload)
-                    process = kind(target=run, args=worker, name=f"mplaunch-rank{rank}", daemon=False)
+                    worker = (rank, _for_rank(spec, rank), payload, *(rank_args[rank] if rank_args else ()))
+                    process = kind(target=target, args=worker, name=f"mplaunch-rank{rank}", daemon=False)
                     process.start()
                     started(process)
     except (OSError, EOFError) as error:
@@ -291,8 +301,7 @@ def start_reaper(root: str, prefix: str) -> int | None:
         return None
     finally:
         os.close(read_end)
-    # the pipe must close when this process dies: forked children (workers, the user's) must not hold it
-    os.register_at_fork(after_in_child=lambda: _close_quietly(write_end))
+    _reaper_pipes[reaper] = write_end
     return reaper
 
 
@@ -300,3 +309,25 @@ def _close_quietly(*fds: int) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def forget_reaper(reaper: int) -> None:
+    """Close the pipe of a reaper that has ended (it was killed): a new one takes its place."""
+    with contextlib.suppress(OSError, KeyError):
+        os.close(_reaper_pipes.pop(reaper))
+
+
+#: The write end of each running reaper's pipe, by the reaper's pid. The pipe must close when this process
+#: dies, so a forked child (a worker, the user's) closes them all first thing: exactly the ends open now,
+#: never a descriptor number that a closed pipe once had and a new file reuses.
+_reaper_pipes: dict[int, int] = {}
+
+
+def _close_reaper_pipes() -> None:
+    for fd in _reaper_pipes.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _reaper_pipes.clear()
+
+
+os.register_at_fork(after_in_child=_close_reaper_pipes)

@@ -80,6 +80,8 @@ class WorkerSpec:
             worker's start (see :mod:`mplaunch._wire.start_objects`).
         placements: per local rank, its devices, CPUs and extra variables, or ``None`` (see
             :mod:`mplaunch._wire.placement`).
+        result_wait: seconds the first worker of a node other than rank 0's waits for rank 0's result in the
+            rendezvous store (multi-node): what is left of ``timeout``, else ``rdzv_timeout``.
         env_function: ``env=``'s function of the global rank, called in each worker of a multi-node launch
             (where the parent does not know the ranks), else ``None``.
         payload_fd: the memory file holding the :class:`Payload` (see :func:`~mplaunch._wire.transport.dump_fd`),
@@ -87,6 +89,8 @@ class WorkerSpec:
         outcome_fds: the parent's table, per local rank, of the memory files the ranks write their outcomes
             into, or ``None``: they write them to the launch directory. Never sent to a worker.
         outcome_fd: the worker's own entry of ``outcome_fds``.
+        post_mortem: the first rank that raises opens pdb on the terminal (see
+            :mod:`mplaunch._worker.debugger`).
     """
 
     directory: str
@@ -116,6 +120,8 @@ class WorkerSpec:
     start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
     placements: tuple[RankPlacement, ...] | None = None
     env_function: Callable[[int], Any] | None = None
+    post_mortem: bool = False
+    result_wait: float = 600.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,6 +133,40 @@ class Payload:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     state: GlobalState | ForkState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """One call to warm workers (:class:`mplaunch.Workers`), written once to the launch directory as
+    :func:`call_name` and read by every rank: the plain function, its arguments, and the file it was defined
+    in (tracebacks and debuggers show it, where a function sent by value would say ``<dynamic-code>``)."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    filename: str | None = None  # the function's source file: cloudpickle sends code without it
+
+
+def call_name(number: int) -> str:
+    """The name of warm call ``number`` in the launch directory."""
+    return f"call{number}"
+
+
+def result_name(number: int, rank: int) -> str:
+    """The name of rank ``rank``'s outcome of warm call ``number`` (read by the parent, then removed)."""
+    return f"result{number}-{rank}"
+
+
+def item_name(number: int, rank: int, index: int) -> str:
+    """The name of the ``index``-th value that rank ``rank`` yielded in warm call ``number``."""
+    return f"item{number}-{rank}-{index}"
+
+
+#: Control messages on a warm rank's pipe (small tuples; the objects travel as files, see above).
+#: Parent to rank: ``(CALL, number)`` run call ``number``; ``(CANCEL, number)`` it is no longer wanted (sent
+#: before the SIGINT that interrupts it); ``(EXIT,)`` leave. Rank to parent: ``(ITEM, number, index)`` a value
+#: was yielded; ``(DONE, number)`` the outcome is written.
+CALL, CANCEL, EXIT, ITEM, DONE = "call", "cancel", "exit", "item", "done"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

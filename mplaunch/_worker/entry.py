@@ -20,11 +20,13 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
-from mplaunch._errors import RemoteError
+from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, transport
@@ -42,6 +44,7 @@ from mplaunch._wire.records import (
 )
 from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
+from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import process_group
 from mplaunch._worker.watch import record_usage, watch
@@ -165,6 +168,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
                 raise
         return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
+        if spec.post_mortem and _signal_received is None:
+            post_mortem(error, spec, rank)
         return _decide(Raised.of(error, when=raised_at))
 
 
@@ -189,9 +194,10 @@ def _keep_own_outcome_fd(spec: WorkerSpec) -> None:
         close_memory_files(set() if spec.outcome_fd is None else {spec.outcome_fd.fd})
 
 
-def _dump_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> None:
+def _dump_outcome(spec: WorkerSpec, name: str, outcome: Outcome) -> None:
+    """Write the outcome into this rank's memory file, else as ``name`` in the launch directory."""
     if spec.outcome_fd is None:
-        transport.dump(outcome, spec.directory, outcome_name(rank))
+        transport.dump(outcome, spec.directory, name)
     else:
         transport.dump_fd(outcome, spec.outcome_fd.fd)
 
@@ -209,15 +215,16 @@ def _must_unshare(spec: WorkerSpec) -> bool:
         os.close(read_end)
 
 
-def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
-    """Write the outcome; a result that cannot be pickled or written is replaced by the error saying so.
-    Returns what was written."""
+def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | None = None) -> Outcome:
+    """Write the outcome (as ``name``, by default the rank's :func:`outcome_name`); a result that cannot be
+    pickled or written is replaced by the error saying so. Returns what was written."""
+    name = name or outcome_name(rank)
     try:
-        _dump_outcome(spec, rank, outcome)
+        _dump_outcome(spec, name, outcome)
         return outcome
     except Exception as error:  # noqa: BLE001 - the result cannot be sent: report that instead
         if spec.outcome_fd is None:
-            transport.remove(spec.directory, outcome_name(rank))
+            transport.remove(spec.directory, name)
         if not isinstance(outcome, Returned):
             raise
         kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
@@ -237,7 +244,7 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome) -> Outcome:
         )
         failure.__cause__ = error
         replacement = Raised.of(failure)
-        _dump_outcome(spec, rank, replacement)
+        _dump_outcome(spec, name, replacement)
         return replacement
 
 
@@ -272,12 +279,15 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
         os._exit(_exit_code(outcome))
 
 
-def _start(spec: WorkerSpec) -> None:
-    """Signals, parent-death and exit handlers: the first things a worker does."""
+def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None) -> None:
+    """Signals, parent-death and exit handlers: the first things a worker does. ``on_interrupt``: the
+    SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call)."""
     global _worker_pid
     _worker_pid = os.getpid()
     for signum in _STOP_SIGNALS:
         signal.signal(signum, _on_signal)
+    if on_interrupt is not None:
+        signal.signal(signal.SIGINT, on_interrupt)
     os.register_at_fork(after_in_child=_default_signals)  # the worker's children (DataLoader's...) get Python's
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
@@ -292,6 +302,29 @@ def _start(spec: WorkerSpec) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
 
 
+def set_up(rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None) -> None:
+    """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`_start`, which
+    takes ``on_interrupt``), the output descriptors, and torchrun's environment."""
+    _start(spec, on_interrupt)
+    take_fds(spec.output_fds, rank, rank)
+    _keep_own_outcome_fd(spec)
+    if spec.environ is not None:
+        os.environ.clear()
+        os.environ.update(spec.environ)
+    apply_environment(
+        os.environ,
+        rank_environment(
+            rank,
+            spec.nprocs,
+            spec.master_addr,
+            spec.master_port,
+            agent_store=spec.agent_store,
+            restart_count=spec.restart_count,
+            max_restarts=spec.max_restarts,
+        ),
+    )
+
+
 def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     """The target of every worker process: set up the rank, run the function, write the outcome, exit.
 
@@ -300,24 +333,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
     """
     outcome: Outcome | None = None
     try:
-        _start(spec)
-        take_fds(spec.output_fds, rank, rank)
-        _keep_own_outcome_fd(spec)
-        if spec.environ is not None:
-            os.environ.clear()
-            os.environ.update(spec.environ)
-        apply_environment(
-            os.environ,
-            rank_environment(
-                rank,
-                spec.nprocs,
-                spec.master_addr,
-                spec.master_port,
-                agent_store=spec.agent_store,
-                restart_count=spec.restart_count,
-                max_restarts=spec.max_restarts,
-            ),
-        )
+        set_up(rank, spec)
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
         flags.attach(spec.directory)  # the launch's preemption flag, if it has one: mplaunch.preempted()
         outcome = _execute(rank, rank, spec, payload)
@@ -352,20 +368,58 @@ def elastic_entry(spec: WorkerSpec) -> int:
     return rank
 
 
+_CONNECT_WAIT = 5.0  # seconds to reach the rendezvous store (c10d may try twice): it answered a moment ago
+
+
 def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome) -> None:
-    """Rank 0 publishes its outcome in the rendezvous store; the first worker of each other node fetches it."""
+    """Rank 0 publishes its outcome in the rendezvous store; the first worker of each other node fetches it.
+
+    The fetch waits at most ``spec.result_wait`` seconds, a second at a time, and ends early when the launch
+    stops this worker (the agent saw a lost node). Past that wait, or when the store stops answering, the
+    node's record of rank 0 is a :class:`~mplaunch.NodeLostError` (rank 0's node is gone, or stuck).
+    """
     from datetime import timedelta
 
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import DistStoreError, TCPStore  # type: ignore[attr-defined]
 
     on_first_node = os.environ.get("GROUP_RANK", "0") == "0"
     if rank != 0 and (on_first_node or local_rank != 0 or not isinstance(outcome, Returned)):
         return  # a failed worker does not wait for rank 0: its own failure is what this node reports
-    store = TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(hours=24)
-    )
     key = f"mplaunch/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank0"
-    if rank == 0:
-        store.set(key, transport.to_bytes(outcome))  # type: ignore[arg-type]
-    else:
-        transport.dump(transport.from_bytes(store.get(key)), spec.directory, REMOTE_RANK0)
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    deadline = time.monotonic() + spec.result_wait
+    try:
+        store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=min(_CONNECT_WAIT, spec.result_wait)),
+        )
+        if rank == 0:
+            store.set(key, transport.to_bytes(outcome))  # type: ignore[arg-type]
+            return
+        while _signal_received is None:  # signals no longer raise here: the outcome is decided
+            try:
+                store.wait([key], timedelta(seconds=max(0.01, min(1.0, deadline - time.monotonic()))))
+                break
+            except DistStoreError:  # this second's wait ended
+                if time.monotonic() >= deadline:
+                    raise
+        else:
+            return  # stopped by the launch: the node's error is the launch's
+        shared = transport.from_bytes(store.get(key))
+    except RuntimeError as error:  # torch's DistStoreError / DistNetworkError: a store gone or a wait expired
+        if rank == 0:
+            raise
+        lost = NodeLostError(
+            f"rank 0's result did not reach node {os.environ.get('GROUP_RANK')} within {spec.result_wait:g} s "
+            f"(the rendezvous store at {address}: {type(error).__name__}: {error}). The node that ran rank 0 "
+            "(node 0) is gone, or its store is: its launching process was killed or stopped.",
+            0,
+            None,
+            None,
+            address,
+        )
+        lost.__cause__ = error
+        shared = Raised.of(lost)
+    transport.dump(shared, spec.directory, REMOTE_RANK0)

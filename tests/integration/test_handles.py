@@ -18,8 +18,7 @@ import torch.multiprocessing
 
 from mplaunch import LaunchRefusedError, StartMethod, parallel
 from tests import workers
-from tests.integration.test_multinode import free_port
-from tests.integration.test_scripts import REPO, write_script
+from tests.helpers import REPO, free_port, write_script
 
 ALL_METHODS = ["fork", "forkserver", "spawn"]
 TIMEOUT = 90  # only a deadlock reaches it
@@ -44,9 +43,12 @@ def test_start_objects_reach_every_rank(start_method: StartMethod) -> None:
             assert run(queue, sync, [value, counter], sender, shared=shared) == [0, 1]
             pids = dict(shared)
         assert sorted(queue.get(timeout=TIMEOUT) for _ in range(2)) == [0, 1]
-        assert value.value == 2 and counter.value.value == 2
-        assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
-        assert receiver.poll(TIMEOUT) and receiver.recv() == "hello from rank 0"
+        assert value.value == 2
+        assert counter.value.value == 2
+        assert sorted(pids) == [0, 1]
+        assert len(set(pids.values())) == 2
+        assert receiver.poll(TIMEOUT)
+        assert receiver.recv() == "hello from rank 0"
         assert torch.equal(tensor, torch.ones(3))
         records = [log.queue.get(timeout=TIMEOUT) for _ in range(2)]
         assert sorted(r.getMessage() for r in records) == [f"rank {r} logs through the queue" for r in (0, 1)]

@@ -43,14 +43,19 @@ def test_timeout_names_where_each_rank_was(start_method: str, tmp_path: Path) ->
     error = caught.value
     assert took < timeout + 2.5 + (8.0 if start_method == "forkserver" else 0.0)  # the first server starts
     assert set(error.stacks) == {0, 1}
-    assert "stuck_here" in error.stacks[0] and "barrier" in error.stacks[1]
+    assert "stuck_here" in error.stacks[0]
+    assert "barrier" in error.stacks[1]
     message = str(error)
-    assert "rank 0 in stuck_here (" in message and "rank 1 in stuck_or_in_barrier (" in message
+    assert "rank 0 in stuck_here (" in message
+    assert "rank 1 in stuck_or_in_barrier (" in message
     assert (tmp_path / "rank0.stacks").read_text() == error.stacks[0]
     assert "barrier" in (tmp_path / "rank1.stacks").read_text()
     copy = pickle.loads(pickle.dumps(error))
-    assert copy.stacks == error.stacks and copy.running == (0, 1) and copy.report == error.report
-    assert error.report is not None and [r.rank for r in error.report.ranks] == [0, 1]
+    assert copy.stacks == error.stacks
+    assert copy.running == (0, 1)
+    assert copy.report == error.report
+    assert error.report is not None
+    assert [r.rank for r in error.report.ranks] == [0, 1]
 
 
 def test_a_rank_blocked_in_a_c_call_still_dumps(tmp_path: Path) -> None:
@@ -71,9 +76,14 @@ def test_stall_timeout_catches_the_silent_rank_and_names_it(start_method: str) -
     with pytest.raises(StallError) as caught:
         run(1, 5, 0.05)
     error = caught.value
-    assert error.rank == 1 and error.silent >= 1.0 and error.stall_timeout == 1.0
-    assert "rank 1 (pid" in str(error) and "stalled" in str(error) and "rank 1 in silent_here (" in str(error)
-    assert "beat_then_fall_silent" in error.stacks[0] and "silent_here" in error.stacks[1]
+    assert error.rank == 1
+    assert error.silent >= 1.0
+    assert error.stall_timeout == 1.0
+    assert "rank 1 (pid" in str(error)
+    assert "stalled" in str(error)
+    assert "rank 1 in silent_here (" in str(error)
+    assert "beat_then_fall_silent" in error.stacks[0]
+    assert "silent_here" in error.stacks[1]
     assert isinstance(error, WorkerExitedError.__mro__[1])  # a WorkerFailedError
     assert pickle.loads(pickle.dumps(error)).silent == error.silent
 
@@ -89,7 +99,8 @@ def test_a_stall_restarts_with_max_restarts() -> None:
     )
     with pytest.warns(RuntimeWarning, match="attempt 1 of 2 failed"), pytest.raises(StallError) as caught:
         run(0, 2, 0.05)
-    assert caught.value.rank == 0 and len(caught.value.earlier_attempts) == 1  # type: ignore[attr-defined]
+    assert caught.value.rank == 0
+    assert len(caught.value.earlier_attempts) == 1  # type: ignore[attr-defined]
 
 
 def test_future_stacks_while_it_runs(tmp_path: Path) -> None:
@@ -100,7 +111,8 @@ def test_future_stacks_while_it_runs(tmp_path: Path) -> None:
         start = time.monotonic()
         stacks = future.stacks()
         assert time.monotonic() - start < 1.5
-        assert set(stacks) == {0, 1} and all("waiting_here" in text for text in stacks.values())
+        assert set(stacks) == {0, 1}
+        assert all("waiting_here" in text for text in stacks.values())
         assert future.running()
         assert "waiting_here" in future.stacks()[1]  # again: the files start over
     finally:
@@ -113,19 +125,26 @@ def test_report_after_a_call() -> None:
     assert run.last_report is None
     run(0.2)
     report = run.last_report
-    assert report is not None and [r.exitcode for r in report.ranks] == [0, 0]
+    assert report is not None
+    assert [r.exitcode for r in report.ranks] == [0, 0]
     for rank in report.ranks:
-        assert rank.max_rss is not None and rank.max_rss > 10 * 2**20
-        assert rank.user_time is not None and rank.wall_time is not None and rank.wall_time >= 0.2
-        assert rank.oom is False and rank.signal_name is None
-    assert report.wall_time >= 0.2 and report.restarts == 0
+        assert rank.max_rss is not None
+        assert rank.max_rss > 10 * 2**20
+        assert rank.user_time is not None
+        assert rank.wall_time is not None
+        assert rank.wall_time >= 0.2
+        assert rank.oom is False
+        assert rank.signal_name is None
+    assert report.wall_time >= 0.2
+    assert report.restarts == 0
 
 
 def test_report_of_a_forkserver_launch_comes_from_the_workers() -> None:
     future = parallel(nprocs=2, start_method="forkserver", timeout=90)(workers.sleep).submit(0.1)
     assert future.result() == 0
     report = future.report
-    assert report is not None and all(r.max_rss and r.exitcode == 0 for r in report.ranks)
+    assert report is not None
+    assert all(r.max_rss and r.exitcode == 0 for r in report.ranks)
 
 
 def test_kill_9_is_not_the_oom_killer() -> None:
@@ -135,7 +154,8 @@ def test_kill_9_is_not_the_oom_killer() -> None:
     known = bool(oom_counters(os.getpid()))
     assert error.oom is (False if known else None)
     assert "killed by the out-of-memory killer" not in str(error)
-    assert error.report is not None and error.report.ranks[1].oom is error.oom
+    assert error.report is not None
+    assert error.report.ranks[1].oom is error.oom
     assert pickle.loads(pickle.dumps(error)).oom is error.oom
 
 
@@ -197,7 +217,8 @@ def test_oom_under_a_memory_limit_is_named() -> None:
         )
         line = next((line for line in result.stdout.splitlines() if line.startswith("OOM ")), None)
         assert line is not None, result.stdout + result.stderr
-        assert line.startswith("OOM 1 True True |") and "killed by the out-of-memory killer" in line
+        assert line.startswith("OOM 1 True True |")
+        assert "killed by the out-of-memory killer" in line
     finally:
         for _ in range(50):
             try:
@@ -213,5 +234,6 @@ def test_a_rank_that_cannot_dump_delays_the_stop_by_the_bound_at_most(tmp_path: 
     with pytest.raises(LaunchTimeoutError) as caught:
         run(str(tmp_path / "ready"))
     assert time.monotonic() - start < 3.0 + 1.0 + 0.5 + 1.5  # timeout + the dump's bound + grace + slack
-    assert set(caught.value.stacks) == {0} and "stuck_here" in caught.value.stacks[0]
+    assert set(caught.value.stacks) == {0}
+    assert "stuck_here" in caught.value.stacks[0]
     assert "Ranks [1] sent no stacks" in str(caught.value)

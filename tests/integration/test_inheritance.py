@@ -191,6 +191,7 @@ def test_the_issues_examples_in_a_fresh_interpreter_without_pythonhashseed() -> 
     for start_method in ("spawn", "forkserver"):
         line = next(line for line in done.stdout.splitlines() if line.startswith(start_method))
         hashes = eval(line.split(" ", 1)[1])  # noqa: S307 - a list of two ints printed by the script
-        assert len(hashes) == 2 and hashes[0] == hashes[1], line
+        assert len(hashes) == 2, line
+        assert hashes[0] == hashes[1], line
     for rank in range(2):
         assert done.stderr.count(f"INFO:tests.inherit_workers:info from rank {rank}") == 2, done.stderr

@@ -38,7 +38,9 @@ def test_tensor_arguments_are_ordinary_tensors_in_the_rank(
     for result in results:
         assert result["counts"] == {str(context): 200_000 for context in contexts}
         assert result["default_start_method"] == multiprocessing.get_start_method()
-        assert result["queued"] and result["saved"] and result["shared"]
+        assert result["queued"]
+        assert result["saved"]
+        assert result["shared"]
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -69,9 +71,12 @@ def test_debug_runs_here_as_rank_0_of_1_with_the_workers_setup() -> None:
     before, hook = dict(os.environ), sys.excepthook
     result = train.debug(5)
     assert sys.excepthook is hook  # torch's "[rank0]:" hook goes with the process group
-    assert result["value"] == 5.0 and result["world"] == 1 and result["rank"] == "0"
+    assert result["value"] == 5.0
+    assert result["world"] == 1
+    assert result["rank"] == "0"
     assert result["pid"] == os.getpid() == result["nested"]
-    assert not dist.is_initialized() and dict(os.environ) == before
+    assert not dist.is_initialized()
+    assert dict(os.environ) == before
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

@@ -32,9 +32,12 @@ def test_returns_rank0_value_with_kwargs_and_env_contract(
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
         assert env["GROUP_RANK"] == env["NODE_RANK"] == "0"
-        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
-        assert env["OMP_NUM_THREADS"] == "1" and result["threads"] == 1  # 2 cores // 2 workers
-    assert results[0]["pid"] != results[1]["pid"] != os.getpid()
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert int(env["MASTER_PORT"]) > 0
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert result["threads"] == 1  # 2 cores // 2 workers
+    assert len({results[0]["pid"], results[1]["pid"], os.getpid()}) == 3  # two workers, neither the parent
+    assert results[0]["env"]["MASTER_PORT"] == results[1]["env"]["MASTER_PORT"]  # one store for the launch
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
@@ -58,9 +61,12 @@ def test_the_store_starts_when_a_worker_first_connects(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(store, "_host", counted)
     quiet = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()
-    assert int(quiet["env"]["MASTER_PORT"]) > 0 and started == []
+    assert int(quiet["env"]["MASTER_PORT"]) > 0
+    assert started == []
     clients = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(workers.plain_store_client)()
-    assert clients[0] == clients[1] and len(set(clients[0])) == 2 and len(started) == 1
+    assert clients[0] == clients[1]
+    assert len(set(clients[0])) == 2
+    assert len(started) == 1
     assert parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.all_reduce_rank)().item() == 3.0
     assert len(started) == 2
 
@@ -103,7 +109,8 @@ def test_user_master_addr_and_port_are_kept(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     monkeypatch.setenv("MASTER_PORT", str(port))
     result = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()
-    assert result["env"]["MASTER_ADDR"] == "localhost" and result["env"]["MASTER_PORT"] == str(port)
+    assert result["env"]["MASTER_ADDR"] == "localhost"
+    assert result["env"]["MASTER_PORT"] == str(port)
     assert parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.all_reduce_rank)().item() == 3.0
 
 
@@ -113,14 +120,19 @@ def test_arguments_and_nested_results(start_method: StartMethod) -> None:
     result = run()
     assert torch.equal(result["list"][0], torch.arange(10.0))
     assert result["list"][1].untyped_storage().data_ptr() == result["list"][0].untyped_storage().data_ptr()
-    assert result["tuple"][0].dtype == torch.bfloat16 and result["tuple"][1] == 3
-    assert isinstance(result["point"], workers.Point) and result["point"].label == "p"
-    assert isinstance(result["module"], torch.nn.Linear) and result["module"].weight.device.type == "cpu"
+    assert result["tuple"][0].dtype == torch.bfloat16
+    assert result["tuple"][1] == 3
+    assert isinstance(result["point"], workers.Point)
+    assert result["point"].label == "p"
+    assert isinstance(result["module"], torch.nn.Linear)
+    assert result["module"].weight.device.type == "cpu"
     assert set(result["state"]) == {"weight", "bias"}
     assert result["ints"] == list(range(100_000))
     echo = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT)(workers.identity)
     args, kwargs = echo(1, torch.ones(3), key={"nested": [2]})
-    assert args[0] == 1 and torch.equal(args[1], torch.ones(3)) and kwargs == {"key": {"nested": [2]}}
+    assert args[0] == 1
+    assert torch.equal(args[1], torch.ones(3))
+    assert kwargs == {"key": {"nested": [2]}}
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -129,7 +141,8 @@ def test_large_result_is_complete_and_outlives_the_workers(start_method: StartMe
     result = run(64)  # 64 MiB: far past a pipe buffer
     tensor = result["tensor"]
     assert tensor.numel() == 64 * 2**20 // 4
-    assert tensor[-1].item() == tensor.numel() - 1 and result["meta"] == "ok"
+    assert tensor[-1].item() == tensor.numel() - 1
+    assert result["meta"] == "ok"
     tensor.add_(1)  # the workers are gone; the memory is the parent's now
     assert tensor[0].item() == 1.0
 
@@ -165,8 +178,10 @@ def test_backend_option_with_a_raising_function_still_fails_cleanly() -> None:
 
 def test_newer_dtypes_travel() -> None:
     result = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.newer_dtypes)()
-    assert result["uint16"].dtype == torch.uint16 and result["uint16"].to(torch.int32)[-1].item() == 59_999
-    assert result["f8"].dtype == torch.float8_e4m3fn and result["f8"].float().sum().item() == 8.0
+    assert result["uint16"].dtype == torch.uint16
+    assert result["uint16"].to(torch.int32)[-1].item() == 59_999
+    assert result["f8"].dtype == torch.float8_e4m3fn
+    assert result["f8"].float().sum().item() == 8.0
 
 
 def test_a_worker_can_launch_its_own_workers() -> None:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from mplaunch import InvalidOptionError, LaunchTimeoutError, RestartWarning, parallel, worker_info
+from tests.helpers import main_thread_in
+from tests.workers import record_and_sleep
 
 TIMEOUT = 90
 
@@ -67,16 +70,6 @@ def fail_then_hang(seconds: float) -> None:
     time.sleep(60)
 
 
-def record_and_sleep(directory: str, seconds: float) -> int:
-    info = worker_info()
-    _append(os.path.join(directory, f"pid-{info.rank}"), f"{os.getpid()} {info.restart_count}")
-    try:
-        time.sleep(seconds)
-    finally:
-        _append(os.path.join(directory, f"finally-{info.rank}"), "ran")
-    return info.world_size
-
-
 def meet(directory: str, mine: str, theirs: str) -> str:
     """Create ``mine`` and wait for ``theirs``: two launches only finish if they run at the same time."""
     if worker_info().rank == 0:
@@ -106,6 +99,28 @@ def _wait_for_workers(directory: Path, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+def _ctrl_c_when(ready: Callable[[], bool]) -> Callable[[], None]:
+    """From another thread, send SIGINT to this process as soon as ``ready()`` holds (polled every 10 ms).
+    Returns the function that stops the thread (call it in a ``finally``)."""
+    stop = threading.Event()
+
+    def send() -> None:
+        while not stop.is_set():
+            if ready():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            stop.wait(0.01)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+
+    def cancel() -> None:
+        stop.set()
+        sender.join()
+
+    return cancel
+
+
 def _pids(directory: Path) -> list[int]:
     return [int(line.split()[0]) for rank in range(2) for line in _lines_of(directory / f"pid-{rank}")]
 
@@ -131,10 +146,14 @@ def test_restart_resumes_from_a_checkpoint_on_the_second_attempt(tmp_path: Path)
     )
     with pytest.warns(RestartWarning, match=r"attempt 1 of 3 failed \(rank 1 raised ValueError: lost a node\)") as w:
         results = run(str(tmp_path))
-    assert len(w) == 1 and w[0].filename == __file__  # points at the caller's line, not into mplaunch
-    assert [r["step"] for r in results] == [7, 7] and [r["restart_count"] for r in results] == [1, 1]
-    assert results[0]["env"] == ("1", "2") and results[0]["sum"] == 3.0
-    assert _lines(tmp_path / "attempts-0") == ["0", "1"] and _lines(tmp_path / "attempts-1") == ["0", "1"]
+    assert len(w) == 1
+    assert w[0].filename == __file__  # points at the caller's line, not into mplaunch
+    assert [r["step"] for r in results] == [7, 7]
+    assert [r["restart_count"] for r in results] == [1, 1]
+    assert results[0]["env"] == ("1", "2")
+    assert results[0]["sum"] == 3.0
+    assert _lines(tmp_path / "attempts-0") == ["0", "1"]
+    assert _lines(tmp_path / "attempts-1") == ["0", "1"]
 
 
 def test_exhausted_restarts_raise_the_last_failure_with_the_earlier_ones(tmp_path: Path) -> None:
@@ -142,9 +161,12 @@ def test_exhausted_restarts_raise_the_last_failure_with_the_earlier_ones(tmp_pat
     with pytest.warns(RestartWarning, match="attempt 1 of 2") as w, pytest.raises(ValueError) as caught:
         run(str(tmp_path))
     assert len(w) == 1
-    assert str(caught.value) == "attempt 1 failed" and caught.value.rank == 1  # type: ignore[attr-defined]
+    assert str(caught.value) == "attempt 1 failed"
+    assert caught.value.rank == 1  # type: ignore[attr-defined]
     (earlier,) = caught.value.earlier_attempts  # type: ignore[attr-defined]
-    assert isinstance(earlier, ValueError) and str(earlier) == "attempt 0 failed" and earlier.rank == 1  # type: ignore[attr-defined]
+    assert isinstance(earlier, ValueError)
+    assert str(earlier) == "attempt 0 failed"
+    assert earlier.rank == 1  # type: ignore[attr-defined]
     assert _lines(tmp_path / "attempts-1") == ["0", "1"]
 
 
@@ -174,8 +196,7 @@ def test_a_refusal_before_launching_is_not_retried() -> None:
 
 def test_ctrl_c_is_never_restarted(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", max_restarts=3, timeout=TIMEOUT)(record_and_sleep)
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    cancel = _ctrl_c_when(lambda: all((tmp_path / f"pid-{rank}").exists() for rank in range(2)))
     start = time.monotonic()
     try:
         with warnings.catch_warnings():
@@ -183,7 +204,7 @@ def test_ctrl_c_is_never_restarted(tmp_path: Path) -> None:
             with pytest.raises(KeyboardInterrupt):
                 run(str(tmp_path), 30)
     finally:
-        timer.cancel()
+        cancel()
     assert time.monotonic() - start < 20
     assert [line.split()[1] for line in _lines_of(tmp_path / "pid-0")] == ["0"]  # one attempt only
     assert all(_gone(pid) for pid in _pids(tmp_path))
@@ -196,11 +217,14 @@ def test_submit_returns_at_once_with_the_call_result_or_its_exception(tmp_path: 
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep)
     start = time.monotonic()
     future = run.submit(str(tmp_path), 1.0)
-    assert time.monotonic() - start < 0.5 and isinstance(future, concurrent.futures.Future)
-    assert future.result(timeout=TIMEOUT) == 2 and not future.running()
+    assert time.monotonic() - start < 0.5
+    assert isinstance(future, concurrent.futures.Future)
+    assert future.result(timeout=TIMEOUT) == 2
+    assert not future.running()
     failing = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(always_fails).submit(str(tmp_path))
     error = failing.exception(timeout=TIMEOUT)
-    assert isinstance(error, ValueError) and error.rank == 1  # type: ignore[attr-defined]
+    assert isinstance(error, ValueError)
+    assert error.rank == 1  # type: ignore[attr-defined]
     refused = run.submit(str(tmp_path), 1.0, "extra")  # type: ignore[call-arg]
     assert isinstance(refused.exception(timeout=1), TypeError)  # the same refusal as the call, in the future
 
@@ -209,24 +233,27 @@ def test_cancel_stops_a_running_launch_and_leaves_nothing_behind(tmp_path: Path)
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=5)(record_and_sleep)
     future = run.submit(str(tmp_path), 300)
     _wait_for_workers(tmp_path)
-    assert future.running() and not future.done()
+    assert future.running()
+    assert not future.done()
     start = time.monotonic()
     assert future.cancel()
     assert time.monotonic() - start < 5  # within grace_period: the workers end on SIGTERM
-    assert future.cancelled() and future.done()
+    assert future.cancelled()
+    assert future.done()
     with pytest.raises(concurrent.futures.CancelledError):
         future.result()
     assert all(_gone(pid) for pid in _pids(tmp_path))
     assert _lines(tmp_path / "finally-0") == ["ran"]  # stopped with SIGTERM: its finally block ran
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{os.getpid()}-")]
-    assert not future.cancel() or future.cancelled()
+    assert future.cancel()  # already cancelled: still True, as concurrent.futures says
 
 
 def test_two_submitted_launches_run_at_the_same_time(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(meet)
     first, second = run.submit(str(tmp_path), "a", "b"), run.submit(str(tmp_path), "b", "a")
     done, _ = concurrent.futures.wait([first, second], timeout=TIMEOUT)
-    assert len(done) == 2 and (first.result(), second.result()) == ("a", "b")
+    assert len(done) == 2
+    assert (first.result(), second.result()) == ("a", "b")
 
 
 def test_a_launch_started_while_another_starts_its_workers_sees_its_own_end() -> None:
@@ -261,7 +288,7 @@ def test_a_launch_is_not_held_by_a_process_forked_while_a_worker_starts(monkeypa
 
     monkeypatch.setattr(os, "fork", fork_then_a_helper)
     try:
-        assert parallel(nprocs=2, start_method="fork", timeout=20)(os.getpid)() > 0  # timed out when held
+        assert parallel(nprocs=2, start_method="fork", timeout=20)(os.getpid)() != os.getpid()  # timed out when held
     finally:
         for pid in helpers:
             os.kill(pid, signal.SIGKILL)
@@ -290,7 +317,7 @@ def test_launches_while_another_thread_keeps_forking() -> None:
     forker.start()
     try:
         for _ in range(10):
-            assert run() > 0  # LaunchTimeoutError when the launch waited for a helper
+            assert run() != os.getpid()  # LaunchTimeoutError when the launch waited for a helper
     finally:
         stop.set()
         forker.join()
@@ -321,7 +348,7 @@ def test_submitted_launches_are_stopped_when_the_interpreter_exits(tmp_path: Pat
 import os, sys, time
 sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 from mplaunch import parallel
-from tests.integration.test_long_runs import record_and_sleep
+from tests.workers import record_and_sleep
 
 future = parallel(nprocs=2, start_method="fork")(record_and_sleep).submit({str(tmp_path)!r}, 300)
 while not all(os.path.exists(os.path.join({str(tmp_path)!r}, f"pid-{{rank}}")) for rank in range(2)):
@@ -332,7 +359,8 @@ print("exiting with a running launch", flush=True)
     assert done.returncode == 0, done.stderr
     assert "exiting with a running launch" in done.stdout
     pids = _pids(tmp_path)
-    assert len(pids) == 2 and all(_gone(pid) for pid in pids), pids
+    assert len(pids) == 2, pids
+    assert all(_gone(pid) for pid in pids), pids
     assert _lines(tmp_path / "finally-0") == ["ran"]  # stopped (SIGTERM), not killed with the parent
 
 
@@ -346,7 +374,8 @@ def test_interrupted_notebook_cell_stops_running_launches(tmp_path: Path) -> Non
     futures._after_cell(SimpleNamespace(error_in_exec=None))  # a cell that ended normally changes nothing
     assert future.running()
     futures._after_cell(SimpleNamespace(error_in_exec=KeyboardInterrupt()))
-    assert future.cancelled() and all(_gone(pid) for pid in _pids(tmp_path))
+    assert future.cancelled()
+    assert all(_gone(pid) for pid in _pids(tmp_path))
 
 
 # --- options --------------------------------------------------------------------------------------------------
@@ -356,9 +385,13 @@ def test_options_replace_some_options_and_leave_the_function_unchanged() -> None
     original = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(world)
     config = original.config
     one = original.options(nprocs=1, max_restarts=1)
-    assert one() == (1, 0) and one.config.max_restarts == 1 and one.config.timeout == TIMEOUT
-    assert original.config is config and original() == (2, 0)
-    assert one.__name__ == "world" and one.__wrapped__ is world
+    assert one() == (1, 0)
+    assert one.config.max_restarts == 1
+    assert one.config.timeout == TIMEOUT
+    assert original.config is config
+    assert original() == (2, 0)
+    assert one.__name__ == "world"
+    assert one.__wrapped__ is world
     with pytest.raises(InvalidOptionError, match="nprocs=0 is not valid"):
         original.options(nprocs=0)
     with pytest.raises(TypeError, match="return_all"):
@@ -448,11 +481,11 @@ def test_submit_captures_the_random_state_when_called(monkeypatch: pytest.Monkey
 def test_ctrl_c_while_waiting_for_a_submitted_launch_stops_it(tmp_path: Path) -> None:
     future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
     _wait_for_workers(tmp_path)
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    cancel = _ctrl_c_when(lambda: main_thread_in("result", os.path.join("concurrent", "futures", "_base.py")))
     try:
         with pytest.raises(KeyboardInterrupt):
             future.result(timeout=TIMEOUT)
     finally:
-        timer.cancel()
-    assert future.cancelled() and all(_gone(pid) for pid in _pids(tmp_path))
+        cancel()
+    assert future.cancelled()
+    assert all(_gone(pid) for pid in _pids(tmp_path))

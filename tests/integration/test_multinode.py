@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_scripts import REPO, write_script
+from tests.helpers import REPO, free_port, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -46,12 +48,6 @@ NODE = """
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_nodes(tmp_path: Path, count: int, fail_rank: int, rdzv_timeout: float = 60) -> list[str]:
     script = write_script(tmp_path, NODE)
     tmpdir = tmp_path / "tmp"
@@ -78,7 +74,8 @@ def run_nodes(tmp_path: Path, count: int, fail_rank: int, rdzv_timeout: float = 
     leftovers = [p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own cache
     assert leftovers == []  # no log or error files left behind
     for output in outputs:
-        assert "handlers kept True" in output and "environment kept True" in output, output
+        assert "handlers kept True" in output, output
+        assert "environment kept True" in output, output
     return outputs
 
 
@@ -150,3 +147,106 @@ def test_each_node_routes_the_output_of_its_own_ranks(tmp_path: Path, start_meth
             f"[rank {rank}] fd 2 of rank {rank}",
             f"[rank {rank}] hello from rank {rank}",
         ]
+
+
+LOST = """
+    import os, sys, time
+    import torch.distributed as dist
+    from mplaunch import parallel, worker_info
+
+    @parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint=sys.argv[1], backend="gloo",
+              timeout=float(sys.argv[3]), rdzv_timeout=60)
+    def work(ready: str, hanging: list[int]) -> int:
+        rank = worker_info().rank
+        dist.barrier()
+        with open(f"{ready}/rank{rank}.tmp", "w") as file:
+            file.write(str(os.getppid()))  # the node's launching process
+        os.rename(f"{ready}/rank{rank}.tmp", f"{ready}/rank{rank}")
+        if rank in hanging:
+            time.sleep(3600)
+        return rank
+
+    if __name__ == "__main__":
+        try:
+            print("result", work(sys.argv[2], [int(r) for r in sys.argv[4].split(",") if r]), flush=True)
+        except Exception as error:
+            lost = getattr(error, "node_rank", None), getattr(error, "launcher_pid", None)
+            print("failed", type(error).__name__, *lost, error, flush=True)
+"""
+
+
+@contextlib.contextmanager
+def lost_nodes(tmp_path: Path, timeout: float, hanging: str) -> Iterator[tuple[list[subprocess.Popen[str]], Path]]:
+    """Start two nodes of the LOST script, the first one hosting the rendezvous store (it is listening when
+    the second starts); yield them and the folder where each rank writes its node's launcher pid; kill what
+    is left at the end."""
+    script, ready, shm = write_script(tmp_path, LOST), tmp_path / "ready", tmp_path / "shm"
+    ready.mkdir()
+    shm.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPLAUNCH_SHM_DIR": str(shm)}  # a killed node leaves its own
+    port = free_port()
+    command = [sys.executable, str(script), f"127.0.0.1:{port}", str(ready), str(timeout), hanging]
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(2):
+            nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            deadline = time.monotonic() + 60
+            while len(nodes) == 1 and time.monotonic() < deadline:  # the store of the first node is listening
+                with socket.socket() as sock, contextlib.suppress(OSError):
+                    sock.connect(("127.0.0.1", port))
+                    break
+                time.sleep(0.1)
+        yield nodes, ready
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+            node.communicate()
+
+
+def wait_ready(nodes: list[subprocess.Popen[str]], ready: Path) -> dict[int, subprocess.Popen[str]]:
+    """Wait until both ranks ran their barrier; return the node that runs each rank."""
+    deadline = time.monotonic() + 90
+    while not all((ready / f"rank{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), "ranks never started"
+        time.sleep(0.1)
+    by_pid = {node.pid: node for node in nodes}
+    return {rank: by_pid[int((ready / f"rank{rank}").read_text())] for rank in (0, 1)}
+
+
+def finish(node: subprocess.Popen[str], bound: float) -> tuple[str, float]:
+    """Wait for ``node`` at most ``bound`` seconds; return its output and how long it took."""
+    start = time.monotonic()
+    output = node.communicate(timeout=bound)[0]
+    return output, time.monotonic() - start
+
+
+def test_a_killed_node_is_named_by_the_other_within_the_bound(tmp_path: Path) -> None:
+    with lost_nodes(tmp_path, timeout=300, hanging="0,1") as (nodes, ready):
+        by_rank = wait_ready(nodes, ready)
+        by_rank[1].kill()  # node 1's launching process: its ranks die with it
+        output, took = finish(by_rank[0], bound=60)
+    assert f"failed NodeLostError 1 {by_rank[1].pid} node 1 of 2 (host" in output, output
+    assert "is gone: it sent no rendezvous heartbeat" in output
+    assert took < 30  # 10 s of silence, and elastic's checks
+
+
+def test_a_killed_store_host_running_rank0_is_named_not_a_rendezvous_timeout(tmp_path: Path) -> None:
+    with lost_nodes(tmp_path, timeout=300, hanging="0") as (nodes, ready):  # rank 1 returns, waits for rank 0's
+        by_rank = wait_ready(nodes, ready)
+        assert by_rank[0] is nodes[0]  # c10d orders the nodes by pid: the store host is node 0
+        by_rank[0].kill()
+        output, took = finish(by_rank[1], bound=60)
+    assert f"failed NodeLostError 0 {by_rank[0].pid} the rendezvous store at" in output, output
+    assert "node 0 of 2" in output and "which hosts it, is gone" in output
+    assert took < 30
+
+
+def test_timeout_bounds_a_multinode_launch(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with lost_nodes(tmp_path, timeout=6, hanging="0,1") as (nodes, _):
+        first, second = (finish(node, bound=90)[0] for node in nodes)
+    assert "failed LaunchTimeoutError None None the multi-node launch did not finish within timeout=6 s" in first
+    # the second node started later: its own timeout stops it, or the end of the first node (the store's host)
+    assert "failed LaunchTimeoutError" in second or "failed NodeLostError" in second, second
+    assert time.monotonic() - start < 40

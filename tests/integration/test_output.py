@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mplaunch import parallel
-from tests.integration.test_scripts import REPO, run_script, write_script
+from tests.helpers import REPO, run_script, write_script
 
 CHATTY = """
     import sys
@@ -48,9 +48,11 @@ def test_console_ranks_and_log_files(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     done = run_script(write_script(tmp_path, CHATTY), str(REPO), str(logs))
     assert done.returncode == 0, done.stderr
-    assert "[rank 0] out 0 from 0" in done.stdout and "from 1" not in done.stdout + done.stderr
+    assert "[rank 0] out 0 from 0" in done.stdout
+    assert "from 1" not in done.stdout + done.stderr
     rank1 = (logs / "rank1.log").read_text().splitlines()
-    assert rank1[:3] == [f"[rank 1] out {i} from 1" for i in range(3)] and "[rank 1] err from 1" in rank1
+    assert rank1[:3] == [f"[rank 1] out {i} from 1" for i in range(3)]
+    assert "[rank 1] err from 1" in rank1
     assert "[rank 0] out 0 from 0" in (logs / "rank0.log").read_text()
 
 
@@ -114,7 +116,8 @@ def _expect(lines: list[str], template: str, rank: int, prefix: bool, script: Pa
         assert not found, (text, lines)
         return
     assert len(found) == 1, (text, lines)  # whole, once
-    assert found[0].startswith(label) and (prefix or not found[0].startswith("[rank")), (text, found)
+    assert found[0].startswith(label), (text, found)
+    assert prefix or not found[0].startswith("[rank"), (text, found)
 
 
 def _check_launch(out: list[str], err: list[str], name: str, prefix: bool, console: bool, path: Path) -> None:
@@ -273,7 +276,8 @@ FOLLOWS = """
 def test_forkserver_workers_write_to_the_callers_current_descriptors(tmp_path: Path) -> None:
     done = run_script(write_script(tmp_path, FOLLOWS))
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "first\n" and done.stderr == "first on stderr\n"
+    assert done.stdout == "first\n"
+    assert done.stderr == "first on stderr\n"
     assert sorted((tmp_path / "redirected.txt").read_text().splitlines()) == ["second", "second on stderr"]
 
 

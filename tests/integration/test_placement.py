@@ -11,7 +11,7 @@ import pytest
 from mplaunch import InvalidOptionError, StartMethod, parallel
 from mplaunch._parent import devices
 from tests import workers
-from tests.integration.test_scripts import REPO, run_script, write_script
+from tests.helpers import REPO, run_script, write_script
 
 
 @pytest.fixture
@@ -34,8 +34,10 @@ def test_one_device_trials_share_two_devices_at_most_two_at_once(tmp_path: Path)
     futures = [trial.submit(str(tmp_path), f"t{n}") for n in range(4)]
     started = _wait_for(tmp_path, 2, "*.start")
     queued = [f for n, f in enumerate(futures) if not (tmp_path / f"t{n}.start").exists()]
-    assert len(queued) == 2 and not any(f.running() or f.done() for f in queued)
-    assert {p.read_text().split()[1] for p in started} == {"0", "1"} and devices.POOL.busy() == {0, 1}
+    assert len(queued) == 2
+    assert not any(f.running() or f.done() for f in queued)
+    assert {p.read_text().split()[1] for p in started} == {"0", "1"}
+    assert devices.POOL.busy() == {0, 1}
     (tmp_path / "release").touch()
     results = [f.result(timeout=120) for f in futures]
     assert sorted(results) == ["0", "0", "1", "1"]
@@ -45,7 +47,8 @@ def test_one_device_trials_share_two_devices_at_most_two_at_once(tmp_path: Path)
         spans.append((float(start), float((tmp_path / f"t{n}.end").read_text()), device))
     for begin, _, _ in spans:  # when each trial began, at most 2 ran, never 2 on one device
         running = [d for b, e, d in spans if b <= begin <= e]
-        assert len(running) <= 2 and len(set(running)) == len(running)
+        assert len(running) <= 2
+        assert len(set(running)) == len(running)
     assert devices.POOL.busy() == set()
 
 
@@ -57,7 +60,8 @@ def test_bad_device_indices_are_refused_before_any_worker_starts(tmp_path: Path)
         touch.options(devices=[0, 2])(marker)
     future = touch.options(devices=3).submit(marker)
     assert isinstance(future.exception(timeout=10), InvalidOptionError)
-    assert not os.path.exists(marker) and devices.POOL.busy() == set()
+    assert not os.path.exists(marker)
+    assert devices.POOL.busy() == set()
 
 
 def test_devices_are_named_as_the_parent_names_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,10 +78,13 @@ def test_a_queued_launch_can_be_cancelled_and_devices_come_back(tmp_path: Path) 
     holder = trial.options(devices=2, nprocs=1).submit(str(tmp_path), "holder")
     _wait_for(tmp_path, 1, "holder.start")
     queued = trial.options(devices=1).submit(str(tmp_path), "queued")
-    assert not queued.running() and queued.cancel() and queued.cancelled()
+    assert not queued.running()
+    assert queued.cancel()
+    assert queued.cancelled()
     (tmp_path / "release").touch()
     assert holder.result(timeout=120) == "0,1"
-    assert not (tmp_path / "queued.start").exists() and devices.POOL.busy() == set()
+    assert not (tmp_path / "queued.start").exists()
+    assert devices.POOL.busy() == set()
 
 
 def test_cpu_binding_cores_gives_each_rank_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +96,9 @@ def test_cpu_binding_cores_gives_each_rank_its_own_cores(monkeypatch: pytest.Mon
         workers.placement_seen
     )()
     sets = [set(r["cpus"]) for r in seen]
-    assert all(sets) and not sets[0] & sets[1] and sets[0] | sets[1] <= mask
+    assert all(sets)
+    assert not sets[0] & sets[1]
+    assert sets[0] | sets[1] <= mask
     assert [r["omp"] for r in seen] == [str(len(s)) for s in sets] == [str(r["threads"]) for r in seen]
     assert os.sched_getaffinity(0) == mask
 

@@ -34,7 +34,8 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Pa
     parts.mkdir()
     done = _run(whole)
     assert done.returncode == 0, done.stderr
-    assert f"step {STEPS - 1} " in done.stdout and "resumed" not in done.stdout
+    assert f"step {STEPS - 1} " in done.stdout
+    assert "resumed" not in done.stdout
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(_command(parts, 0.2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -56,7 +57,8 @@ def test_an_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path: Pa
     assert first.returncode == 128 + signal.SIGTERM, err
     assert "preempted by SIGTERM; run again to resume" in out, (out, err)
     saved = torch.load(parts / "ckpt.pt")
-    assert 4 <= saved["step"] < STEPS and not (parts / "final.pt").exists()
+    assert 4 <= saved["step"] < STEPS
+    assert not (parts / "final.pt").exists()
 
     resumed = _run(parts)
     assert resumed.returncode == 0, resumed.stderr

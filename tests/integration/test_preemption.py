@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from mplaunch import PreemptedError, WorkerExitedError, parallel
+from mplaunch._wire import flags
 from tests import workers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +84,16 @@ class Launched:
         assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{self.process.pid}-")]
 
 
+def _flag_raised(parent: int) -> bool:
+    """Whether ``parent``'s launch raised its preemption flag (the byte it maps from the launch directory)."""
+    for root in {"/dev/shm", tempfile.gettempdir()}:
+        for path in Path(root).glob(f"mplaunch-{parent}-*/{flags.FLAG}"):
+            with contextlib.suppress(OSError):
+                if path.read_bytes()[:1] not in (b"", b"\0"):
+                    return True
+    return False
+
+
 @pytest.fixture
 def launched(tmp_path: Path) -> Iterator[list[Launched]]:
     started: list[Launched] = []
@@ -104,7 +117,8 @@ def test_sigterm_tells_every_rank_which_saves_and_returns(
     assert "handler restored: True" in out
     for rank in range(2):
         checkpoint = torch.load(launch.directory / f"ckpt_rank{rank}.pt")
-        assert checkpoint["rank"] == rank and checkpoint["seen"] >= 2  # one more batch after the notice
+        assert checkpoint["rank"] == rank
+        assert checkpoint["seen"] >= 2  # one more batch after the notice
     launch.assert_nothing_left()
 
 
@@ -127,7 +141,10 @@ def test_a_second_signal_ends_the_grace_at_once(tmp_path: Path, launched: list[L
     for pid in ranks:
         os.kill(pid, signal.SIGSTOP)  # the ranks cannot react to the notice: only a second signal ends the grace
     launch.process.send_signal(signal.SIGTERM)
-    time.sleep(0.5)  # the parent has noticed the first signal (its handler runs at once); nothing to wait on
+    deadline = time.monotonic() + 30
+    while not _flag_raised(launch.process.pid):  # the parent has noticed the first signal
+        assert time.monotonic() < deadline, "the parent did not raise the preemption flag within 30 s"
+        time.sleep(0.01)
     start = time.monotonic()
     launch.process.send_signal(signal.SIGTERM)
     for pid in ranks:
@@ -160,7 +177,9 @@ def test_a_submitted_launch_is_preempted_by_future_preempt(tmp_path: Path) -> No
     with pytest.raises(PreemptedError) as caught:
         future.result(timeout=TIMEOUT)
     error = caught.value
-    assert error.signum is None and error.returned == (0, 1) and error.values == {0: 7, 1: None}
+    assert error.signum is None
+    assert error.returned == (0, 1)
+    assert error.values == {0: 7, 1: None}
     assert not future.preempt()  # finished
     seen = [float((tmp_path / f"seen-{rank}").read_text()) for rank in range(2)]
     assert all(0 <= when - told < 0.5 for when in seen), [when - told for when in seen]  # ~0.01 s when idle
@@ -184,7 +203,8 @@ def test_ranks_that_ignore_the_notice_are_stopped_after_the_grace(tmp_path: Path
     future.preempt()
     with pytest.raises(PreemptedError) as caught:
         future.result(timeout=TIMEOUT)
-    assert caught.value.stopped == (0, 1) and caught.value.returned == ()
+    assert caught.value.stopped == (0, 1)
+    assert caught.value.returned == ()
     assert time.monotonic() - start < 25
 
 
@@ -201,11 +221,14 @@ def test_restart_on_restarts_a_matching_failure_after_growing_delays(
     with pytest.warns(Warning), pytest.raises(ConnectionError) as caught:
         run(str(tmp_path), "connection")
     starts = _starts(tmp_path)
-    assert len(starts) == 3 and len(caught.value.earlier_attempts) == 2  # type: ignore[attr-defined]
-    assert starts[1] - starts[0] >= 0.3 and starts[2] - starts[1] >= 0.6
+    assert len(starts) == 3
+    assert len(caught.value.earlier_attempts) == 2  # type: ignore[attr-defined]
+    assert starts[1] - starts[0] >= 0.3
+    assert starts[2] - starts[1] >= 0.6
     err = capfd.readouterr().err
     assert "rank 0 failed in attempt 1 of 3; restarting all workers in 0.3 s." in err
-    assert "[rank 0]: Traceback (most recent call last):" in err and "[rank 0]: ConnectionError: peer went away" in err
+    assert "[rank 0]: Traceback (most recent call last):" in err
+    assert "[rank 0]: ConnectionError: peer went away" in err
 
 
 def test_restart_on_raises_another_failure_at_once(tmp_path: Path) -> None:
@@ -214,7 +237,8 @@ def test_restart_on_raises_another_failure_at_once(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="bad input") as caught:
         run(str(tmp_path), "value")
-    assert len(_starts(tmp_path)) == 1 and caught.value.earlier_attempts == ()  # type: ignore[attr-defined]
+    assert len(_starts(tmp_path)) == 1
+    assert caught.value.earlier_attempts == ()  # type: ignore[attr-defined]
 
 
 def test_a_predicate_decides_in_the_parent_under_spawn(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,30 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, run_script, write_script
+
 Starter = Callable[..., "tuple[subprocess.Popen[str], list[int]]"]
-
-
-def write_script(tmp_path: Path, body: str) -> Path:
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(body))
-    return script
-
-
-def run_script(
-    script: Path, *args: str, timeout: float = 120, tmpdir: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    if tmpdir is not None:  # a temp dir of its own, so that other processes' files do not count
-        env["TMPDIR"] = str(tmpdir)
-    return subprocess.run(
-        [sys.executable, str(script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=script.parent,
-    )
 
 
 GUARDED = """
@@ -88,7 +66,8 @@ def test_missing_main_guard_is_refused_in_the_parent(tmp_path: Path, start_metho
     start = time.monotonic()
     done = run_script(write_script(tmp_path, UNGUARDED), start_method)
     assert done.returncode == 1
-    assert "LaunchRefusedError" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+    assert "LaunchRefusedError" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
     assert "script.py (line 10)" in done.stderr
     assert "worker ran" not in done.stdout
     assert time.monotonic() - start < 30
@@ -144,7 +123,6 @@ def started(tmp_path: Path) -> Iterator[Starter]:
         deadline = time.monotonic() + 60
         while len(list(pid_dir.glob("[01]"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.3)
         return parent, [int(pid) for name in ("0", "1") for pid in (pid_dir / name).read_text().split()]
 
     yield start
@@ -256,7 +234,8 @@ AFTER_MATMUL = """
     @parallel(nprocs=1, start_method="fork", timeout=60)
     def work() -> int:
         x = torch.randn(10**6)
-        assert torch.isfinite(x.exp().sum()) and torch.isfinite((torch.randn(600, 600) @ torch.randn(600, 600)).sum())
+        assert torch.isfinite(x.exp().sum())
+        assert torch.isfinite((torch.randn(600, 600) @ torch.randn(600, 600)).sum())
         return torch.get_num_threads()
 
     if __name__ == "__main__":
@@ -313,7 +292,8 @@ MANY_LAUNCHES = """
             try:
                 function(*args)
             except Exception as error:
-                assert expected is not None and isinstance(error, expected), repr(error)
+                assert expected is not None, repr(error)
+                assert isinstance(error, expected), repr(error)
         after = counts()
         print("before", before)
         print("after", after)
@@ -328,7 +308,8 @@ def test_two_hundred_launches_leave_nothing_behind(tmp_path: Path) -> None:
     done = run_script(write_script(tmp_path, MANY_LAUNCHES), str(REPO), timeout=600, tmpdir=tmpdir)
     assert done.returncode == 0, done.stderr
     assert "same True" in done.stdout, done.stdout
-    assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
+    assert "resource_tracker" not in done.stderr, done.stderr
+    assert "leaked" not in done.stderr, done.stderr
 
 
 UNDER_TORCHRUN = """
@@ -494,22 +475,18 @@ def test_a_killed_parents_launch_directory_is_removed_without_a_later_launch(sta
 
 
 QUIET_STOP = """
-    import os, signal, sys, time
+    import sys
     sys.path.insert(0, sys.argv[3])
-    from mplaunch import LaunchTimeoutError, parallel, worker_info
+    from mplaunch import LaunchTimeoutError, parallel
     from tests import workers
 
     @parallel(nprocs=2, start_method=sys.argv[1], timeout=float(sys.argv[4]), grace_period=3.0)
-    def work(pid_dir: str, fail_after: float) -> None:
-        rank = str(worker_info().rank)
-        with open(os.path.join(pid_dir, "tmp" + rank), "w") as f:
-            f.write(str(os.getpid()))
-        os.rename(os.path.join(pid_dir, "tmp" + rank), os.path.join(pid_dir, rank))
-        workers.dataloader_forever(fail_after)
+    def work(ready_dir: str, fail: bool) -> None:
+        workers.dataloader_forever(ready_dir, fail)
 
     if __name__ == "__main__":
         try:
-            work(sys.argv[2], float(sys.argv[5]))
+            work(sys.argv[2], sys.argv[5] == "fail")
         except (LaunchTimeoutError, RuntimeError, KeyboardInterrupt) as error:
             print("stopped by", type(error).__name__, flush=True)
 """
@@ -521,18 +498,18 @@ QUIET_STOP = """
 def test_a_stop_the_user_asked_for_is_quiet(tmp_path: Path, start_method: str, how: str) -> None:
     """Issue 10/16: a stop (timeout, a peer's failure, Ctrl-C) printed tracebacks from the ranks' own
     DataLoader workers and exit handlers. Ranks iterate a DataLoader with 2 persistent workers when stopped."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    timeout, fail_after = {"timeout": ("4", "1e9"), "peer": ("120", "2"), "ctrl-c": ("120", "1e9")}[how]
+    ready_dir = tmp_path / "ready"
+    ready_dir.mkdir()
+    timeout, fail = {"timeout": ("4", "no"), "peer": ("120", "fail"), "ctrl-c": ("120", "no")}[how]
     parent = subprocess.Popen(
         [
             sys.executable,
             str(write_script(tmp_path, QUIET_STOP)),
             start_method,
-            str(pid_dir),
+            str(ready_dir),
             str(REPO),
             timeout,
-            fail_after,
+            fail,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -543,9 +520,8 @@ def test_a_stop_the_user_asked_for_is_quiet(tmp_path: Path, start_method: str, h
     try:
         if how == "ctrl-c":
             deadline = time.monotonic() + 60
-            while len(list(pid_dir.glob("[01]"))) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(1.0)
+            while len(list(ready_dir.glob("ready-[01]"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # both ranks iterate their DataLoader, whose workers run
             os.killpg(parent.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the parent's whole process group
         out, err = parent.communicate(timeout=120)
     finally:
@@ -554,4 +530,5 @@ def test_a_stop_the_user_asked_for_is_quiet(tmp_path: Path, start_method: str, h
             parent.communicate()
     expected = {"timeout": "LaunchTimeoutError", "peer": "RuntimeError", "ctrl-c": "KeyboardInterrupt"}[how]
     assert f"stopped by {expected}" in out, (out, err)
-    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert "Traceback" not in err, err
+    assert "Exception ignored" not in err, err

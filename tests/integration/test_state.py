@@ -46,8 +46,10 @@ def test_workers_draw_exactly_what_the_parent_would(seeded_parent: None, start_m
     for result in run():
         assert result["python"] == expected["python"]
         assert numpy.array_equal(result["numpy"], expected["numpy"])
-        assert torch.equal(result["torch"], expected["torch"]) and torch.equal(result["weight"], expected["weight"])
-        assert result["matmul"] == "medium" and result["dtype"] == torch.float32
+        assert torch.equal(result["torch"], expected["torch"])
+        assert torch.equal(result["weight"], expected["weight"])
+        assert result["matmul"] == "medium"
+        assert result["dtype"] == torch.float32
     assert torch.get_float32_matmul_precision() == "medium"
 
 
@@ -67,7 +69,8 @@ def test_arguments_are_private_to_each_worker(start_method: StartMethod, shared:
         {"weight": 1.0 * size, "tensor": 1.0 * tensor.numel()},
         {"weight": 2.0 * size, "tensor": 2.0 * tensor.numel()},
     ]
-    assert module.weight.sum().item() == 0 and tensor.sum().item() == 0  # the parent's objects are untouched
+    assert module.weight.sum().item() == 0
+    assert tensor.sum().item() == 0  # the parent's objects are untouched
 
 
 @pytest.mark.parametrize("padding", [0, 20_000], ids=["small", "large"])
@@ -101,10 +104,12 @@ def test_worker_threads_default_to_cores_per_worker(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     result = parallel(nprocs=1, start_method="forkserver", timeout=TIMEOUT)(workers.rank_and_env)()
-    assert result["threads"] == usable_cpu_count() and result["env"]["OMP_NUM_THREADS"] == str(usable_cpu_count())
+    assert result["threads"] == usable_cpu_count()
+    assert result["env"]["OMP_NUM_THREADS"] == str(usable_cpu_count())
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     result = parallel(nprocs=1, start_method="forkserver", timeout=TIMEOUT)(workers.rank_and_env)()
-    assert result["threads"] == 1 and result["env"]["OMP_NUM_THREADS"] == "1"
+    assert result["threads"] == 1
+    assert result["env"]["OMP_NUM_THREADS"] == "1"
 
 
 @pytest.mark.parametrize("start_method", ["forkserver"])

@@ -67,9 +67,9 @@ def _run(entry: str, tmp_path: Path) -> dict[str, Any]:
         if line.startswith("RESULT "):
             item = json.loads(line[len("RESULT ") :])
             results[item["method"]] = item
-    assert done.returncode == 0 and set(results) == set(METHODS), (
-        f"exit code {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    )
+    report = f"exit code {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    assert done.returncode == 0, report
+    assert set(results) == set(METHODS), report
     return results
 
 

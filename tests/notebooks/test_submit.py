@@ -11,7 +11,7 @@ from typing import Any
 import nbformat
 import pytest
 
-from tests.notebooks.test_notebooks import (
+from tests.notebooks.kernels import (
     IMPORTS,
     _alive,
     _client,
@@ -59,7 +59,7 @@ def test_submit_in_a_kernel_interrupt_and_shutdown_stop_the_launches(tmp_path: P
     nb = _notebook(
         IMPORTS,
         SLEEPY,
-        "time.sleep(120)",
+        'open("busy", "w").close()\ntime.sleep(120)',
         """\
 later = sleepy.submit("b", 300)
 print("RESULT", json.dumps([future.cancelled(), sleepy.options(nprocs=1).submit("c", 0).result() is None]))
@@ -76,7 +76,11 @@ print("RESULT", json.dumps([future.cancelled(), sleepy.options(nprocs=1).submit(
             await client.async_execute_cell(nb.cells[1], 1, execution_count=2)
             facts["first"] = await _pids(tmp_path, "a")
             busy = asyncio.ensure_future(client.async_execute_cell(nb.cells[2], 2, execution_count=3))
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "busy").exists():  # the cell runs: the kernel is busy
+                assert not busy.done(), _outputs(nb.cells[2])
+                assert time.monotonic() < deadline, "the cell did not start within 60 s"
+                await asyncio.sleep(0.05)
             interrupted = time.monotonic()
             await manager.interrupt_kernel()
             await asyncio.wait_for(busy, timeout=30)
@@ -91,7 +95,8 @@ print("RESULT", json.dumps([future.cancelled(), sleepy.options(nprocs=1).submit(
     nbformat.write(nb, tmp_path / "executed.ipynb")
     assert _result_line(nb.cells[1], "RESULT") < 5, _outputs(nb.cells[1])  # submit returned at once
     assert [e.ename for e in _errors(nb.cells[2])] == ["KeyboardInterrupt"], _outputs(nb.cells[2])
-    assert facts["stop_seconds"] < 15 and facts["alive_after_interrupt"] == [], facts
+    assert facts["stop_seconds"] < 15, facts
+    assert facts["alive_after_interrupt"] == [], facts
     assert all((tmp_path / f"a-{rank}.stopped").exists() for rank in range(2))  # SIGTERM: finally blocks ran
     assert _result_line(nb.cells[3], "RESULT") == [True, True], _outputs(nb.cells[3])
     deadline = time.monotonic() + 15

@@ -25,17 +25,22 @@ def with_options(x: int) -> int:
 
 def test_bare_and_configured_forms_keep_the_function_identity() -> None:
     assert isinstance(bare, ParallelFunction)
-    assert bare.__name__ == "bare" and bare.__doc__ == "Bare docstring."
-    assert bare.__qualname__ == "bare" and bare.__module__ == __name__
+    assert bare.__name__ == "bare"
+    assert bare.__doc__ == "Bare docstring."
+    assert bare.__qualname__ == "bare"
+    assert bare.__module__ == __name__
     assert inspect.signature(bare) == inspect.signature(bare.__wrapped__)
     assert bare.__wrapped__(1, y="b") == "1b"  # the plain function runs in-process
-    assert with_options.config.nprocs == 2 and with_options.config.return_all
-    assert with_options.config.timeout == 10.0 and with_options.config.grace_period == 1.0
+    assert with_options.config.nprocs == 2
+    assert with_options.config.return_all
+    assert with_options.config.timeout == 10.0
+    assert with_options.config.grace_period == 1.0
 
 
 def test_pickles_by_reference() -> None:
     data = pickle.dumps(bare)
-    assert b"bare" in data and len(data) < 200
+    assert b"bare" in data
+    assert len(data) < 200
     assert pickle.loads(data) is bare
 
 
@@ -47,7 +52,8 @@ def test_unfindable_function_pickles_by_value_of_its_parts() -> None:
     import cloudpickle
 
     restored = pickle.loads(cloudpickle.dumps(wrapped))
-    assert restored.__wrapped__(3) == 3 and restored.config == wrapped.config
+    assert restored.__wrapped__(3) == 3
+    assert restored.config == wrapped.config
 
 
 @pytest.mark.parametrize(
@@ -96,8 +102,10 @@ def test_backend_is_validated_and_auto_resolves_without_cuda(monkeypatch: pytest
     assert resolve_backend("auto", 2) == "gloo"
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
-    assert resolve_backend("auto", 2) == "nccl" and resolve_backend("auto", 3) == "gloo"
-    assert resolve_backend("gloo", 2) == "gloo" and resolve_backend(None, 2) is None
+    assert resolve_backend("auto", 2) == "nccl"
+    assert resolve_backend("auto", 3) == "gloo"
+    assert resolve_backend("gloo", 2) == "gloo"
+    assert resolve_backend(None, 2) is None
 
 
 @pytest.mark.parametrize(
@@ -164,13 +172,17 @@ def test_options_are_validated_like_the_decorator_and_leave_the_function_unchang
 
 def test_options_merge_into_a_new_function() -> None:
     changed = with_options.options(nprocs=1, timeout=None, max_restarts=2, console_ranks=[0])
-    assert changed is not with_options and isinstance(changed, ParallelFunction)
+    assert changed is not with_options
+    assert isinstance(changed, ParallelFunction)
     assert (changed.config.nprocs, changed.config.timeout, changed.config.max_restarts) == (1, None, 2)
     assert changed.config.console_ranks == frozenset({0})
-    assert changed.config.return_all and changed.config.grace_period == 1.0  # kept
+    assert changed.config.return_all
+    assert changed.config.grace_period == 1.0  # kept
     assert (with_options.config.nprocs, with_options.config.timeout, with_options.config.max_restarts) == (2, 10, 0)
-    assert changed.__name__ == "with_options" and changed.__wrapped__ is with_options.__wrapped__
-    assert with_options.options() is not with_options and with_options.options().config == with_options.config
+    assert changed.__name__ == "with_options"
+    assert changed.__wrapped__ is with_options.__wrapped__
+    assert with_options.options() is not with_options
+    assert with_options.options().config == with_options.config
     with pytest.raises(TypeError):
         with_options.options(nproc=2)  # type: ignore[call-arg]
 

@@ -171,7 +171,8 @@ def test_a_real_cgroup_quota_is_seen_by_a_process_moved_into_it() -> None:
         directory.rmdir()
     assert done.returncode == 0, done.stderr
     limit, count = done.stdout.split()
-    assert float(limit) == 0.5 and int(count) == 1  # half a CPU, rounded up, whatever the affinity mask
+    assert float(limit) == 0.5
+    assert int(count) == 1  # half a CPU, rounded up, whatever the affinity mask
 
 
 def test_the_tightest_pids_limit_along_the_path(tmp_path: Path) -> None:

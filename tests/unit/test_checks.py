@@ -144,7 +144,8 @@ def test_describe_unpicklable_names_the_argument() -> None:
     assert text.startswith("positional argument 1 (lock)")
     with open(__file__) as file:
         text = checks.describe_unpicklable((), {"f": file}, None)
-    assert text.startswith("keyword argument 'f' (TextIOWrapper)") and "open it inside" in text
+    assert text.startswith("keyword argument 'f' (TextIOWrapper)")
+    assert "open it inside" in text
 
 
 def test_unshare_copies_only_shared_tensors_in_place() -> None:
@@ -159,8 +160,10 @@ def test_unshare_copies_only_shared_tensors_in_place() -> None:
     args = (private, shared, module)
     assert unshare(args) is args
     assert private.data_ptr() == private_address  # not copied
-    assert not shared.is_shared() and torch.equal(shared, torch.zeros(3))
-    assert module.weight is weight and not module.weight.is_shared()
+    assert not shared.is_shared()
+    assert torch.equal(shared, torch.zeros(3))
+    assert module.weight is weight
+    assert not module.weight.is_shared()
 
 
 def _initialise_cuda_here() -> None:
@@ -185,7 +188,8 @@ def test_refused_fork_says_where_cuda_was_first_initialised(monkeypatch: pytest.
     with pytest.raises(LaunchRefusedError) as caught:
         checks.check_cuda_fork("fork")
     assert "CUDA was first initialised here" in str(caught.value)
-    assert "in _initialise_cuda_here" in str(caught.value) and "test_checks.py" in str(caught.value)
+    assert "in _initialise_cuda_here" in str(caught.value)
+    assert "test_checks.py" in str(caught.value)
 
 
 def test_recorder_ignores_failed_initialisation(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,8 @@ def test_pool_never_gives_a_device_twice_and_serves_waiters_when_released() -> N
     pool = devices.DevicePool()
     first = pool.acquire(1)
     second = pool.acquire(1)
-    assert {first, second} == {(0,), (1,)} and pool.busy() == {0, 1}
+    assert {first, second} == {(0,), (1,)}
+    assert pool.busy() == {0, 1}
     got: list[tuple[int, ...]] = []
     waiter = threading.Thread(target=lambda: got.append(pool.acquire((1,))))
     waiter.start()
@@ -47,7 +48,8 @@ def test_pool_never_gives_a_device_twice_and_serves_waiters_when_released() -> N
     assert not got
     pool.release(second)
     waiter.join(10)
-    assert got == [(1,)] and pool.busy() == {0, 1}
+    assert got == [(1,)]
+    assert pool.busy() == {0, 1}
 
 
 @pytest.mark.usefixtures("two_devices")
@@ -67,7 +69,8 @@ def test_a_stop_ends_the_wait() -> None:
     waiter.start()
     control.request_stop()
     waiter.join(10)
-    assert errors and pool.busy() == set(held)
+    assert errors
+    assert pool.busy() == set(held)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +101,9 @@ def test_placement_options_are_kept_normalised() -> None:
     given = {"A": "1"}
     config = parallel(devices=[2, 3], cpu_binding="numa", env=given, prefix_output="{rank}|{pid} ")(len).config
     given["A"] = "2"
-    assert config.devices == (2, 3) and config.env == {"A": "1"} and config.prefix_output == "{rank}|{pid} "
+    assert config.devices == (2, 3)
+    assert config.env == {"A": "1"}
+    assert config.prefix_output == "{rank}|{pid} "
     assert parallel(env={"CUDA_VISIBLE_DEVICES": "1"})(len).config.env == {"CUDA_VISIBLE_DEVICES": "1"}
 
 

@@ -30,7 +30,8 @@ def make(root: Path, name: str) -> Path:
 
 def test_only_directories_of_dead_parents_of_this_pid_namespace_are_removed(tmp_path: Path) -> None:
     namespace, dead, alive = launch_dir._pid_namespace(), dead_pid(), os.getpid()
-    assert not launch_dir._pid_alive(dead) and launch_dir._pid_alive(alive)
+    assert not launch_dir._pid_alive(dead)
+    assert launch_dir._pid_alive(alive)
     stale = [make(tmp_path, f"mplaunch-{dead}-{namespace}-k2x9q"), make(tmp_path, f"mplaunch-{dead}-{namespace}-")]
     kept = [
         make(tmp_path, f"mplaunch-{alive}-{namespace}-a8c1z"),  # a running launch of this process
@@ -84,3 +85,37 @@ def test_shm_root_is_the_users_choice_else_dev_shm(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("MPLAUNCH_SHM_DIR")
     writable = os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
     assert launch_dir.shm_root() == ("/dev/shm" if writable else tempfile.gettempdir())
+
+
+def test_a_forked_child_closes_only_the_reaper_pipes_open_now(tmp_path: Path) -> None:
+    """A reaper that died is replaced and its pipe closed; a child forked later must not close a descriptor
+    that reuses the old pipe's number (it would close the child's own file)."""
+    root = str(tmp_path)
+    launch_dir._start_reaper(root)
+    first = launch_dir._reapers[(os.getpid(), root)]
+    os.kill(first, 9)
+    os.waitpid(first, 0)  # ended: the next launch starts a new reaper and closes the old pipe
+    launch_dir._start_reaper(root)
+    second = launch_dir._reapers[(os.getpid(), root)]
+    assert second != first
+    reader, writer = os.pipe()  # may take the old pipe's number
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                os.fstat(reader)
+                os.fstat(writer)
+                os._exit(0)
+            except OSError:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(reader)
+        os.close(writer)
+        os.kill(second, 9)
+        os.waitpid(second, 0)
+        from mplaunch._parent import processes
+
+        processes.forget_reaper(second)
+        del launch_dir._reapers[(os.getpid(), root)]

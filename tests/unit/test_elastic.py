@@ -69,7 +69,8 @@ def test_the_rank_that_raised_first_comes_first(tmp_path: Path) -> None:
     write(tmp_path, {0: Returned(100, 0), 1: Signalled(101, signal.SIGTERM), 2: late, 3: early})
     with pytest.raises(KeyError) as caught:
         collect(tmp_path)
-    assert caught.value.rank == 3 and caught.value.args == ("3",)  # type: ignore[attr-defined]
+    assert caught.value.rank == 3  # type: ignore[attr-defined]
+    assert caught.value.args == ("3",)
 
 
 def test_without_an_exception_the_lowest_failed_rank_is_reported(tmp_path: Path) -> None:
@@ -113,4 +114,5 @@ def test_a_failure_of_rank_0_on_another_node_is_raised_here_as_itself(tmp_path: 
     transport.dump(raised(OSError(28, "No space left")), str(tmp_path), REMOTE_RANK0)
     with pytest.raises(OSError, match="No space left") as caught:
         collect(tmp_path)
-    assert caught.value.errno == 28 and caught.value.rank == 0  # type: ignore[attr-defined]
+    assert caught.value.errno == 28
+    assert caught.value.rank == 0  # type: ignore[attr-defined]

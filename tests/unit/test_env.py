@@ -28,7 +28,9 @@ def test_apply_environment_drops_stale_rank_variables(monkeypatch: pytest.Monkey
     snapshot = dict(environ)
     try:
         apply_environment(environ, rank_environment(0, 1, "a", 1, agent_store=False))
-        assert environ["RANK"] == "0" and "TORCHELASTIC_RUN_ID" not in environ and environ["UNRELATED"] == "kept"
+        assert environ["RANK"] == "0"
+        assert "TORCHELASTIC_RUN_ID" not in environ
+        assert environ["UNRELATED"] == "kept"
     finally:
         environ.clear()
         environ.update(snapshot)
@@ -79,10 +81,12 @@ def test_node_setup_reads_arguments_then_mplaunch_then_slurm() -> None:
     assert node_setup(None, None, None, {}) is None
     assert node_setup(1, None, None, {}) is None
     setup = node_setup(2, 1, "host", {})
-    assert setup is not None and (setup.nnodes, setup.node_rank, setup.rdzv_endpoint) == (2, 1, "host:29400")
+    assert setup is not None
+    assert (setup.nnodes, setup.node_rank, setup.rdzv_endpoint) == (2, 1, "host:29400")
     env = {"MPLAUNCH_NNODES": "3", "MPLAUNCH_NODE_RANK": "2", "MPLAUNCH_RDZV_ENDPOINT": "h:1", "MPLAUNCH_RUN_ID": "j"}
     setup = node_setup(None, None, None, env)
-    assert setup is not None and (setup.nnodes, setup.node_rank, setup.rdzv_endpoint, setup.run_id) == (
+    assert setup is not None
+    assert (setup.nnodes, setup.node_rank, setup.rdzv_endpoint, setup.run_id) == (
         3,
         2,
         "h:1",
@@ -97,7 +101,8 @@ def test_node_setup_reads_arguments_then_mplaunch_then_slurm() -> None:
         "SLURM_JOB_ID": "77",
     }
     setup = node_setup(None, None, None, slurm)
-    assert setup is not None and (setup.nnodes, setup.node_rank, setup.rdzv_endpoint, setup.run_id) == (
+    assert setup is not None
+    assert (setup.nnodes, setup.node_rank, setup.rdzv_endpoint, setup.run_id) == (
         2,
         1,
         "10.0.0.1:29400",

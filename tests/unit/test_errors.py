@@ -30,7 +30,9 @@ EXAMPLES = [
 @pytest.mark.parametrize("error", EXAMPLES, ids=lambda e: type(e).__name__)
 def test_every_exception_pickles_with_its_attributes(error: Exception) -> None:
     copy = pickle.loads(pickle.dumps(error))
-    assert type(copy) is type(error) and str(copy) == str(error) and vars(copy) == vars(error)
+    assert type(copy) is type(error)
+    assert str(copy) == str(error)
+    assert vars(copy) == vars(error)
     assert isinstance(copy, MplaunchError)
 
 
@@ -45,4 +47,6 @@ def test_builtin_bases() -> None:
 def test_signal_names() -> None:
     assert WorkerExitedError("x", 0, 1, -9).signal_name == "SIGKILL"
     assert signal_name(-15) == "SIGTERM"
-    assert signal_name(1) is None and signal_name(None) is None and signal_name(0) is None
+    assert signal_name(1) is None
+    assert signal_name(None) is None
+    assert signal_name(0) is None

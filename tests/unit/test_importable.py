@@ -38,7 +38,8 @@ def loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[types.Mo
     path.parent.mkdir()
     path.write_text(MODULE)
     spec = importlib.util.spec_from_file_location("exp", path)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "exp", module)
     spec.loader.exec_module(module)
@@ -52,13 +53,15 @@ def _imports() -> WorkerImports:
 def test_importable_modules_travel_by_reference() -> None:
     imports = _imports()
     for obj in (workers.identity, workers.Point, torch.nn.Linear, torch.Tensor, pickle.dumps, importable.guard_spans):
-        assert imports.can_import(obj) and not imports.needs_value(obj), obj
+        assert imports.can_import(obj), obj
+        assert not imports.needs_value(obj), obj
 
 
 def test_a_module_loaded_by_file_path_travels_by_value(loaded: types.ModuleType) -> None:
     imports = _imports()
     assert not imports.module_importable("exp")
-    assert imports.needs_value(loaded.twice) and imports.needs_value(loaded.Box)
+    assert imports.needs_value(loaded.twice)
+    assert imports.needs_value(loaded.Box)
 
 
 def test_the_same_name_must_resolve_to_the_same_file(
@@ -118,7 +121,9 @@ def test_a_list_of_ints_stays_a_plain_pickle(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(transport, "_CloudPickler", refuse)
     value = list(range(10**6))
     data, pickler = transport._pickle(value, False, _imports())
-    assert not pickler.storages and not pickler.buffers and pickle.loads(data) == value
+    assert not pickler.storages
+    assert not pickler.buffers
+    assert pickle.loads(data) == value
 
 
 def test_the_view_is_reused_until_sys_path_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
+import struct
+import termios
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,19 @@ def _write(pump: Pump, rank: int, text: str, err: bool = False) -> None:
     os.write(pump.writers[2 * rank + err], text.encode())
 
 
+def _wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"the pump did not get there within {timeout} s"
+        time.sleep(0.005)
+
+
+def _unread(fd: int) -> int:
+    """Bytes in the pipe of ``fd`` (either end) that the pump has not read yet."""
+    count: int = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    return count
+
+
 def test_prefix_at_each_line_start_and_after_carriage_returns() -> None:
     assert prefixed("a\n\nb", "[r] ", True) == ("[r] a\n[r] \n[r] b", False)
     assert prefixed("c\n", "[r] ", False) == ("c\n", True)
@@ -41,7 +58,8 @@ def test_lines_are_whole_filtered_and_logged(monkeypatch: pytest.MonkeyPatch, tm
     _write(pump, 0, "a")
     _write(pump, 1, "hidden\n")
     _write(pump, 0, "b\n")
-    time.sleep(0.2)  # stdout and stderr are two pipes: no order between them but the order of reading
+    # stdout and stderr are two pipes: no order between them but the order of reading
+    _wait_until(lambda: consoles[0].getvalue() == "[rank 0] ab\n")
     _write(pump, 0, "oops\n", err=True)
     _write(pump, 0, "no newline")
     pump.close()
@@ -56,12 +74,12 @@ def test_partial_line_is_live_and_never_split_by_another_rank(monkeypatch: pytes
     pump = Pump([0, 1], prefix=True, console_ranks=None, log_dir=None)
     pump.start(keep_writers=True)
     _write(pump, 0, "\r 10%")
-    deadline = time.monotonic() + 10
-    while "10%" not in consoles[0].getvalue() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_until(lambda: "10%" in consoles[0].getvalue())
     assert consoles[0].getvalue() == "\r[rank 0]  10%"  # forwarded before its line ends
     _write(pump, 1, "other\n")
-    time.sleep(3 * HOLD)
+    held = time.monotonic()
+    _wait_until(lambda: "other" in consoles[0].getvalue())  # the open line is cut after HOLD seconds
+    assert time.monotonic() - held >= HOLD
     _write(pump, 0, "\r 20%\n")
     pump.close()
     assert consoles[0].getvalue() == "\r[rank 0]  10%\n[rank 1] other\n\r[rank 0]  20%\n"
@@ -72,7 +90,7 @@ def test_another_ranks_line_waits_for_an_open_line_to_end(monkeypatch: pytest.Mo
     pump = Pump([0, 1], prefix=True, console_ranks=None, log_dir=None)
     pump.start(keep_writers=True)
     _write(pump, 0, "start ")
-    time.sleep(0.05)
+    _wait_until(lambda: consoles[0].getvalue() == "[rank 0] start ")  # the open line
     _write(pump, 1, "other\n")
     _write(pump, 0, "end\n")
     pump.close()
@@ -85,7 +103,7 @@ def test_rank_mark_names_the_rank_of_what_follows(monkeypatch: pytest.MonkeyPatc
     pump.start(keep_writers=True)
     mark = RANK_MARK + b"5\x00"
     os.write(pump.writers[0], mark[:4])
-    time.sleep(0.05)
+    _wait_until(lambda: _unread(pump.writers[0]) == 0)  # the rest comes in a later read
     os.write(pump.writers[0], mark[4:] + "hé\n".encode())
     pump.close()
     assert consoles[0].getvalue() == "[rank 5] hé\n"
@@ -108,7 +126,8 @@ def test_close_does_not_wait_for_a_writer_left_open(monkeypatch: pytest.MonkeyPa
 
 
 def test_routes_when_an_option_is_set_or_the_console_is_not_fd_1(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert should_route(True, None, None) and should_route(False, frozenset({0}), None)
+    assert should_route(True, None, None)
+    assert should_route(False, frozenset({0}), None)
     monkeypatch.setattr("sys.stdout", io.StringIO())  # e.g. a Jupyter kernel's stream, redirect_stdout
     assert should_route(False, None, None)
 

@@ -8,6 +8,7 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,15 @@ from mplaunch._parent.preemption import Preemption, preempt_signals, preemption_
 from mplaunch._parent.restarts import MAX_DELAY, pause, restart_delay_of, restartable
 from mplaunch._wire import flags
 from mplaunch._wire.records import Returned, Stopped
+from tests.helpers import main_thread_in
 
 
 def test_defaults_keep_todays_behaviour() -> None:
     config = parallel(lambda: None).config
-    assert config.preempt_signals == () and config.preempt_grace == 60.0
-    assert config.restart_on is None and config.restart_delay == 0.0
+    assert config.preempt_signals == ()
+    assert config.preempt_grace == 60.0
+    assert config.restart_on is None
+    assert config.restart_delay == 0.0
 
 
 def test_preempt_signals_are_normalised() -> None:
@@ -75,12 +79,14 @@ def test_restart_on_takes_classes_or_a_predicate() -> None:
 def test_restart_on_refuses_what_is_not_an_exception_class(value: Any, named: str) -> None:
     with pytest.raises(InvalidOptionError, match="restart_on=") as caught:
         parallel(restart_on=value)
-    assert named in str(caught.value) and "exception classes" in str(caught.value)
+    assert named in str(caught.value)
+    assert "exception classes" in str(caught.value)
 
 
 def test_options_replace_the_new_options_too() -> None:
     fn = parallel(lambda: None).options(preempt_signals=(signal.SIGUSR1,), restart_delay=2)
-    assert fn.config.preempt_signals == (signal.SIGUSR1,) and fn.config.restart_delay == 2.0
+    assert fn.config.preempt_signals == (signal.SIGUSR1,)
+    assert fn.config.restart_delay == 2.0
 
 
 def test_the_delay_doubles_from_restart_to_restart_up_to_a_minute() -> None:
@@ -92,31 +98,51 @@ def test_the_delay_doubles_from_restart_to_restart_up_to_a_minute() -> None:
 
 def test_restartable() -> None:
     error = ConnectionError("x")
-    assert restartable(error, None) and restartable(error, (OSError,)) and not restartable(error, (ValueError,))
-    assert restartable(error, lambda failure: "x" in str(failure)) and not restartable(error, lambda failure: False)
+    assert restartable(error, None)
+    assert restartable(error, (OSError,))
+    assert not restartable(error, (ValueError,))
+    assert restartable(error, lambda failure: "x" in str(failure))
+    assert not restartable(error, lambda failure: False)
+
+
+def _once_paused(action: Callable[[], object]) -> threading.Thread:
+    """Run ``action`` in another thread once the main thread waits in ``pause``."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 10
+        while not main_thread_in("pause") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        action()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
 
 
 def test_a_stop_request_or_a_notice_cuts_the_pause_short() -> None:
     control = LaunchControl(stoppable=True)
-    threading.Timer(0.1, control.request_stop).start()
+    stopper = _once_paused(control.request_stop)
     start = time.monotonic()
     pause(30, control)
     assert time.monotonic() - start < 10
+    stopper.join()
     control.close()
     control = LaunchControl()
     notice = Preemption(60)
     control.set_preemption(notice)
-    threading.Timer(0.1, notice.notify, args=(signal.SIGTERM,)).start()
+    notifier = _once_paused(lambda: notice.notify(signal.SIGTERM))
     start = time.monotonic()
     pause(30, control)
     assert time.monotonic() - start < 10
+    notifier.join()
     notice.close()
 
 
 def test_the_flag_is_seen_through_a_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flags, "_mapping", None)
     monkeypatch.setattr(flags, "_looked", False)
-    assert not preempted() and not worker_info().preempted
+    assert not preempted()
+    assert not worker_info().preempted
     notice = Preemption(60)
     notice.attach(str(tmp_path))
     try:
@@ -124,10 +150,14 @@ def test_the_flag_is_seen_through_a_mapping(tmp_path: Path, monkeypatch: pytest.
         monkeypatch.setattr(flags, "_looked", False)  # looked once per process: this one starts anew
         assert not preempted()
         notice.notify(signal.SIGUSR1)
-        assert preempted() and worker_info().preempted
-        assert notice.signum == signal.SIGUSR1 and not notice.forced and 59 < (notice.remaining() or 0) <= 60
+        assert preempted()
+        assert worker_info().preempted
+        assert notice.signum == signal.SIGUSR1
+        assert not notice.forced
+        assert 59 < (notice.remaining() or 0) <= 60
         notice.notify(signal.SIGUSR1)
-        assert notice.forced and notice.remaining() == 0.0
+        assert notice.forced
+        assert notice.remaining() == 0.0
     finally:
         notice.close()
         flag = flags._mapping
@@ -139,7 +169,9 @@ def test_a_notice_before_the_flag_exists_raises_it_when_made(tmp_path: Path) -> 
     control = LaunchControl(stoppable=True)
     control.preempt()  # future.preempt() before the launch started
     with preemption_notice(control, str(tmp_path), (), 60) as notice:
-        assert notice.noticed and notice.signum is None and not notice.forced
+        assert notice.noticed
+        assert notice.signum is None
+        assert not notice.forced
         assert (tmp_path / flags.FLAG).read_bytes() == b"\1"
     assert control.preemption is None
     control.close()
@@ -152,7 +184,8 @@ def test_the_handlers_are_put_back_and_an_unreported_signal_passes_on() -> None:
         notice = Preemption(60)
         with preempt_signals(notice, (signal.SIGUSR1,)):
             os.kill(os.getpid(), signal.SIGUSR1)
-            assert notice.noticed and got == []  # told, not handled
+            assert notice.noticed
+            assert got == []  # told, not handled
         assert got == [signal.SIGUSR1]  # the launch ended without reporting it: the caller's handler gets it
         notice.close()
         notice = Preemption(60)
@@ -176,9 +209,13 @@ def test_preempted_error_carries_what_happened_and_pickles() -> None:
     notice.notify(signal.SIGTERM)
     failure = ValueError("while saving")
     error = notice.error({0: Returned(1, "weights"), 1: Stopped(1), 2: failure}, 4)
-    assert error.signum == signal.SIGTERM and error.signal_name == "SIGTERM"
-    assert error.returned == (0,) and error.values == {0: "weights"} and error.stopped == (1, 3)
-    assert error.failures == (failure,) and "preempt_grace=5 s" in str(error)
+    assert error.signum == signal.SIGTERM
+    assert error.signal_name == "SIGTERM"
+    assert error.returned == (0,)
+    assert error.values == {0: "weights"}
+    assert error.stopped == (1, 3)
+    assert error.failures == (failure,)
+    assert "preempt_grace=5 s" in str(error)
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.signum, copy.returned, copy.values, copy.stopped, str(copy)) == (
         error.signum,

@@ -73,48 +73,63 @@ def test_rank_state_of_every_outcome_stop_and_exit_code(kind: str, stopped: bool
     if kind == "returned":  # a rank that returned did its work, whatever happened to it afterwards
         assert state is outcome
     elif kind == "raised":  # an exception of its own is a failure even when the stop reached it after
-        assert type(state) is ValueError and str(state) == "bad value"
-        assert state.rank == 3 and state.pid == os.getpid()  # type: ignore[attr-defined]
+        assert type(state) is ValueError
+        assert str(state) == "bad value"
+        assert state.rank == 3  # type: ignore[attr-defined]
+        assert state.pid == os.getpid()  # type: ignore[attr-defined]
     elif stopped:  # the launch ended it: never a failure
         assert state == Stopped(3)
     elif kind == "signalled":  # a SIGTERM from outside the launch
         assert isinstance(state, WorkerExitedError)
         assert (state.rank, state.pid, state.exitcode) == (3, PID, exitcode)
-        assert state.signum == signal.SIGTERM and state.signal_name == "SIGTERM"
-        assert "SIGTERM" in str(state) and "came from outside the launch" in str(state)
+        assert state.signum == signal.SIGTERM
+        assert state.signal_name == "SIGTERM"
+        assert "SIGTERM" in str(state)
+        assert "came from outside the launch" in str(state)
     else:  # it wrote no outcome: it died, or exited without returning
         assert isinstance(state, WorkerExitedError)
         assert (state.rank, state.pid, state.exitcode) == (3, PID + 1, exitcode)
         assert str(state).startswith(f"rank 3 (pid {PID + 1}) ")
         if exitcode < 0:
-            assert state.signal_name == "SIGKILL" and "out-of-memory" in str(state)
+            assert state.signal_name == "SIGKILL"
+            assert "out-of-memory" in str(state)
         else:
-            assert state.signal_name is None and f"exited with code {exitcode} before returning" in str(state)
+            assert state.signal_name is None
+            assert f"exited with code {exitcode} before returning" in str(state)
 
 
 def test_an_exception_is_rebuilt_as_its_own_type_with_rank_pid_note_and_remote_traceback() -> None:
     record = raised(KeyError("missing"))
-    assert record.pid == os.getpid() and record.type_name == "builtins.KeyError" and record.exit_code is None
+    assert record.pid == os.getpid()
+    assert record.type_name == "builtins.KeyError"
+    assert record.exit_code is None
     error = rebuild_exception(record, 2)
-    assert type(error) is KeyError and error.args == ("missing",)
-    assert error.rank == 2 and error.pid == os.getpid()  # type: ignore[attr-defined]
+    assert type(error) is KeyError
+    assert error.args == ("missing",)
+    assert error.rank == 2  # type: ignore[attr-defined]
+    assert error.pid == os.getpid()  # type: ignore[attr-defined]
     assert error.__notes__ == [f"(raised in mplaunch worker rank 2 (pid {os.getpid()}))"]
     assert isinstance(error.__cause__, RemoteTraceback)
     remote = str(error.__cause__)
     assert f"rank 2 (pid {os.getpid()}) raised:" in remote
-    assert "raise error" in remote and "KeyError: 'missing'" in remote  # the worker's traceback, as text
+    assert "raise error" in remote
+    assert "KeyError: 'missing'" in remote  # the worker's traceback, as text
 
 
 def test_an_attribute_the_exception_refuses_does_not_stop_the_rebuild() -> None:
     error = rebuild_exception(raised(ReadOnlyRank("read-only")), 1)
-    assert type(error) is ReadOnlyRank and error.rank == -7 and error.pid == os.getpid()  # type: ignore[attr-defined]
+    assert type(error) is ReadOnlyRank
+    assert error.rank == -7
+    assert error.pid == os.getpid()  # type: ignore[attr-defined]
     assert isinstance(error.__cause__, RemoteTraceback)
 
 
 def test_an_mplaunch_failure_from_a_nested_launch_gets_no_note() -> None:
     inner = WorkerExitedError("rank 1 (pid 5) exited with code 3 before returning", 1, 5, 3)
     error = rebuild_exception(raised(inner), 0)
-    assert type(error) is WorkerExitedError and str(error) == str(inner) and error.exitcode == 3
+    assert type(error) is WorkerExitedError
+    assert str(error) == str(inner)
+    assert error.exitcode == 3
     assert (error.rank, error.pid) == (0, os.getpid())
     assert not hasattr(error, "__notes__")
 
@@ -129,19 +144,21 @@ def test_an_exception_that_cannot_travel_becomes_remote_error(error: Exception, 
     assert (record.exception is None) == (why == "cannot be pickled")
     rebuilt = rebuild_exception(record, 1)
     assert type(rebuilt) is RemoteError
-    assert rebuilt.rank == 1 and rebuilt.pid == os.getpid()
+    assert rebuilt.rank == 1
+    assert rebuilt.pid == os.getpid()
     assert rebuilt.type_name == f"{__name__}.{type(error).__qualname__}"
     assert str(rebuilt).startswith(f"rank 1 (pid {os.getpid()}) raised {rebuilt.type_name}: {error}")
     assert "could not be sent as itself" in str(rebuilt)
-    assert isinstance(rebuilt.__cause__, RemoteTraceback) and f"{type(error).__name__}: {error}" in str(
-        rebuilt.__cause__
-    )
+    assert isinstance(rebuilt.__cause__, RemoteTraceback)
+    assert f"{type(error).__name__}: {error}" in str(rebuilt.__cause__)
 
 
 def test_corrupt_exception_bytes_become_remote_error() -> None:
     record = Raised(PID, b"not a pickle", "mod.Error", "what it said", "Traceback: ...")
     rebuilt = rebuild_exception(record, 0)
-    assert type(rebuilt) is RemoteError and rebuilt.type_name == "mod.Error" and "what it said" in str(rebuilt)
+    assert type(rebuilt) is RemoteError
+    assert rebuilt.type_name == "mod.Error"
+    assert "what it said" in str(rebuilt)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +189,8 @@ def test_system_exit_and_keyboard_interrupt_become_worker_exited_with_cpythons_e
 
 def test_another_base_exception_is_not_raised_in_the_parent_as_itself() -> None:
     rebuilt = rebuild_exception(raised(GeneratorExit("closed")), 0)
-    assert type(rebuilt) is WorkerExitedError and rebuilt.exitcode == 1
+    assert type(rebuilt) is WorkerExitedError
+    assert rebuilt.exitcode == 1
 
 
 @pytest.mark.parametrize(
@@ -215,7 +233,8 @@ def test_exit_error_names_the_signal_and_the_likely_cause(
 
 def test_an_unknown_signal_is_named_by_its_number() -> None:
     error = exit_error(0, 9, -99, None)
-    assert error.signal_name == "signal 99" and "was ended by signal 99 (signal 99)" in str(error)
+    assert error.signal_name == "signal 99"
+    assert "was ended by signal 99 (signal 99)" in str(error)
 
 
 @pytest.mark.parametrize("rank", [0, 1, 7, 10, 123])

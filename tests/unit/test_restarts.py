@@ -36,8 +36,10 @@ def test_worker_failures_are_restarted_until_an_attempt_succeeds() -> None:
         assert run_attempts(attempt, 2, control) == ["done"]
     assert calls == [0, 1, 2]
     assert len(caught) == 2
-    assert "attempt 1 of 3 failed" in str(caught[0].message) and "ValueError: a" in str(caught[0].message)
-    assert "attempt 2 of 3" in str(caught[1].message) and "restart 2 of max_restarts=2" in str(caught[1].message)
+    assert "attempt 1 of 3 failed" in str(caught[0].message)
+    assert "ValueError: a" in str(caught[0].message)
+    assert "attempt 2 of 3" in str(caught[1].message)
+    assert "restart 2 of max_restarts=2" in str(caught[1].message)
 
 
 def test_other_errors_and_expired_deadlines_end_the_launch_at_once() -> None:
@@ -45,10 +47,12 @@ def test_other_errors_and_expired_deadlines_end_the_launch_at_once() -> None:
     attempt, calls = _failing_attempts(control, [LaunchTimeoutError("late", 1.0, (0,))], worker=False)
     with pytest.raises(LaunchTimeoutError) as caught:
         run_attempts(attempt, 5, control)
-    assert calls == [0] and caught.value.earlier_attempts == ()  # type: ignore[attr-defined]
+    assert calls == [0]
+    assert caught.value.earlier_attempts == ()  # type: ignore[attr-defined]
     control = LaunchControl()
     control.start_clock(0.001)
-    time.sleep(0.01)
+    while control.remaining():  # until the deadline has passed
+        time.sleep(0.001)
     attempt, calls = _failing_attempts(control, [ValueError("a")])
     with pytest.raises(ValueError):
         run_attempts(attempt, 5, control)
@@ -77,14 +81,18 @@ def _stoppable(control: LaunchControl) -> str:
 
 def test_cancel_stops_a_running_launch_and_ends_cancelled() -> None:
     future = submit(_stoppable, LaunchControl(stoppable=True), "stand-in")
-    assert future.running() and not future.done()
+    assert future.running()
+    assert not future.done()
     done_callbacks: list[bool] = []
     future.add_done_callback(lambda f: done_callbacks.append(f.cancelled()))
     waiter = threading.Thread(target=concurrent.futures.wait, args=([future],))
     waiter.start()
-    assert future.cancel() and future.cancelled() and not future.running()
+    assert future.cancel()
+    assert future.cancelled()
+    assert not future.running()
     waiter.join(timeout=5)
-    assert not waiter.is_alive() and done_callbacks == [True]
+    assert not waiter.is_alive()
+    assert done_callbacks == [True]
     with pytest.raises(concurrent.futures.CancelledError):
         future.result()
     assert future.cancel()  # already cancelled: still True, as concurrent.futures says
@@ -92,10 +100,14 @@ def test_cancel_stops_a_running_launch_and_ends_cancelled() -> None:
 
 def test_a_finished_launch_cannot_be_cancelled_and_keeps_its_result() -> None:
     future = submit(lambda control: 42, LaunchControl(stoppable=True), "stand-in")
-    assert future.result(timeout=5) == 42 and not future.cancel() and not future.cancelled()
+    assert future.result(timeout=5) == 42
+    assert not future.cancel()
+    assert not future.cancelled()
     error = ValueError("refused")
     refused = failed(error)
-    assert refused.done() and refused.exception() is error and not refused.cancel()
+    assert refused.done()
+    assert refused.exception() is error
+    assert not refused.cancel()
 
 
 def test_an_in_process_launch_cannot_be_stopped() -> None:
@@ -103,6 +115,7 @@ def test_an_in_process_launch_cannot_be_stopped() -> None:
     control.in_process = True
     release = threading.Event()
     future = submit(lambda control: release.wait(5), control, "stand-in")
-    assert not future.cancel() and future.running()
+    assert not future.cancel()
+    assert future.running()
     release.set()
     assert future.result(timeout=5) is True

@@ -34,9 +34,14 @@ def test_shared_tensors_are_made_private_in_place_wherever_they_sit() -> None:
         "n": 3,
     }
     assert unshare(obj) is obj
-    assert obj["d"]["w"] is shared and obj["t"][0].a is shared and obj["s"][0].x is shared  # nothing rebuilt
-    assert not shared.is_shared() and torch.equal(shared, torch.zeros(4))
-    assert type(obj["d"]) is collections.OrderedDict and type(obj["t"][0]) is Pair and obj["s"][0].name == "b"
+    assert obj["d"]["w"] is shared
+    assert obj["t"][0].a is shared
+    assert obj["s"][0].x is shared  # nothing rebuilt
+    assert not shared.is_shared()
+    assert torch.equal(shared, torch.zeros(4))
+    assert type(obj["d"]) is collections.OrderedDict
+    assert type(obj["t"][0]) is Pair
+    assert obj["s"][0].name == "b"
 
 
 def test_what_aliases_still_aliases() -> None:
@@ -49,10 +54,14 @@ def test_what_aliases_still_aliases() -> None:
     params = list(module.parameters())
     args = (base, view, base, params, module)
     unshare(args)
-    assert not base.is_shared() and not view.is_shared() and not module.weight.is_shared()
+    assert not base.is_shared()
+    assert not view.is_shared()
+    assert not module.weight.is_shared()
     base[10] = 7.0
-    assert view[0].item() == 7.0 and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-    assert params[0] is module.weight and params[1] is module.bias
+    assert view[0].item() == 7.0
+    assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    assert params[0] is module.weight
+    assert params[1] is module.bias
 
 
 @dataclasses.dataclass
@@ -95,7 +104,10 @@ def test_any_object_is_looked_into_and_kept_as_it_is() -> None:
         {shared: "a tensor as a key"},
     ]
     assert unshare(holders) is holders
-    assert not shared.is_shared() and tagged.name == "train" and labelled.label == "kept" and cycle[1] is cycle
+    assert not shared.is_shared()
+    assert tagged.name == "train"
+    assert labelled.label == "kept"
+    assert cycle[1] is cycle
 
 
 def test_functions_classes_and_modules_are_not_looked_into() -> None:
@@ -143,7 +155,9 @@ def test_a_results_mapping_is_made_private_in_place(tmp_path: Path) -> None:
     result = transport.load_fd(fd, private=False)
     os.close(fd)
     tensor, array, view = result["t"], result["a"], result["t"][100:]
-    assert sharing._shared(tensor) and sharing._shared(array) and not tensor.is_shared()
+    assert sharing._shared(tensor)
+    assert sharing._shared(array)
+    assert not tensor.is_shared()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         unshare((view, result))
@@ -153,7 +167,8 @@ def test_a_results_mapping_is_made_private_in_place(tmp_path: Path) -> None:
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert tensor.sum().item() == 0 and array.sum() == 0  # the child's writes stayed in the child
+    assert tensor.sum().item() == 0
+    assert array.sum() == 0  # the child's writes stayed in the child
 
 
 def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: Path) -> None:
@@ -167,7 +182,8 @@ def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: 
     shared.write_text(private.read_text() + "7f02-7f03 rw-s 00000000 00:1a 9 /dev/shm/torch_1_2_3 (deleted)\n")
     big: tuple[object, ...] = ([], {"values": list(range(10**5))})
     assert sharing.unshare_verdict(big) is None  # large: up to the process's mappings
-    assert not sharing.shared_mappings(str(private)) and sharing.shared_mappings(str(shared))
+    assert not sharing.shared_mappings(str(private))
+    assert sharing.shared_mappings(str(shared))
     assert sharing.shared_mappings(str(tmp_path / "missing"))  # cannot tell: walk
     many_small = ([list(range(100)) for _ in range(200)],)  # 20,000 objects in all: large too
     assert sharing.unshare_verdict(many_small) is None
@@ -181,7 +197,8 @@ def test_large_fork_arguments_are_walked_only_if_shared_memory_exists(tmp_path: 
 def test_a_process_with_a_shared_tensor_has_a_shared_mapping() -> None:
     """The premise of the check above, on this machine's torch: share_memory_() maps shared writable memory."""
     tensor = torch.zeros(1 << 16).share_memory_()
-    assert tensor.is_shared() and sharing.shared_mappings("/proc/self/maps")
+    assert tensor.is_shared()
+    assert sharing.shared_mappings("/proc/self/maps")
 
 
 class _OneSlot:
@@ -205,8 +222,11 @@ def test_layouts_and_dtypes_without_one_plain_storage_are_handled() -> None:
     held = torch.ones(2).share_memory_()
     args = (sparse, quantized, empty, strided, _OneSlot(held))
     assert unshare(args) is args
-    assert not strided.is_shared() and not held.is_shared() and strided.tolist() == [1.0, 1.0, 1.0]
-    assert strided.stride() == (2,) and empty.numel() == 0
+    assert not strided.is_shared()
+    assert not held.is_shared()
+    assert strided.tolist() == [1.0, 1.0, 1.0]
+    assert strided.stride() == (2,)
+    assert empty.numel() == 0
 
 
 class _Broken:
@@ -239,7 +259,8 @@ def test_gradients_deques_partials_and_objects_that_cannot_be_looked_into() -> N
     model = torch.nn.Linear(2, 1)
     model.weight.grad = torch.zeros_like(model.weight)
     model.share_memory()
-    assert model.weight.grad is not None and model.weight.grad.is_shared()
+    assert model.weight.grad is not None
+    assert model.weight.grad.is_shared()
     held = [torch.zeros(2).share_memory_() for _ in range(3)]
     tagged = torch.zeros(1)
     tagged.extra = held[2]  # type: ignore[attr-defined]
@@ -251,5 +272,6 @@ def test_gradients_deques_partials_and_objects_that_cannot_be_looked_into() -> N
     args = (model, collections.deque([held[0]]), functools.partial(print, held[1]), tagged, dead, _Broken(), _Lazy())
     assert sharing.unshare_verdict(args) is True
     unshare(args)
-    assert not model.weight.grad.is_shared() and not any(t.is_shared() for t in held)
+    assert not model.weight.grad.is_shared()
+    assert not any(t.is_shared() for t in held)
     assert sharing.unshare_verdict((dead, _Broken(), _Lazy())) is False

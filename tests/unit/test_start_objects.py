@@ -39,8 +39,12 @@ def test_start_objects_become_placeholders_resolved_by_the_reader(tmp_path: Path
         found = transport.dump(call, str(tmp_path), "x", start_objects=True)
         assert [id(obj) for obj in found] == [id(queue), id(lock), id(value), id(sender)]  # each once, in order
         back = transport.load(str(tmp_path), "x", private=True, remove=True, start_objects=found)
-        assert back["queue"] is queue and back["again"][0] is queue and back["lock"] is lock
-        assert back["value"] is value and back["pipe"] is sender and torch.equal(back["t"], torch.ones(3))
+        assert back["queue"] is queue
+        assert back["again"][0] is queue
+        assert back["lock"] is lock
+        assert back["value"] is value
+        assert back["pipe"] is sender
+        assert torch.equal(back["t"], torch.ones(3))
     finally:
         for each in (receiver, sender, queue):
             each.close()
@@ -61,7 +65,8 @@ def test_an_unknown_class_that_refuses_is_found_by_its_reduction(tmp_path: Path)
     found = transport.dump({"u": unknown, "p": Plain(1)}, str(tmp_path), "x", start_objects=True)
     assert found == [unknown]
     back = transport.load(str(tmp_path), "x", private=True, remove=True, start_objects=found)
-    assert back["u"] is unknown and back["p"] == Plain(1)
+    assert back["u"] is unknown
+    assert back["p"] == Plain(1)
 
 
 def test_types_are_judged_once_per_pickle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +80,8 @@ def test_types_are_judged_once_per_pickle(tmp_path: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(start_objects, "kind_of", judge)
     assert transport.dump([Plain(i) for i in range(1000)], str(tmp_path), "x", start_objects=True) == []
-    assert set(judged) == {Plain, type} and len(judged) == 2  # the instances, and the class itself
+    assert set(judged) == {Plain, type}
+    assert len(judged) == 2  # the instances, and the class itself
     transport.remove(str(tmp_path), "x")
 
 
@@ -91,7 +97,9 @@ def test_the_rehearsal_finds_a_lock_of_a_fork_context() -> None:
     spawn_lock, fork_lock = multiprocessing.get_context("spawn").Lock(), multiprocessing.get_context("fork").Lock()
     assert start_objects.rehearse([spawn_lock]) is None
     failure = start_objects.rehearse([spawn_lock, fork_lock])
-    assert failure is not None and failure[0] is fork_lock and "fork context" in str(failure[1])
+    assert failure is not None
+    assert failure[0] is fork_lock
+    assert "fork context" in str(failure[1])
     assert multiprocessing.context.get_spawning_popen() is None  # left as found
 
 

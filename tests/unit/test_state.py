@@ -52,7 +52,9 @@ def test_restore_brings_back_settings_and_random_streams(restored_state: None) -
     assert torch.backends.cudnn.benchmark is state.cudnn_benchmark
     assert torch.is_anomaly_enabled() is state.anomaly_enabled
     again = (random.random(), numpy.random.rand(), torch.rand(2))
-    assert again[0] == expected[0] and again[1] == expected[1] and torch.equal(again[2], expected[2])
+    assert again[0] == expected[0]
+    assert again[1] == expected[1]
+    assert torch.equal(again[2], expected[2])
 
 
 def test_restore_calls_no_setter_when_nothing_differs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,13 +142,18 @@ def test_logging_and_warning_filters_are_rebuilt_as_configured(test_logger: logg
         test_logger.propagate = True
         state.restore()  # as in a spawn worker: nothing configured yet
         message = warnings.filters[0][1]
-        assert message is not None and message.pattern == "unit-state-filter"
+        assert message is not None
+        assert message.pattern == "unit-state-filter"
     assert (test_logger.level, test_logger.propagate) == (logging.INFO, False)
     file, stream = test_logger.handlers
-    assert isinstance(file, logging.FileHandler) and file.baseFilename == str(path) and file.mode == "a"
-    assert type(stream) is logging.StreamHandler and stream.stream is sys.stderr
+    assert isinstance(file, logging.FileHandler)
+    assert file.baseFilename == str(path)
+    assert file.mode == "a"
+    assert type(stream) is logging.StreamHandler
+    assert stream.stream is sys.stderr
     for handler in (file, stream):
-        assert handler.level == logging.DEBUG and handler.formatter is not None
+        assert handler.level == logging.DEBUG
+        assert handler.formatter is not None
         assert (handler.formatter._fmt, handler.formatter.datefmt) == ("{levelname}|{message}", "%H:%M")
         assert isinstance(handler.formatter._style, logging.StrFormatStyle)
     test_logger.info("worker line")
@@ -198,7 +205,10 @@ def test_exit_closes_the_files_left_open_wrappers_first(tmp_path: Path, monkeypa
     monkeypatch.setattr(logging, "shutdown", lambda: None)  # the test process's handlers are pytest's
     monkeypatch.setattr(gc, "get_objects", lambda: found)  # the test process's other files are pytest's
     exit.close_files()
-    assert text.closed and packed.closed and raw.closed and not sys.stderr.closed
+    assert text.closed
+    assert packed.closed
+    assert raw.closed
+    assert not sys.stderr.closed
     assert (tmp_path / "rows.txt").read_text(encoding="utf-8") == "row\n"
     assert gzip.decompress((tmp_path / "data.gz").read_bytes()) == b"payload"  # closed before its file
 
@@ -213,7 +223,9 @@ def test_rebuilding_keeps_handlers_this_process_already_has(test_logger: logging
     test_logger.removeHandler(test_logger.handlers[1])  # the worker lacks the console handler
     state.restore()
     first, second = test_logger.handlers
-    assert first is own and type(second) is logging.StreamHandler and second.stream is sys.stdout
+    assert first is own
+    assert type(second) is logging.StreamHandler
+    assert second.stream is sys.stdout
 
 
 def test_a_real_call_warns_at_the_callers_line(test_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,7 +252,8 @@ def test_spawn_workers_get_one_hash_seed_unless_the_user_set_one(monkeypatch: py
         with _spawn_hash_seed("spawn"):
             seeds.append(os.environ["PYTHONHASHSEED"])
         assert "PYTHONHASHSEED" not in os.environ  # the parent's environment as found
-    assert seeds[0] == seeds[1] and 0 < int(seeds[0]) < 2**32  # the same for every launch of this process
+    assert seeds[0] == seeds[1]
+    assert 0 < int(seeds[0]) < 2**32  # the same for every launch of this process
     with _spawn_hash_seed("fork"):
         assert "PYTHONHASHSEED" not in os.environ  # fork: the parent's own hashing
     for users in ("7", "random"):

@@ -29,10 +29,13 @@ def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
     }
     transport.dump(obj, str(tmp_path), "x")
     back = transport.load(str(tmp_path), "x", private=False, remove=True)
-    assert torch.equal(back["base"], base) and torch.equal(back["view"], base[10:20])
+    assert torch.equal(back["base"], base)
+    assert torch.equal(back["view"], base[10:20])
     assert back["view"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
-    assert back["bf16"].dtype == torch.bfloat16 and back["empty"].numel() == 0
-    assert torch.equal(back["module"].weight, obj["module"].weight) and back["other"] == obj["other"]
+    assert back["bf16"].dtype == torch.bfloat16
+    assert back["empty"].numel() == 0
+    assert torch.equal(back["module"].weight, obj["module"].weight)
+    assert back["other"] == obj["other"]
     assert list(tmp_path.iterdir()) == []  # every file unlinked once mapped
 
 
@@ -69,7 +72,8 @@ def test_mapped_storages_hold_no_file_descriptors(tmp_path: Path) -> None:
         back = transport.load(str(tmp_path), "many", private=True, remove=False)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert len(back) == 300 and len(os.listdir("/proc/self/fd")) == before
+    assert len(back) == 300
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_closures_and_locals_fall_back_to_cloudpickle(tmp_path: Path) -> None:
@@ -112,7 +116,8 @@ def test_mapped_tensors_are_ordinary_tensors(tmp_path: Path) -> None:
     back = transport.load(str(tmp_path), "payload", private=True, remove=False)
     assert not back.is_shared()
     back.share_memory_()  # moves into shared memory of its own, as for any tensor
-    assert back.is_shared() and back[99_999].item() == 99_999
+    assert back.is_shared()
+    assert back[99_999].item() == 99_999
     saved = tmp_path / "saved.pt"
     torch.save(back, saved)
     assert torch.equal(torch.load(saved), torch.arange(100_000, dtype=torch.float32))
@@ -126,7 +131,8 @@ def test_numpy_arrays_travel_out_of_band(tmp_path: Path) -> None:
     transport.dump(obj, str(tmp_path), "x")
     assert (tmp_path / "x.pkl").stat().st_size < 4096
     back = transport.load(str(tmp_path), "x", private=False, remove=True)
-    assert np.array_equal(back["array"], array) and back["fortran"].flags.f_contiguous
+    assert np.array_equal(back["array"], array)
+    assert back["fortran"].flags.f_contiguous
     assert not list(tmp_path.iterdir())
     back["array"][0] = 5.0  # writable, like the original
     assert array[0] == 0.0

@@ -56,7 +56,8 @@ def test_threads_parses_every_frame() -> None:
 
 def test_the_user_frame_of_the_thread_that_runs_the_function() -> None:
     frame = stacks.innermost_user_frame(_dump(WATCHER, MAIN))
-    assert frame is not None and (frame.function, frame.line) == ("step", 30)
+    assert frame is not None
+    assert (frame.function, frame.line) == ("step", 30)
 
 
 def test_library_frames_count_when_the_user_has_none_above_the_entry() -> None:
@@ -67,10 +68,12 @@ def test_library_frames_count_when_the_user_has_none_above_the_entry() -> None:
         ("/home/me/project/launch.py", 10, "<module>"),
     ]
     frame = stacks.innermost_user_frame(_dump(library))
-    assert frame is not None and frame.function == "fit"
+    assert frame is not None
+    assert frame.function == "fit"
     only_ours = [(f"{TORCH}/x.py", 1, "init_process_group"), (ENTRY, 159, "_execute"), ("/p/launch.py", 1, "<module>")]
     frame = stacks.innermost_user_frame(_dump(only_ours))
-    assert frame is not None and frame.function == "init_process_group"  # never the parent's inherited frames
+    assert frame is not None
+    assert frame.function == "init_process_group"  # never the parent's inherited frames
 
 
 def test_dumps_without_frames_and_single_stack_format() -> None:
@@ -78,7 +81,9 @@ def test_dumps_without_frames_and_single_stack_format() -> None:
     assert stacks.innermost_user_frame("Current thread 0x1 (most recent call first):\n  <no Python frame>\n") is None
     single = 'Stack (most recent call first):\n  File "/u/a.py", line ??? in f\n'
     frame = stacks.innermost_user_frame(single)
-    assert frame is not None and frame.line is None and str(frame).startswith("f (")
+    assert frame is not None
+    assert frame.line is None
+    assert str(frame).startswith("f (")
 
 
 def test_summary_names_each_rank() -> None:
@@ -118,20 +123,23 @@ def test_board_slots_and_heartbeat(tmp_path: Path) -> None:
         try:
             before = time.monotonic()
             mplaunch.heartbeat()
-            assert before <= parent.get(1, BEAT) <= time.monotonic() and parent.get(0, BEAT) == 0.0
+            assert before <= parent.get(1, BEAT) <= time.monotonic()
+            assert parent.get(0, BEAT) == 0.0
         finally:
             watch._slots = None
         worker.set(0, MAX_RSS, 1024.0)
         assert parent.get(0, MAX_RSS) == 1024.0
         parent.clear()
-        assert parent.get(1, BEAT) == 0.0 and parent.get(0, MAX_RSS) == 0.0
+        assert parent.get(1, BEAT) == 0.0
+        assert parent.get(0, MAX_RSS) == 0.0
     finally:
         worker.close()
         parent.close()
 
 
 def test_the_dump_signal_is_not_the_users() -> None:
-    assert STACKS_SIGNAL is not None and STACKS_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2)
+    assert STACKS_SIGNAL is not None
+    assert STACKS_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2)
     assert signal.SIGRTMIN < STACKS_SIGNAL <= signal.SIGRTMAX
 
 
@@ -154,7 +162,8 @@ def test_oom_count_v2(tmp_path: Path) -> None:
     events = "sys/fs/cgroup/job/memory.events"
     root = _tree(tmp_path, "0::/job\n", V2_MOUNTS, {events: "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n"})
     counters = oom_counters(42, root)
-    assert counters == (os.path.join(root, events),) and oom_kills(counters) == 2
+    assert counters == (os.path.join(root, events),)
+    assert oom_kills(counters) == 2
 
 
 def test_oom_count_v1(tmp_path: Path) -> None:
@@ -170,7 +179,8 @@ def test_oom_count_v1(tmp_path: Path) -> None:
 
 def test_oom_count_unknown_in_the_root_cgroup_or_without_files(tmp_path: Path) -> None:
     root = _tree(tmp_path, "0::/\n", V2_MOUNTS, {"sys/fs/cgroup/memory.events": "oom_kill 0\n"})
-    assert oom_counters(42, root) == () and oom_kills(()) is None
+    assert oom_counters(42, root) == ()
+    assert oom_kills(()) is None
     assert oom_counters(43, root) == ()  # no such process
 
 
@@ -186,7 +196,8 @@ def test_sigkill_names_the_oom_killer_only_when_the_kernel_counted_it(
     kills: int | None, oom: bool | None, text: str
 ) -> None:
     error = exit_error(1, 9, -signal.SIGKILL, None, kills)
-    assert error.oom is oom and text in str(error)
+    assert error.oom is oom
+    assert text in str(error)
     assert ("killed by the out-of-memory killer" in str(error)) is (oom is True)
     assert pickle.loads(pickle.dumps(error)).oom is oom
 
@@ -203,7 +214,8 @@ def test_errors_with_stacks_pickle() -> None:
     assert (copy.rank, copy.silent, copy.stall_timeout, copy.stacks) == (1, 2.5, 1.0, {0: "a", 1: "b"})
     assert copy.report == RunReport((), 1.5)
     timeout = pickle.loads(pickle.dumps(LaunchTimeoutError("late", 4.0, (0, 1), {0: "x"})))
-    assert timeout.stacks == {0: "x"} and timeout.running == (0, 1)
+    assert timeout.stacks == {0: "x"}
+    assert timeout.running == (0, 1)
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), "5", True])

@@ -16,11 +16,16 @@ from mplaunch._worker import children
 
 def _check_children() -> None:
     assert children.children() == []
+    reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        time.sleep(0.3)
+        os.close(writer)
+        os.read(reader, 1)  # until the parent closes its end
         os._exit(7)
+    os.close(reader)
     assert children.children() == [pid]
+    assert children.running(pid)
+    os.close(writer)
     deadline = time.monotonic() + 10
     while children.running(pid) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -1,0 +1,52 @@
+"""Warm workers and live values: ``python -m benchmarks.warm [START_METHOD ...]`` prints, per start method, the
+median of a no-op ``Workers.run`` on 2 warm ranks (target: 2 ms or less), and the median delay from a
+``yield`` in rank 0 to the value's arrival in the caller (target: 10 ms or less). Timings go to stdout only."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+
+import mplaunch
+
+RUNS = 300
+VALUES = 200
+
+
+def noop() -> None:
+    """The call whose round trip is measured."""
+
+
+def stamps(count: int) -> Iterator[float]:
+    """Yield ``time.monotonic()`` (one clock for every process of the machine) at each yield."""
+    for _ in range(count):
+        yield time.monotonic()
+        time.sleep(0.001)
+
+
+def measure(start_method: str) -> tuple[float, float]:
+    """Return (median seconds of a no-op run, median seconds from yield to arrival)."""
+    with mplaunch.Workers(nprocs=2, start_method=start_method, timeout=600) as workers:  # type: ignore[arg-type]
+        workers.run(noop)
+        calls = []
+        for _ in range(RUNS):
+            start = time.perf_counter()
+            workers.run(noop)
+            calls.append(time.perf_counter() - start)
+        delays = [time.monotonic() - stamp for stamp in workers.run(stamps, VALUES)]
+    return statistics.median(calls), statistics.median(delays)
+
+
+def main(start_methods: list[str]) -> None:
+    for start_method in start_methods:
+        call, delay = measure(start_method)
+        print(
+            f"{start_method:>10}: no-op run {call * 1e3:.2f} ms median (target <= 2 ms); "
+            f"yield to arrival {delay * 1e3:.2f} ms median (target <= 10 ms)"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["fork", "forkserver", "spawn"])

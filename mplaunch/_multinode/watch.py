@@ -1,0 +1,250 @@
+"""Watching the other nodes of a multi-node launch: a lost node and ``timeout`` end this node's launch.
+
+Elastic's agent checks the rendezvous between two looks at its workers (``num_nodes_waiting``) but notices
+neither a node that vanished nor the end of a time limit: a node whose peers were killed waits forever when
+its own ranks do not fail. :class:`WatchedRendezvous` wraps elastic's c10d rendezvous handler and, at each of
+those checks, raises :class:`~mplaunch.NodeLostError` when a node of the current round stopped sending its
+rendezvous heartbeats (c10d rendezvous drops it after ``keep_alive_interval * keep_alive_max_attempt``
+seconds of silence), when the rendezvous store stopped answering (its host is gone), or when another node
+closed the rendezvous (its launch ended); and :class:`~mplaunch.LaunchTimeoutError` past ``timeout``. The
+exception leaves elastic's agent, which stops this node's workers on its way out.
+
+A rank in a collective with a rank of a lost node fails first, with the backend's error. Then
+:meth:`WatchedRendezvous.lost_peer` tells whether a node is lost: each node marks the end of its launch in
+the store; a node that neither marked its end nor sent a heartbeat for a few seconds is lost.
+
+The handler is registered as the rendezvous backend ``mplaunch-c10d`` (elastic's documented way to bring a
+handler: ``torch.distributed.elastic.rendezvous.registry``); the launch's :class:`NodeWatch` travels in the
+rendezvous configuration under ``mplaunch_watch``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as _registry
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousInfo
+
+from mplaunch._errors import LaunchTimeoutError, NodeLostError
+
+BACKEND = "mplaunch-c10d"
+WATCH_KEY = "mplaunch_watch"
+KEEP_ALIVE_INTERVAL = 2  # seconds between two heartbeats of a node (c10d's default: 5)
+KEEP_ALIVE_MAX_ATTEMPT = 5  # heartbeats a node may miss before it is dropped: lost after 10 s of silence
+PROBE_WAIT = 2 * KEEP_ALIVE_INTERVAL + 1  # seconds a node that failed waits for a sign of life of the others
+
+
+@dataclasses.dataclass
+class NodeWatch:
+    """What one node's launch knows about its rendezvous, shared with its :class:`WatchedRendezvous`.
+
+    Attributes:
+        endpoint: the rendezvous endpoint, ``host:port``.
+        nnodes: the number of nodes of the launch.
+        timeout: the launch's ``timeout`` in seconds, or ``None``.
+        deadline: the ``time.monotonic()`` at which ``timeout`` expires, or ``None``.
+        joined: the rendezvous completed at least once (the nodes met).
+        store_lost: the error with which the rendezvous store stopped answering, once it did.
+        peers: the other nodes of the last round, by node rank: ``(host, pid of the launching process)``.
+        lost_peer: once the nodes met, the rendezvous's :meth:`WatchedRendezvous.lost_peer`.
+    """
+
+    endpoint: str
+    nnodes: int
+    timeout: float | None
+    deadline: float | None = None
+    joined: bool = False
+    store_lost: BaseException | None = None
+    peers: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    lost_peer: Callable[[], NodeLostError | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.timeout is not None and self.deadline is None:
+            self.deadline = time.monotonic() + self.timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left before ``timeout`` (at least a tenth of a second), or ``None`` without one."""
+        return None if self.deadline is None else max(0.1, self.deadline - time.monotonic())
+
+    def check_deadline(self) -> None:
+        """Raise :class:`LaunchTimeoutError` once ``timeout`` has expired."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise LaunchTimeoutError(
+                f"the multi-node launch did not finish within timeout={self.timeout:g} s; this node's ranks were "
+                "still running and have been stopped (stacks are not collected on a multi-node launch). Raise "
+                "timeout, or look for a rank stuck in a collective.",
+                float(self.timeout or 0.0),
+                (),
+            )
+
+    def store_error(self, error: BaseException) -> NodeLostError:
+        """The error for a rendezvous store that stopped answering after the nodes met."""
+        self.store_lost = error
+        node_rank, host, pid, which = None, self.endpoint.rsplit(":", 1)[0], None, "the node hosting it"
+        if len(self.peers) == 1:  # the store is not this node's: it is the other node's
+            ((node_rank, (host, pid)),) = self.peers.items()
+            which = f"node {node_rank} of {self.nnodes} (host {host}, launching process pid {pid}), which hosts it,"
+        return NodeLostError(
+            f"the rendezvous store at {self.endpoint} stopped answering after the {self.nnodes} nodes met "
+            f"({type(error).__name__}: {error}): {which} is gone. Its launching process was killed or stopped, "
+            "or its launch ended (the store lives in the launching process of the first node started at that "
+            "endpoint, and ends with it). This node's workers have been stopped.",
+            node_rank,
+            host,
+            pid,
+            self.endpoint,
+        )
+
+
+class WatchedRendezvous(RendezvousHandler):
+    """Elastic's c10d rendezvous handler, plus the checks of :class:`NodeWatch` between two looks at the
+    workers (see the module's docstring). Everything else is the wrapped handler's."""
+
+    def __init__(self, handler: Any, watch: NodeWatch) -> None:
+        self._handler = handler
+        self._watch = watch
+        self._round = -1
+        self._participants: dict[Any, int] = {}  # c10d's node descriptions (addr, pid, local_id) -> node rank
+        self._own = -1  # this node's rank in the round
+        self._store: Any = None  # the round's store
+
+    @property
+    def use_agent_store(self) -> bool:
+        return bool(self._handler.use_agent_store)
+
+    def get_backend(self) -> str:
+        return str(self._handler.get_backend())
+
+    def get_run_id(self) -> str:
+        return str(self._handler.get_run_id())
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        info: RendezvousInfo = self._handler.next_rendezvous()
+        state = self._state()
+        if state is not None:
+            self._round, self._participants = state.round, dict(state.participants)
+            this_node = getattr(self._handler, "_this_node", None)
+            self._own = self._participants.get(this_node, -1)
+            self._watch.peers = {
+                rank: (node.addr, node.pid) for node, rank in self._participants.items() if node != this_node
+            }
+        self._store = info.store
+        self._watch.joined = True
+        self._watch.lost_peer = self.lost_peer
+        return info
+
+    def is_closed(self) -> bool:
+        return bool(self._handler.is_closed())
+
+    def set_closed(self) -> None:
+        self._handler.set_closed()
+
+    def shutdown(self) -> bool:
+        if self._store is not None:
+            with contextlib.suppress(Exception):  # a store that is gone: told by the close below
+                self._store.set(f"mplaunch/ended/{self._own}", "1")
+        closed = bool(self._handler.shutdown())
+        if not closed and self._watch.joined and self._watch.store_lost is None:
+            self._watch.store_lost = RendezvousError("it did not answer when this node closed the rendezvous")
+        return closed
+
+    def num_nodes_waiting(self) -> int:
+        """Elastic's count of nodes waiting to join; raises :class:`NodeLostError` for a lost node and
+        :class:`LaunchTimeoutError` past ``timeout`` (see the module's docstring)."""
+        self._watch.check_deadline()
+        try:
+            waiting = int(self._handler.num_nodes_waiting())
+        except RendezvousError as error:
+            raise self._watch.store_error(error) from error
+        state = self._state()
+        if state is None or state.round != self._round:
+            return waiting  # a new round: elastic restarts the workers
+        lost = sorted((rank, node) for node, rank in self._participants.items() if node not in state.participants)
+        if lost:
+            raise self._lost(*lost[0])
+        if state.closed:
+            raise NodeLostError(
+                f"another node of the launch closed the rendezvous at {self._watch.endpoint}: its launch ended (a "
+                "rank failed there, its timeout expired, or it was stopped) while this node's ranks were running. "
+                "Its own error is on that node. This node's workers have been stopped.",
+                None,
+                None,
+                None,
+                self._watch.endpoint,
+            )
+        return waiting
+
+    def lost_peer(self) -> NodeLostError | None:
+        """After this node's ranks failed: the first other node of the round that neither marked the end of
+        its launch nor sent a heartbeat within ``PROBE_WAIT`` seconds, as the error to raise; else ``None``
+        (every node accounted for, or the store is gone, which the launch reports)."""
+        holder, state = getattr(self._handler, "_state_holder", None), self._state()
+        if holder is None or state is None or self._store is None:
+            return None
+        pending = {node: rank for node, rank in self._participants.items() if rank != self._own}
+        beats = {node: state.last_heartbeats.get(node) for node in pending}  # the peers' clocks: compared only
+        deadline = time.monotonic() + PROBE_WAIT
+        try:
+            while pending:
+                holder.sync()
+                heartbeats = holder.state.last_heartbeats
+                for node, rank in list(pending.items()):
+                    alive = node in heartbeats and heartbeats[node] != beats[node]
+                    if alive or self._store.check([f"mplaunch/ended/{rank}"]):
+                        del pending[node]
+                if not pending or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store is gone: the launch says so
+            return None
+        if not pending:
+            return None
+        rank, node = min((rank, node) for node, rank in pending.items())
+        return self._lost(rank, node, f"it neither ended its launch nor sent a heartbeat for {PROBE_WAIT} s")
+
+    def _lost(self, node_rank: int, node: Any, why: str = "") -> NodeLostError:
+        silence = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MAX_ATTEMPT
+        host, pid = getattr(node, "addr", None), getattr(node, "pid", None)
+        why = why or f"it sent no rendezvous heartbeat to {self._watch.endpoint} for {silence} s"
+        return NodeLostError(
+            f"node {node_rank} of {self._watch.nnodes} (host {host}, launching process pid {pid}) is gone: {why}. "
+            "Its launching process was killed or stopped, or its host is down. This node's workers have been "
+            "stopped.",
+            node_rank,
+            host,
+            pid,
+            self._watch.endpoint,
+        )
+
+    def _state(self) -> Any:
+        """c10d's rendezvous state as last synced (private to elastic: ``None`` where it is not found)."""
+        holder = getattr(self._handler, "_state_holder", None)
+        return getattr(holder, "state", None)
+
+
+def _create(params: RendezvousParameters) -> RendezvousHandler:
+    from torch.distributed.elastic.rendezvous.registry import _create_c10d_handler
+
+    watch = params.config.pop(WATCH_KEY)
+    params.backend = "c10d"  # the c10d handler checks its backend's name against the requested one
+    return WatchedRendezvous(_create_c10d_handler(params), watch)
+
+
+def register() -> None:
+    """Register the ``mplaunch-c10d`` rendezvous backend with elastic (once; again is a no-op)."""
+    _registry.register(BACKEND, _create)
+
+
+def rendezvous_configs(watch: NodeWatch, join_timeout: float) -> dict[str, Any]:
+    """The rendezvous configuration of a launch watched by ``watch``."""
+    return {
+        "join_timeout": join_timeout,
+        "keep_alive_interval": KEEP_ALIVE_INTERVAL,
+        "keep_alive_max_attempt": KEEP_ALIVE_MAX_ATTEMPT,
+        WATCH_KEY: watch,
+    }

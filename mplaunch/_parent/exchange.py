@@ -1,0 +1,237 @@
+"""One call to warm workers: the exchange between the parent and its ranks (see :mod:`mplaunch._parent.team`).
+
+The call is already written to the launch directory. Each rank is told on its pipe, and answers on it when a
+value was yielded or its outcome is written; the objects themselves travel as files (one copy). The parent
+waits on the pipes and on a pidfd per rank at once, so a rank that dies is seen at once. A call that is
+abandoned (Ctrl-C, a failed peer, a closed stream, a timeout, a cancelled future) is interrupted in the ranks
+still running it: a CANCEL message, then SIGINT to the rank's main thread. A rank that has not answered
+within ``grace_period`` seconds is stopped with the others (SIGTERM, then SIGKILL), and the next call starts
+them all again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Generator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from mplaunch._errors import LaunchTimeoutError, RemoteError
+from mplaunch._parent.control import LaunchStopped
+from mplaunch._parent.processes import signal_worker
+from mplaunch._parent.signals import signals_held
+from mplaunch._parent.team import Team
+from mplaunch._wire import transport
+from mplaunch._wire.records import (
+    CALL,
+    CANCEL,
+    DONE,
+    ITEM,
+    Outcome,
+    Raised,
+    RankState,
+    Stopped,
+    item_name,
+    outcome_name,
+    rank_state,
+    result_name,
+)
+
+_INTERRUPTED = 128 + signal.SIGINT  # the exit code a KeyboardInterrupt's record carries
+#: What :func:`exchange` yields first, once the call is sent (not a value: skipped by :func:`start`).
+STARTED = (-1, None)
+
+
+def exchange(
+    team: Team, number: int, stop: int | None, timeout: float | None
+) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
+    """Tell every rank to run call ``number`` (already written) and yield :data:`STARTED`; then yield
+    ``(rank, value)`` for each value a reporting rank yields, as it comes; return each rank's state once all
+    have answered.
+
+    A failure (a rank raising, or dying) interrupts the ranks still running; ``stop`` (a descriptor)
+    becoming readable, ``timeout`` seconds passing, or the generator being closed or interrupted (Ctrl-C)
+    interrupts every rank still running, then raises (``LaunchStopped``, ``LaunchTimeoutError``,
+    ``GeneratorExit``, ``KeyboardInterrupt``)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    team.failed_at = {}
+    pending = set(range(team.spec.nprocs))
+    states: dict[int, RankState] = {}
+    interrupted: set[int] = set()
+    grace: float | None = None  # once interrupted: when the ranks must have answered
+    if team.pump is not None:
+        team.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
+    for conn in team.conns:
+        with contextlib.suppress(OSError):  # a rank that died: its pidfd tells
+            conn.send((CALL, number))
+    try:
+        yield STARTED  # the caller takes this at once: the ranks run the call whether or not it is read
+        while pending:
+            if team.closed:
+                raise _closed_error()
+            ends = {team.ends[rank]: rank for rank in pending}
+            conns = {team.conns[rank]: rank for rank in pending}
+            listener = team.store.fileno()
+            watched: list[Any] = [*conns, *ends, *(fd for fd in (stop, listener) if fd is not None)]
+            limit = min((t for t in (deadline, grace) if t is not None), default=None)
+            ready = wait(watched, timeout=None if limit is None else max(0.0, limit - time.monotonic()))
+            if not ready:
+                if grace is not None and time.monotonic() >= grace:
+                    team.terminate()
+                    break
+                raise _timeout_error(timeout or 0.0, sorted(pending))
+            if stop is not None and stop in ready:
+                raise LaunchStopped()
+            if listener is not None and listener in ready:
+                team.store.serve()
+            for conn in (c for c in ready if c in conns):
+                rank = conns[conn]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    continue  # it ended: its pidfd says so
+                if message[0] == ITEM and message[1] == number:
+                    name = item_name(number, rank, message[2])
+                    value = transport.load(team.spec.directory, name, private=False, remove=True)
+                    yield rank, value  # yielded before any interruption reached the rank
+                    del value
+                elif message[0] == DONE and message[1] == number:
+                    pending.discard(rank)
+                    states[rank] = _result(team, number, rank, rank in interrupted)
+            for end in (e for e in ready if e in ends and ends[e] in pending):
+                rank = ends[end]
+                if team.conns[rank].poll(0):
+                    continue  # its last messages first
+                pending.discard(rank)
+                states[rank] = _ended(team, rank, rank in interrupted)
+                team.broken = True
+            if grace is None and any(isinstance(s, BaseException) for s in states.values()) and pending:
+                grace = _interrupt(team, pending, number, interrupted)
+    except BaseException as error:
+        if team.closed:  # at exit, or by another thread: nothing left to stop
+            if isinstance(error, (GeneratorExit, KeyboardInterrupt, RuntimeError)):
+                raise
+            raise _closed_error() from None
+        if pending:
+            _abandon(team, pending, number, interrupted)
+        raise
+    finally:
+        _clean(team, number)
+        if team.pump is not None and not team.closed:
+            team.pump.sync()  # the call's output before its value
+    for rank in range(team.spec.nprocs):
+        states.setdefault(rank, Stopped(rank))
+    return states
+
+
+def start(
+    team: Team, number: int, stop: int | None, timeout: float | None
+) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
+    """:func:`exchange`, with the call already sent to the ranks; closing it interrupts the call."""
+    calling = exchange(team, number, stop, timeout)
+    next(calling)
+    return calling
+
+
+def _result(team: Team, number: int, rank: int, interrupted: bool) -> RankState:
+    """Read rank ``rank``'s outcome of call ``number``."""
+    process = team.processes[rank]
+    try:
+        outcome: Outcome = transport.load(team.spec.directory, result_name(number, rank), private=False, remove=True)
+    except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
+        failure = RemoteError(
+            f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
+            f"{type(error).__name__}: {error}",
+            rank,
+            process.pid,
+            type(error).__qualname__,
+        )
+        failure.__cause__ = error
+        return failure
+    if interrupted and isinstance(outcome, Raised) and outcome.exit_code == _INTERRUPTED:
+        return Stopped(rank)
+    if isinstance(outcome, Raised):
+        team.failed_at[rank] = outcome.when
+    return rank_state(rank, outcome, 0, process.pid, False)
+
+
+def _ended(team: Team, rank: int, stopped: bool) -> RankState:
+    """The state of a rank whose worker ended during a call."""
+    process = team.processes[rank]
+    with signals_held():
+        process.join()
+    try:
+        outcome = transport.load(team.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
+    except Exception:  # noqa: BLE001 - judged by its exit code alone
+        outcome = None
+    team.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()
+    return rank_state(rank, outcome, process.exitcode, process.pid, stopped)
+
+
+def _interrupt(team: Team, ranks: set[int], number: int, interrupted: set[int]) -> float:
+    """Interrupt call ``number`` in ``ranks``; return by when they must have answered."""
+    for rank in ranks - interrupted:
+        interrupted.add(rank)
+        with contextlib.suppress(OSError):
+            team.conns[rank].send((CANCEL, number))
+        signal_worker(team.processes[rank], signal.SIGINT, group=False)
+    return time.monotonic() + team.spec.grace_period
+
+
+def _abandon(team: Team, pending: set[int], number: int, interrupted: set[int]) -> None:
+    """Interrupt the call in ``pending`` and wait for their answers (discarded); stop the workers if they
+    do not answer within ``grace_period`` seconds, or on a second Ctrl-C."""
+    try:
+        deadline = _interrupt(team, pending, number, interrupted)
+        while pending and time.monotonic() < deadline:
+            conns = {team.conns[rank]: rank for rank in pending}
+            ends = {team.ends[rank]: rank for rank in pending}
+            watched: list[Any] = [*conns, *ends]
+            for ready in wait(watched, timeout=max(0.0, deadline - time.monotonic())):
+                if isinstance(ready, int):
+                    pending.discard(ends[ready])
+                    team.broken = True
+                    continue
+                assert isinstance(ready, Connection)
+                with contextlib.suppress(EOFError, OSError):
+                    if ready.recv()[:2] == (DONE, number):
+                        pending.discard(conns[ready])
+    finally:
+        if pending:
+            team.terminate()
+
+
+def _clean(team: Team, number: int) -> None:
+    """Remove what call ``number`` left in the launch directory (values nobody read, the call)."""
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(team.spec.directory, "post-mortem"))  # the next call's failure may debug
+    prefixes = (
+        f"call{number}.",
+        f".call{number}.",
+        f"item{number}-",
+        f".item{number}-",
+        f"result{number}-",
+        f".result{number}-",
+    )
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(team.spec.directory):
+            if entry.startswith(prefixes):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(team.spec.directory, entry))
+
+
+def _timeout_error(timeout: float, running: list[int]) -> LaunchTimeoutError:
+    """The error of a call that ran past ``timeout`` seconds."""
+    return LaunchTimeoutError(
+        f"the call did not finish within timeout={timeout:g} s; ranks {running} were still running and have "
+        "been interrupted. Raise `timeout`, or look for a rank stuck in a collective.",
+        timeout,
+        tuple(running),
+    )
+
+
+def _closed_error() -> RuntimeError:
+    return RuntimeError("the mplaunch.Workers were closed while this call ran; its ranks were stopped")

@@ -1,0 +1,169 @@
+"""The values a generator function yields in the ranks, delivered to the caller as they are produced.
+
+A :class:`Stream` wraps one call's exchange with the ranks (see :meth:`mplaunch._parent.team.Team.exchange`):
+each rank writes a value to the launch directory as soon as it is yielded and says so on its pipe, and the
+parent reads it when the caller asks for the next one. After the last value, the call's outcome is decided
+as for any call: the return value (:attr:`Stream.value`), or the first failure, raised as itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, Generic, TypeVar
+
+from mplaunch._errors import MplaunchError, RemoteTraceback
+
+T = TypeVar("T")
+_END = object()
+
+
+class Stream(Generic[T]):
+    """An iterator (and async iterator) over the values that rank 0 yields, as they are yielded; with
+    ``return_all=True``, over ``(rank, value)`` pairs from every rank.
+
+    A failure in a rank is raised by the iteration after the values that came before it, as the worker's
+    exception itself (as a call raises it). Breaking out of the loop and garbage collection leave the ranks'
+    generators unfinished: :meth:`close` (also at the end of a ``with`` block) interrupts them. ``async for``
+    reads the values in a thread, so the event loop keeps running.
+
+    Attributes:
+        value: the generator's return value (rank 0's, or every rank's with ``return_all=True``), set once
+            the iteration has ended; ``None`` before.
+    """
+
+    def __init__(
+        self,
+        exchange: Generator[tuple[int, Any], None, Any],
+        finish: Callable[[Any], Any],
+        release: Callable[[], None],
+        return_all: bool,
+    ) -> None:
+        self._exchange = exchange
+        self._finish = finish
+        self._release = release
+        self._return_all = return_all
+        self._done = False
+        self._after: list[Callable[[], None]] = []  # run once the call has ended (a launch closes its workers)
+        self.value: Any = None
+
+    def __iter__(self) -> Stream[T]:
+        return self
+
+    def __next__(self) -> T:
+        """The next value (or ``(rank, value)`` pair).
+
+        Raises:
+            StopIteration: the generators have returned.
+            BaseException: a rank's failure, as a call raises it.
+        """
+        __tracebackhide__ = True  # noqa: F841
+        if self._done:
+            raise StopIteration
+        try:
+            rank, value = next(self._exchange)
+        except StopIteration as stop:
+            self._end()
+            try:
+                self.value = self._finish(stop.value)
+            except BaseException as error:
+                if not ours(error):
+                    raise
+                raise error.with_traceback(None) from error.__cause__  # as a call raises it
+            raise StopIteration(self.value) from None
+        except BaseException as error:
+            self._end()
+            if not ours(error):
+                raise
+            raise error.with_traceback(None) from error.__cause__
+        return (rank, value) if self._return_all else value  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Interrupt the ranks' generators if they still run (``KeyboardInterrupt`` at their ``yield``) and
+        end the call; does nothing once the iteration has ended."""
+        if self._done:
+            return
+        try:
+            self._exchange.close()
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        if not self._done:
+            self._done = True
+            try:
+                self._release()
+            finally:
+                for after in self._after:
+                    after()
+
+    def __enter__(self) -> Stream[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.close()
+
+    def __aiter__(self) -> Stream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        """The next value, read in a thread.
+
+        Raises:
+            StopAsyncIteration: the generators have returned.
+        """
+        value = await asyncio.to_thread(self._next_or_end)
+        if value is _END:
+            raise StopAsyncIteration
+        return value  # type: ignore[no-any-return]
+
+    def _next_or_end(self) -> Any:
+        try:
+            return next(self)
+        except StopIteration:
+            return _END
+
+    async def aclose(self) -> None:
+        """:meth:`close`, in a thread."""
+        await asyncio.to_thread(self.close)
+
+
+class Queued(Generic[T]):
+    """The values of a stream that runs in another thread (a ``submit()``), as they arrive there; ends when
+    that stream ends (its failure is the future's)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ended = False
+
+    def feed(self, stream: Iterator[T]) -> None:
+        """Put every value of ``stream`` (in the thread that runs it)."""
+        for value in stream:
+            self._queue.put(value)
+
+    def end(self) -> None:
+        """Mark the end (after the last value, or a failure: the future holds it)."""
+        self._queue.put(_END)
+
+    def __iter__(self) -> Queued[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._ended:
+            raise StopIteration
+        value = self._queue.get()
+        if value is _END:
+            self._ended = True
+            raise StopIteration
+        return value  # type: ignore[no-any-return]
+
+
+def ours(error: BaseException) -> bool:
+    """Whether ``error`` is one that mplaunch raises by design (see ``mplaunch._api._ours``): its frames in
+    between say nothing and are cut."""
+    return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)

@@ -1,0 +1,236 @@
+"""What a warm worker (:class:`mplaunch.Workers`) runs: set up the rank once, then serve calls until told to
+leave.
+
+The worker sets itself up as a launch's does (:func:`mplaunch._worker.entry.set_up`), restores the parent's
+state, and enters the process group when ``backend`` is set; the group, the modules it imported and the
+globals it set live as long as the worker. Then it waits on its end of a pipe for a small control message
+(:data:`~mplaunch._wire.records.CALL`): it reads the call from the launch directory (one copy, mapped
+private), runs it in its main thread, writes the outcome there and says so on the pipe
+(:data:`~mplaunch._wire.records.DONE`). A generator's values are written one by one as they are yielded,
+each announced with :data:`~mplaunch._wire.records.ITEM`.
+
+SIGINT interrupts the call that is running (``KeyboardInterrupt`` in the function, reported as its outcome)
+and is ignored between calls; SIGTERM ends the worker, as in a launch. The parent sends
+:data:`~mplaunch._wire.records.CANCEL` before its SIGINT, so a call that had not started yet is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import inspect
+import os
+import signal
+import sys
+import time
+import types
+from collections.abc import Generator, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mplaunch._wire import transport
+from mplaunch._wire.records import (
+    CALL,
+    CANCEL,
+    DONE,
+    EXIT,
+    ITEM,
+    PAYLOAD,
+    Call,
+    Outcome,
+    Payload,
+    Raised,
+    Returned,
+    WorkerSpec,
+    call_name,
+    item_name,
+    result_name,
+)
+from mplaunch._worker import entry
+from mplaunch._worker.debugger import post_mortem
+from mplaunch._worker.process_group import process_group
+
+_in_call = False  # SIGINT raises KeyboardInterrupt only while a call runs
+
+
+class _Cancelled(KeyboardInterrupt):
+    """The parent no longer wanted the call before it started."""
+
+
+def _on_interrupt(signum: int, frame: object) -> None:
+    if _in_call:
+        raise KeyboardInterrupt()
+
+
+def serve(rank: int, spec: WorkerSpec, payload: Payload | None, conn: Connection) -> None:
+    """The target of every warm worker: set up the rank, serve calls from ``conn`` until told to leave (or
+    the parent closes its end), then exit as a launch's worker does.
+
+    Args:
+        rank: this worker's rank.
+        spec: the workers' spec.
+        payload: the parent's state for forked workers (its function is unused); ``None``: read it from the
+            launch directory.
+        conn: this rank's end of its control pipe.
+    """
+    outcome: Outcome | None = None
+    try:
+        entry.set_up(rank, spec, _on_interrupt)  # a SIGINT while starting must not end the rank
+        entry._set_threads(spec.num_threads)
+        if payload is None:
+            payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+        payload.state.restore()
+        del payload
+        with process_group(spec.backend, rank):
+            _loop(rank, spec, conn)
+        outcome = Returned(os.getpid(), None)
+    except BaseException:  # noqa: BLE001 - a stop (SIGTERM): reported by _finish
+        pass
+    conn.close()
+    entry._finish(spec, rank, outcome, written=outcome is not None)
+
+
+def _loop(rank: int, spec: WorkerSpec, conn: Connection) -> None:
+    """Serve calls until :data:`EXIT` or the end of the pipe."""
+    while True:
+        try:
+            message = _early.pop(0) if _early else conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == EXIT:
+            return
+        if message[0] == CALL:
+            _serve_call(rank, spec, conn, message[1])
+        # a CANCEL of a call already done is stale: ignored
+
+
+_early: list[tuple[Any, ...]] = []  # a message read ahead while looking for a CANCEL (an EXIT)
+
+
+def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int) -> None:
+    """Run call ``number``, write its outcome, and say so."""
+    global _in_call
+    raised_at = None
+    try:
+        try:
+            _in_call = True
+            if conn.poll(0) and _cancelled(conn, number):  # a SIGINT may have come before _in_call was set
+                raise _Cancelled()
+            call: Call = transport.load(spec.directory, call_name(number), private=True, remove=False)
+            function = _in_main(call.function, call.filename)
+            value = function(*call.args, **call.kwargs)
+            del call
+            if inspect.isgenerator(value):
+                value = _stream(value, rank, spec, conn, number)
+            _in_call = False
+        except BaseException:
+            _in_call = False
+            raised_at = time.monotonic()
+            raise
+        outcome: Outcome = Returned(os.getpid(), value if rank in spec.reporting_ranks else None)
+        del value
+    except BaseException as error:  # noqa: BLE001 - every failure of the call is its outcome
+        if entry._signal_received is not None:
+            raise  # SIGTERM: the worker ends
+        if spec.post_mortem:
+            post_mortem(error, spec, rank)
+        outcome = Raised.of(error, when=raised_at)
+        del error
+    if os.getpid() != entry._worker_pid:  # a process the function forked, returning: not the worker
+        os._exit(0 if isinstance(outcome, Returned) else 1)
+    for stream in (sys.stdout, sys.stderr):  # the call's output reaches the parent before its outcome
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    entry._write_outcome(spec, rank, outcome, result_name(number, rank))
+    del outcome
+    conn.send((DONE, number))
+
+
+@contextlib.contextmanager
+def _whole() -> Iterator[None]:
+    """Hold SIGINT while a message is read or written during a call: a ``KeyboardInterrupt`` between the
+    reads of a message's length and of its body would leave the pipe out of step. A SIGINT that came
+    meanwhile raises when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _cancelled(conn: Connection, number: int) -> bool:
+    """Whether the message waiting on ``conn`` cancels call ``number`` (only a CANCEL can follow a CALL)."""
+    with _whole():
+        message = conn.recv()
+    if message[0] == CANCEL:
+        return bool(message[1] == number)
+    _early.append(message)
+    return False
+
+
+def _stream(generator: Generator[Any, Any, Any], rank: int, spec: WorkerSpec, conn: Connection, number: int) -> Any:
+    """Send each value ``generator`` yields (reporting ranks only) as it comes; return its return value."""
+    reporting = rank in spec.reporting_ranks
+    index = 0
+    try:
+        while True:
+            try:
+                item = next(generator)
+            except StopIteration as stop:
+                return stop.value
+            if reporting:
+                transport.dump(item, spec.directory, item_name(number, rank, index))
+                with _whole():
+                    conn.send((ITEM, number, index))
+                index += 1
+            del item
+    finally:
+        generator.close()
+
+
+def _in_main(function: Any, filename: str | None) -> Any:
+    """The plain function to call: a decorated function's target; a function of ``__main__`` that travelled
+    by value runs in this worker's ``__main__`` namespace, so that the globals the ranks set there persist
+    from call to call, as they do for an imported module's functions.
+
+    The globals it brought from the parent (the values of the names it uses) are set there first, except
+    those that a function run here assigns (``global model; model = ...``): from the first such call on,
+    they belong to the ranks. A function sent by value gets back its ``filename``."""
+    function = getattr(function, "_mplaunch_target", function)
+    if isinstance(function, types.FunctionType) and filename and function.__code__.co_filename != filename:
+        function.__code__ = _in_file(function.__code__, filename)
+    main = sys.modules.get("__main__")
+    if not isinstance(function, types.FunctionType) or function.__module__ != "__main__" or main is None:
+        return function
+    namespace = vars(main)
+    if function.__globals__ is namespace:
+        return function
+    for name, value in function.__globals__.items():
+        if not name.startswith("__") and name not in _rank_globals:
+            namespace[name] = value
+    _rank_globals.update(_assigned_globals(function.__code__))
+    rebound = types.FunctionType(
+        function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__qualname__ = function.__qualname__
+    rebound.__dict__.update(function.__dict__)
+    return rebound
+
+
+_rank_globals: set[str] = set()  # the globals of __main__ that functions run here assign
+
+
+def _assigned_globals(code: types.CodeType) -> set[str]:
+    """The global names that ``code`` (and the code nested in it) assigns or deletes."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _assigned_globals(constant)
+    return names
+
+
+def _in_file(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` (and the code nested in it) as defined in ``filename``."""
+    consts = tuple(_in_file(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)

@@ -1,0 +1,59 @@
+"""Helpers shared by test files: scripts written to ``tmp_path`` and run in a fresh interpreter, a free port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from types import FrameType
+
+#: The repository root: on ``PYTHONPATH`` of every script, so that it imports this checkout's mplaunch.
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main_thread_in(function_name: str, path_end: str = "") -> bool:
+    """Whether this process's main thread is inside ``function_name`` of a file whose path ends with
+    ``path_end`` (any file when empty): the point another thread of a test waits for before it acts."""
+    frame: FrameType | None = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function_name and frame.f_code.co_filename.endswith(path_end):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_script(tmp_path: Path, body: str) -> Path:
+    """Write ``body`` (dedented) to ``tmp_path/script.py`` and return its path."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    return script
+
+
+def run_script(
+    script: Path, *args: str, timeout: float = 120, tmpdir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with ``args`` in a fresh interpreter in the script's folder; ``timeout`` in seconds.
+
+    ``tmpdir``: the script's ``TMPDIR``, when the test counts the files left in it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if tmpdir is not None:  # a temp dir of its own, so that other processes' files do not count
+        env["TMPDIR"] = str(tmpdir)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=script.parent,
+    )

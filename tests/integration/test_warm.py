@@ -1,0 +1,270 @@
+"""Warm workers (issue 24): mplaunch.Workers keeps its ranks and their state between calls, and leaves nothing
+behind however it ends."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import mplaunch
+from mplaunch import LaunchTimeoutError, StartMethod, WorkerExitedError, Workers, parallel
+from tests import warm_workers
+
+TIMEOUT = 90
+
+
+def _gone(pids: list[int], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie of another parent is gone for our purposes
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_global_set_in_one_run_is_read_in_the_next_by_the_same_processes(start_method: StartMethod) -> None:
+    with Workers(nprocs=2, start_method=start_method, timeout=TIMEOUT, return_all=True) as workers:
+        first = workers.run(warm_workers.bump)
+        second = workers.run(warm_workers.bump)
+    assert [value[2] for value in first] == [1, 1]
+    assert [value[2] for value in second] == [2, 2]
+    assert [value[:2] for value in first] == [value[:2] for value in second]
+    assert [rank for rank, _, _ in first] == [0, 1]
+
+
+def test_a_decorated_function_runs_its_plain_function_and_rank_0s_value_is_returned() -> None:
+    decorated = parallel(nprocs=2)(warm_workers.rank_and_pid)
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
+        rank, pid = workers.run(decorated)
+        assert rank == 0
+        assert pid == workers.pids[0]
+
+
+def test_a_function_defined_after_the_start_reaches_the_ranks_by_value() -> None:
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, return_all=True) as workers:
+        offset = 7
+
+        def later(x: int) -> int:  # a closure the forked ranks never had
+            return mplaunch.worker_info().rank + x + offset
+
+        assert workers.run(later, 1) == [8, 9]
+
+
+def test_nothing_is_left_after_close() -> None:
+    fds = _fds()
+    workers = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT)
+    pids = workers.pids
+    directory = workers._held.team.spec.directory  # type: ignore[union-attr]
+    workers.run(warm_workers.bump)
+    workers.close()
+    workers.close()  # idempotent
+    assert _gone(pids, 0.1)
+    assert not os.path.exists(directory)
+    assert _fds() <= fds
+    with pytest.raises(RuntimeError, match="closed"):
+        workers.run(warm_workers.bump)
+
+
+def test_nothing_is_left_after_garbage_collection() -> None:
+    workers = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT)
+    pids = workers.pids
+    directory = workers._held.team.spec.directory  # type: ignore[union-attr]
+    del workers
+    gc.collect()
+    assert _gone(pids, 0.1)
+    assert not os.path.exists(directory)
+
+
+_SCRIPT = """
+import sys
+from mplaunch import Workers
+from tests import warm_workers
+
+if __name__ == "__main__":
+    workers = Workers(nprocs=2, start_method=sys.argv[1], timeout=90)
+    workers.run(warm_workers.bump)
+    print(*workers.pids, workers._held.team.spec.directory, flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_nothing_is_left_after_the_parent_is_killed(start_method: str, tmp_path: Path) -> None:
+    script = tmp_path / "warm.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    parent = subprocess.Popen(
+        [sys.executable, str(script), start_method], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        *pids, directory = parent.stdout.readline().split()
+        assert len(pids) == 2
+        assert os.path.isdir(directory)
+    finally:
+        parent.kill()
+        parent.wait()
+        assert parent.stdin is not None
+        parent.stdin.close()
+        assert parent.stdout is not None
+        parent.stdout.close()
+    assert _gone([int(pid) for pid in pids])
+    deadline = time.monotonic() + 10
+    while os.path.exists(directory) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(directory)
+
+
+def test_a_failure_raises_as_itself_and_keeps_the_ranks() -> None:
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
+        pids = workers.pids
+        with pytest.raises(ValueError, match="rank 1 fails") as caught:
+            workers.run(warm_workers.raise_in_rank, 1)
+        assert caught.value.rank == 1  # type: ignore[attr-defined]
+        assert caught.value.pid == pids[1]  # type: ignore[attr-defined]
+        workers.run(warm_workers.bump)
+        assert workers.pids == pids
+
+
+def test_a_dead_rank_is_started_again_by_the_next_run_with_a_warning() -> None:
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=2.0) as workers:
+        workers.run(warm_workers.bump)
+        pids = workers.pids
+        with pytest.raises(WorkerExitedError) as caught:
+            workers.run(warm_workers.exit_in_rank, 1, 3)
+        assert caught.value.rank == 1
+        assert caught.value.exitcode == 3
+        assert _gone(pids)
+        with pytest.warns(RuntimeWarning, match="state they held"):
+            _, pid, count = workers.run(warm_workers.bump)
+        assert count == 1
+        assert pid not in pids
+
+
+def test_ctrl_c_stops_the_call_not_the_workers(tmp_path: Path) -> None:
+    started = str(tmp_path / "started")
+
+    def interrupt_when_started() -> None:
+        while not (os.path.exists(f"{started}0") and os.path.exists(f"{started}1")):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, return_all=True) as workers:
+        workers.run(warm_workers.bump)
+        pids = workers.pids
+        thread = threading.Thread(target=interrupt_when_started)
+        thread.start()
+        with pytest.raises(KeyboardInterrupt):
+            workers.run(warm_workers.sleep_forever, started)
+        thread.join()
+        assert [count for _, _, count in workers.run(warm_workers.bump)] == [2, 2]
+        assert workers.pids == pids
+
+
+def test_a_call_past_its_timeout_is_interrupted_and_the_ranks_kept(tmp_path: Path) -> None:
+    with Workers(nprocs=2, start_method="fork", timeout=1.0) as workers:
+        pids = workers.pids
+        with pytest.raises(LaunchTimeoutError):
+            workers.run(warm_workers.wait_for, str(tmp_path / "never"))
+        workers.run(warm_workers.bump)
+        assert workers.pids == pids
+
+
+def test_submit_returns_a_future_and_calls_run_one_at_a_time(tmp_path: Path) -> None:
+    path, started = str(tmp_path / "go"), str(tmp_path / "started")
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
+        waiting = workers.submit(warm_workers.wait_for, path, started)
+        while not os.path.exists(started):
+            time.sleep(0.01)
+        after = workers.submit(warm_workers.bump)
+        assert not waiting.done()
+        assert not after.done()
+        Path(path).touch()
+        assert waiting.result(TIMEOUT) == "seen"
+        assert after.result(TIMEOUT)[2] == 1
+
+
+def test_options_that_warm_workers_cannot_honour_are_refused() -> None:
+    with pytest.raises(mplaunch.InvalidOptionError, match="max_restarts"):
+        Workers(nprocs=2, start_method="fork", max_restarts=1)
+    with pytest.raises(mplaunch.InvalidOptionError, match="nprocs"):
+        Workers(nprocs=0)
+
+
+def test_a_calls_output_is_written_before_it_returns(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ranks' pipes outlive the call: their text is flushed and written out before run() returns, to the
+    caller's sys.stdout of this call (a notebook cell's)."""
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, prefix_output=True) as workers:
+        workers.run(warm_workers.say, "first")
+        first = capsys.readouterr().out
+        workers.run(warm_workers.say, "second")
+        second = capsys.readouterr().out
+    assert "[rank 0] first from rank 0" in first, first
+    assert "[rank 1] first from rank 1" in first, first
+    assert "second from rank 0" in second, second
+    assert "second from rank 1" in second, second
+
+
+def test_the_process_group_is_made_once_and_kept() -> None:
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, backend="gloo") as workers:
+        first = workers.run(warm_workers.all_reduce_once)
+        second = workers.run(warm_workers.all_reduce_once)
+    assert first == second
+    assert first[0] == 3
+
+
+def test_cancelling_a_submitted_call_interrupts_it_and_keeps_the_ranks(tmp_path: Path) -> None:
+    started = str(tmp_path / "started")
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
+        pids = workers.pids
+        future = workers.submit(warm_workers.sleep_forever, started)
+        while not (os.path.exists(f"{started}0") and os.path.exists(f"{started}1")):
+            time.sleep(0.01)
+        assert future.cancel()
+        assert future.cancelled()
+        assert workers.run(warm_workers.bump)[2] == 1
+        assert workers.pids == pids
+
+
+def test_closing_while_a_call_runs_in_another_thread_stops_it(tmp_path: Path) -> None:
+    started = str(tmp_path / "started")
+    workers = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1.0)
+    pids = workers.pids
+    future = workers.submit(warm_workers.sleep_forever, started)
+    while not (os.path.exists(f"{started}0") and os.path.exists(f"{started}1")):
+        time.sleep(0.01)
+    workers.close()
+    with pytest.raises(RuntimeError, match="closed while this call ran"):
+        future.result(TIMEOUT)
+    assert _gone(pids, 0.1)
+
+
+def test_options_of_launches_only_are_refused() -> None:
+    with pytest.raises(mplaunch.InvalidOptionError, match="cpu_binding"):
+        Workers(nprocs=2, start_method="fork", cpu_binding="cores")

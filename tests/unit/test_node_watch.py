@@ -1,0 +1,165 @@
+"""The checks a multi-node launch makes between two looks of elastic's agent at its workers, in one process:
+a fake c10d handler whose rendezvous state the test changes, and a real store for rank 0's result."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from mplaunch import LaunchTimeoutError, NodeLostError
+from mplaunch._multinode.watch import NodeWatch, WatchedRendezvous
+from mplaunch._wire import transport
+from mplaunch._wire.records import REMOTE_RANK0, Raised, Returned, WorkerSpec
+from mplaunch._worker.entry import _share_rank0
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Node:  # as c10d's _NodeDesc
+    addr: str
+    pid: int
+    local_id: int = 0
+
+
+@dataclasses.dataclass
+class State:
+    round: int = 1
+    closed: bool = False
+    participants: dict[Node, int] = dataclasses.field(default_factory=dict)
+    last_heartbeats: dict[Node, float] = dataclasses.field(default_factory=dict)
+
+
+class Holder:
+    def __init__(self, state: State) -> None:
+        self.state = state
+        self.beating: Node | None = None  # a node that sends a heartbeat at each sync
+
+    def sync(self) -> None:
+        if self.beating is not None:
+            self.state.last_heartbeats[self.beating] += 1
+
+
+class FakeHandler:
+    """What WatchedRendezvous reads of elastic's DynamicRendezvousHandler."""
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self._this_node = nodes[0]
+        self._state_holder = Holder(State(participants={node: rank for rank, node in enumerate(nodes)}))
+        self._state_holder.state.last_heartbeats = {node: 1.0 for node in nodes}
+        self.store: dict[str, str] = {}
+        self.fail: BaseException | None = None
+
+    def next_rendezvous(self) -> Any:
+        store = type("Store", (), {"set": self.store.__setitem__, "check": lambda _, keys: keys[0] in self.store})
+        return type("Info", (), {"store": store()})()
+
+    def shutdown(self) -> bool:
+        return True
+
+    def num_nodes_waiting(self) -> int:
+        if self.fail is not None:
+            raise self.fail
+        return 0
+
+
+def watched(timeout: float | None = None) -> tuple[WatchedRendezvous, FakeHandler, NodeWatch]:
+    handler = FakeHandler([Node("node-a", 10), Node("node-b", 20)])
+    watch = NodeWatch("node-a:29400", 2, timeout)
+    rendezvous = WatchedRendezvous(handler, watch)
+    rendezvous.next_rendezvous()
+    return rendezvous, handler, watch
+
+
+def test_a_node_dropped_from_the_round_is_named() -> None:
+    rendezvous, handler, _ = watched()
+    assert rendezvous.num_nodes_waiting() == 0
+    del handler._state_holder.state.participants[Node("node-b", 20)]  # c10d dropped it: no heartbeat for 10 s
+    with pytest.raises(NodeLostError, match=r"node 1 of 2 \(host node-b, launching process pid 20\)") as caught:
+        rendezvous.num_nodes_waiting()
+    assert (caught.value.node_rank, caught.value.host, caught.value.launcher_pid) == (1, "node-b", 20)
+    error = pickle.loads(pickle.dumps(caught.value))
+    assert (error.node_rank, error.launcher_pid, error.endpoint, str(error)) == (
+        1,
+        20,
+        "node-a:29400",
+        str(caught.value),
+    )
+
+
+def test_a_new_round_is_elastics_business() -> None:
+    rendezvous, handler, _ = watched()
+    handler._state_holder.state = State(round=2, participants={Node("node-a", 10): 0})
+    assert rendezvous.num_nodes_waiting() == 0
+
+
+def test_a_store_that_stops_answering_names_the_other_node_of_two() -> None:
+    rendezvous, handler, _ = watched()
+    handler.fail = RendezvousConnectionError("The connection to the C10d store has failed.")
+    with pytest.raises(NodeLostError, match="stopped answering after the 2 nodes met") as caught:
+        rendezvous.num_nodes_waiting()
+    assert (caught.value.node_rank, caught.value.launcher_pid) == (1, 20)
+    assert isinstance(caught.value.__cause__, RendezvousConnectionError)
+
+
+def test_a_closed_rendezvous_ends_this_node() -> None:
+    rendezvous, handler, _ = watched()
+    handler._state_holder.state.closed = True
+    with pytest.raises(NodeLostError, match="closed the rendezvous"):
+        rendezvous.num_nodes_waiting()
+
+
+def test_timeout_ends_this_node() -> None:
+    rendezvous, _, watch = watched(timeout=30)
+    watch.deadline = time.monotonic() - 1
+    with pytest.raises(LaunchTimeoutError, match="within timeout=30 s") as caught:
+        rendezvous.num_nodes_waiting()
+    assert caught.value.timeout == 30
+
+
+def test_the_wait_for_rank_0s_result_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's node never publishes (it is gone, the store lives on): node 1 stops waiting after result_wait."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GROUP_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    spec = WorkerSpec(str(tmp_path), 1, "fork", os.getpid(), 1, frozenset({0}), result_wait=1.5)
+    start = time.monotonic()
+    _share_rank0(spec, 2, 0, Returned(os.getpid(), None))
+    assert time.monotonic() - start < 10
+    record = transport.load(str(tmp_path), REMOTE_RANK0, private=False, remove=True)
+    assert isinstance(record, Raised) and record.type_name == "mplaunch._errors.NodeLostError"
+    assert "rank 0's result did not reach node 1 within 1.5 s" in record.message
+    del server
+
+
+def test_after_a_failure_a_node_that_neither_ended_nor_beats_is_lost() -> None:
+    """A rank in a collective with a rank of the lost node fails first; the node is named after a few seconds."""
+    rendezvous, handler, _ = watched()
+    start = time.monotonic()
+    lost = rendezvous.lost_peer()
+    assert isinstance(lost, NodeLostError) and lost.node_rank == 1 and lost.launcher_pid == 20
+    assert "neither ended its launch nor sent a heartbeat for 5 s" in str(lost)
+    assert 4 < time.monotonic() - start < 10
+
+
+def test_after_a_failure_a_node_that_ended_or_beats_is_not_lost() -> None:
+    rendezvous, handler, _ = watched()
+    handler._state_holder.beating = Node("node-b", 20)
+    assert rendezvous.lost_peer() is None
+    rendezvous, handler, _ = watched()
+    handler.store["mplaunch/ended/1"] = "1"  # what node 1's shutdown writes
+    assert rendezvous.lost_peer() is None
+    rendezvous, handler, _ = watched()
+    rendezvous.shutdown()
+    assert handler.store == {"mplaunch/ended/0": "1"}  # this node marks the end of its own launch
