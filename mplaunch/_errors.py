@@ -66,7 +66,9 @@ class InvalidOptionError(MplaunchError, ValueError):
 
 
 class LaunchRefusedError(MplaunchError, RuntimeError):
-    """A check run in the parent before launching failed (main guard, CUDA before fork, unpicklable input)."""
+    """A check run in the parent before launching failed (main guard, CUDA before fork, unpicklable input), or
+    a limit of the machine or container stopped the workers from starting (processes, the environment's size
+    for ``exec``, open files); workers started before that are stopped."""
 
 
 class WorkerFailedError(MplaunchError, RuntimeError):

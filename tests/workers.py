@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -864,3 +865,14 @@ def signal_self(signum: int) -> int:
     os.kill(os.getpid(), signum)
     time.sleep(0.2)  # a signal that is not ignored lands meanwhile
     return worker_info().rank
+
+
+def memory_files_seen() -> list[str]:
+    """The memory files (memfd) this worker holds descriptors of."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("/memfd:"):
+                found.append(target)
+    return found

@@ -15,39 +15,15 @@ import contextlib
 import dataclasses
 import io
 import logging
-import multiprocessing.context
 import os
 import sys
-from typing import Any, TextIO
+from typing import TextIO
+
+from mplaunch._wire.fds import InheritedFd
 
 #: Written by an elastic worker on its pipes before anything else, followed by ``rank,pid,node_rank`` and a NUL,
 #: so the parent learns the global rank, the pid and the node of what follows.
 RANK_MARK = b"\x00mplaunch:rank="
-
-
-class InheritedFd:
-    """A descriptor that reaches the worker under every start method.
-
-    Under fork the number is inherited as it is. Under spawn and forkserver, pickling it (which happens while
-    the process starts) registers it with multiprocessing's ``reduction.DupFd``, as ``Connection`` objects do,
-    and the worker gets its own copy.
-    """
-
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        from multiprocessing import reduction
-
-        if multiprocessing.context.get_spawning_popen() is None:
-            raise TypeError("an InheritedFd is only sent to a process being started")
-        return _rebuild, (reduction.DupFd(self.fd),)
-
-
-def _rebuild(dup: Any) -> InheritedFd:
-    return InheritedFd(dup.detach())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -26,8 +26,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from mplaunch._errors import LaunchRefusedError
-from mplaunch._output.fds import RANK_MARK, InheritedFd, RankFds
+from mplaunch._output.fds import RANK_MARK, RankFds
 from mplaunch._output.lines import Sink, consoles, flush
+from mplaunch._wire.fds import InheritedFd
 
 if TYPE_CHECKING:
     from mplaunch._wire.records import WorkerSpec

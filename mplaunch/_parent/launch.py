@@ -24,8 +24,10 @@ from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import checks, devices, placement, policy
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.directory import launch_directory, space_hint
+from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.in_process import run_in_process
+from mplaunch._parent.limits import open_files_explained
+from mplaunch._parent.memory import outcome_files, payload_written
 from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.processes import start_workers
 from mplaunch._parent.report import RunReport
@@ -38,7 +40,7 @@ from mplaunch._state.sharing import shared_mappings, unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.importable import WorkerImports, worker_imports
-from mplaunch._wire.records import PAYLOAD, Payload, WorkerSpec, outcome_name, set_attribute
+from mplaunch._wire.records import Payload, WorkerSpec, outcome_name, set_attribute
 from mplaunch._wire.watch import Board
 
 
@@ -67,7 +69,7 @@ def launch(
     control = control or LaunchControl()
     started = time.monotonic()
     try:
-        with parent_signals():  # outermost: a SIGTERM unwinds through the clean-ups below before it ends us
+        with parent_signals(), open_files_explained():  # outermost: a SIGTERM unwinds through the clean-ups
             return _launch(function, args, kwargs, config, frame, control)
     except BaseException as error:
         set_attribute(error, "report", _report(control, started))
@@ -166,7 +168,7 @@ def _launch_on(
         threads_kept="OMP_NUM_THREADS" not in os.environ and num_threads >= policy.wanted_threads(nprocs),
     )
     env_function = placement.env_function(config, start_method) if nodes is not None else None
-    with launch_directory() as directory:
+    with launch_directory() as directory, contextlib.ExitStack() as held:
         spec = WorkerSpec(
             directory=directory,
             nprocs=nprocs,
@@ -190,7 +192,9 @@ def _launch_on(
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
         if start_method != "fork" or nodes is not None:
-            spec = _write_payload(payload, spec, imports, keep_shared=nodes is None)
+            spec = held.enter_context(
+                payload_written(payload, spec, imports, memory=nodes is None, keep_shared=nodes is None)
+            )
         if nodes is not None:
             from mplaunch._multinode.elastic import launch_nodes
 
@@ -235,7 +239,7 @@ def _attempt(
             restart_count=restart,
             max_restarts=config.max_restarts,
         )
-        with routed(list(range(spec.nprocs)), spec) as pump:
+        with outcome_files(spec) as spec, routed(list(range(spec.nprocs)), spec) as pump:
             spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
             return _run_workers(spec, payload, config, preload, pump, control, store)
 
@@ -252,31 +256,6 @@ def _check_single_node(config: ParallelConfig) -> None:
             f"{', '.join(given)} is not supported with more than one node: torch elastic restarts and handles "
             "signals there. Leave it out, or run on one node."
         )
-
-
-def _write_payload(payload: Payload, spec: WorkerSpec, imports: WorkerImports | None, keep_shared: bool) -> WorkerSpec:
-    """Write the call for workers that cannot inherit it; refuse, naming the argument, what cannot be pickled.
-    Returns ``spec`` with the call's objects that travel with each worker's start (queues, locks..., and with
-    ``keep_shared`` the storages the user put in torch's shared memory, so the workers share them)."""
-    try:
-        found = transport.dump(
-            payload, spec.directory, PAYLOAD, imports=imports, start_objects=True, keep_shared=keep_shared
-        )
-    except OSError as error:
-        raise LaunchRefusedError(
-            f"cannot write the call's arguments to {os.path.dirname(spec.directory)}: {error}. "
-            f"{space_hint(spec.directory)}"
-        ) from error
-    except Exception as error:
-        culprit = checks.describe_unpicklable(payload.args, payload.kwargs, imports)
-        raise LaunchRefusedError(
-            f"cannot send the call to {spec.start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
-            "every argument is pickled; pass picklable values, create the object inside the function, or use "
-            "start_method='fork'."
-        ) from error
-    if spec.start_method != "fork":  # forked workers inherit them: nothing is pickled
-        checks.check_start_objects(found, spec.start_method)
-    return dataclasses.replace(spec, start_objects=tuple(found))
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
+import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.popen_fork
 import multiprocessing.process
+import multiprocessing.util
 import os
 import platform
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -24,6 +29,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from mplaunch._env import WORKER_VARIABLE
+from mplaunch._parent.limits import check_exec_environment, start_refused
 from mplaunch._parent.signals import signals_held
 from mplaunch._platform.environ import environ_kept
 from mplaunch._platform.proctree import descendants, with_environment
@@ -79,20 +85,100 @@ def start_workers(
             empty: none.
     """
     context = mp.get_context(spec.start_method)
-    with main_prepared():
+    rank = 0
+    try:
+        if spec.start_method == "spawn" or (spec.start_method == "forkserver" and not _forkserver_running()):
+            check_exec_environment(os.environ, spec.start_method)  # else the worker "exits with code 255"
+        with main_prepared():
+            if spec.start_method == "forkserver":
+                context.set_forkserver_preload(preload)
+                multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
+            with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
+                kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]
+                for rank in range(spec.nprocs):
+                    worker = (rank, _for_rank(spec, rank), payload, *(rank_args[rank] if rank_args else ()))
+                    process = kind(target=target, args=worker, name=f"mplaunch-rank{rank}", daemon=False)
+                    process.start()
+                    started(process)
+    except (OSError, EOFError) as error:
         if spec.start_method == "forkserver":
-            context.set_forkserver_preload(preload)
-            multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-        with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
-            for rank in range(spec.nprocs):
-                process = context.Process(  # type: ignore[attr-defined]
-                    target=target,
-                    args=(rank, spec, payload, *(rank_args[rank] if rank_args else ())),
-                    name=f"mplaunch-rank{rank}",
-                    daemon=False,
-                )
-                process.start()
-                started(process)
+            _forget_dead_forkserver()
+        refused = start_refused(error, spec.start_method, rank, spec.nprocs)
+        if refused is None:
+            raise
+        traceback.clear_frames(error.__traceback__)  # multiprocessing's half-made Popen: its finalizer closes its pipes
+        raise refused from error
+
+
+class _ForkPopen(multiprocessing.popen_fork.Popen):
+    """CPython's ``popen_fork.Popen`` (3.11), which closes its pipes when ``fork`` or the second pipe fails;
+    CPython's leaves them open (two or four descriptors each time the process limit or the open-files limit
+    is hit)."""
+
+    def _launch(self, process_obj: Any) -> None:
+        parent_r, child_w = os.pipe()
+        try:
+            child_r, parent_w = os.pipe()
+        except BaseException:
+            _close_quietly(parent_r, child_w)
+            raise
+        try:
+            self.pid = os.fork()
+        except BaseException:
+            _close_quietly(parent_r, child_w, child_r, parent_w)
+            raise
+        if self.pid == 0:
+            code = 1
+            try:
+                os.close(parent_r)
+                os.close(parent_w)
+                code = process_obj._bootstrap(parent_sentinel=child_r)
+            finally:
+                os._exit(code)
+        os.close(child_w)
+        os.close(child_r)
+        self.finalizer = multiprocessing.util.Finalize(self, _close_quietly, (parent_r, parent_w))
+        self.sentinel = parent_r
+
+
+class _ForkProcess(multiprocessing.context.ForkProcess):
+    """A fork-started process using :class:`_ForkPopen`."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        return _ForkPopen(process_obj)
+
+
+def _for_rank(spec: WorkerSpec, rank: int) -> WorkerSpec:
+    """The spec one worker gets: its own outcome's memory file, not the table of all (a fork server takes at
+    most 256 descriptors per worker)."""
+    if spec.outcome_fds is None:
+        return spec
+    return dataclasses.replace(spec, outcome_fds=None, outcome_fd=spec.outcome_fds[rank])
+
+
+def _forkserver_running() -> bool:
+    """Whether multiprocessing's fork server runs (a new one is started with ``exec``)."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    return pid is not None and _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether child ``pid`` has not ended (it is left unreaped)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
+
+
+def _forget_dead_forkserver() -> None:
+    """Reap a fork server that died (of a limit, while forking a worker) and let the next launch start a new
+    one; multiprocessing would leave it a zombie until then."""
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None and not _alive(pid):
+        with contextlib.suppress(OSError, AttributeError):
+            server._stop()  # type: ignore[attr-defined] # closes its "alive" pipe, reaps it, removes its socket
 
 
 @contextlib.contextmanager
@@ -291,6 +377,12 @@ def start_reaper(root: str, prefix: str) -> int | None:
         os.close(read_end)
     _reaper_pipes[reaper] = write_end
     return reaper
+
+
+def _close_quietly(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def forget_reaper(reaper: int) -> None:

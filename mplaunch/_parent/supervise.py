@@ -162,9 +162,7 @@ class Supervisor:
             self.records.reap(rank, process)
         try:
             with signals_held():  # what unpickling raises is the result's own, never a Ctrl-C
-                outcome: Outcome | None = transport.load(
-                    self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True
-                )
+                outcome = self._load(rank)
         except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
             failure = RemoteError(
                 f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
@@ -183,6 +181,15 @@ class Supervisor:
         self.states[rank] = state
         self.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()
         return state
+
+    def _load(self, rank: int) -> Outcome | None:
+        """The outcome of ``rank``: from its memory file (mapped, then held only by the value's mappings), or
+        from the launch directory (read into this process's memory, then unlinked)."""
+        if self.spec.outcome_fds is not None:
+            found: Outcome | None = transport.load_fd(self.spec.outcome_fds[rank].fd, private=False, missing_ok=True)
+        else:
+            found = transport.load(self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
+        return found
 
     def _raise_failure(self, failure: BaseException, rank: int) -> None:
         """Stop the others and raise the first failure in time (the root cause: a rank's error often makes its

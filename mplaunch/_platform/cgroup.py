@@ -103,16 +103,38 @@ def cpu_limit(root: str = "/") -> float | None:
         return None
     limits = [
         quota
-        for directory, version in _limit_directories(root, cgroup)
+        for directory, version in _limit_directories(root, cgroup, "cpu")
         if (quota := _quota(directory, version)) is not None
     ]
     return min(limits) if limits else None
 
 
+def pids_limit(root: str = "/") -> tuple[int, int] | None:
+    """Return ``(pids.max, pids.current)`` of the cgroup with the least room for new processes and threads
+    along this process's cgroup path (Docker ``--pids-limit``, Kubernetes ``podPidsLimit``, systemd
+    ``TasksMax``), over cgroup v2 and the v1 ``pids`` hierarchy, or ``None`` where none sets a limit. Never
+    raises.
+
+    Args:
+        root: the directory that stands for ``/``, as for :func:`cpu_limit`.
+    """
+    cgroup = _read(os.path.join(root, "proc/self/cgroup"))
+    tightest: tuple[int, int] | None = None
+    for directory, _ in _limit_directories(root, cgroup or "", "pids"):
+        maximum = (_read(os.path.join(directory, "pids.max")) or "").strip()
+        current = (_read(os.path.join(directory, "pids.current")) or "").strip()
+        if maximum.isdigit() and current.isdigit():
+            found = (int(maximum), int(current))
+            if tightest is None or found[0] - found[1] < tightest[0] - tightest[1]:
+                tightest = found
+    return tightest
+
+
 @functools.lru_cache(maxsize=16)
-def _limit_directories(root: str, cgroup: str) -> tuple[tuple[str, int], ...]:
-    """``(directory, cgroup version)`` of every cgroup whose CPU limit applies to a process in ``cgroup`` (the
-    text of ``/proc/self/cgroup``), deepest first per hierarchy; remembered, as the mounts do not move."""
+def _limit_directories(root: str, cgroup: str, controller: str) -> tuple[tuple[str, int], ...]:
+    """``(directory, cgroup version)`` of every cgroup whose ``controller`` limit applies to a process in
+    ``cgroup`` (the text of ``/proc/self/cgroup``), deepest first per hierarchy; remembered, as the mounts do
+    not move."""
     mountinfo = _read(os.path.join(root, "proc/self/mountinfo"))
     if mountinfo is None:
         return ()
@@ -120,10 +142,10 @@ def _limit_directories(root: str, cgroup: str) -> tuple[tuple[str, int], ...]:
     mounts = _mounts(mountinfo)
     for controllers, path in _memberships(cgroup):
         version = 1 if controllers else 2
-        if version == 1 and "cpu" not in controllers:
+        if version == 1 and controller not in controllers:
             continue
         for fstype, mount_root, mount_point, options in mounts:
-            if (version == 2) != (fstype == "cgroup2") or (version == 1 and "cpu" not in options):
+            if (version == 2) != (fstype == "cgroup2") or (version == 1 and controller not in options):
                 continue
             found.extend((directory, version) for directory in _directories(mount_root, mount_point, path, root))
             break

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mplaunch._wire.transport import in_shared_mapping, make_private
+from mplaunch._wire.mappings import in_shared_mapping, make_private
 
 T = TypeVar("T")
 

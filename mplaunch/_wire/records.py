@@ -26,6 +26,7 @@ from mplaunch._frames import without_our_frames
 if TYPE_CHECKING:
     from mplaunch._output.fds import RankFds
     from mplaunch._state.snapshot import ForkState, GlobalState
+    from mplaunch._wire.fds import InheritedFd
     from mplaunch._wire.placement import RankPlacement
 
 #: Name of the call in the launch directory.
@@ -85,6 +86,11 @@ class WorkerSpec:
             rendezvous store (multi-node): what is left of ``timeout``, else ``rdzv_timeout``.
         env_function: ``env=``'s function of the global rank, called in each worker of a multi-node launch
             (where the parent does not know the ranks), else ``None``.
+        payload_fd: the memory file holding the :class:`Payload` (see :func:`~mplaunch._wire.transport.dump_fd`),
+            or ``None``: it is inherited (fork) or in the launch directory.
+        outcome_fds: the parent's table, per local rank, of the memory files the ranks write their outcomes
+            into, or ``None``: they write them to the launch directory. Never sent to a worker.
+        outcome_fd: the worker's own entry of ``outcome_fds``.
         post_mortem: the first rank that raises opens pdb on the terminal (see
             :mod:`mplaunch._worker.debugger`).
     """
@@ -111,6 +117,9 @@ class WorkerSpec:
     max_restarts: int = 0
     ignored_signals: frozenset[int] = frozenset()
     output_fds: tuple[RankFds, ...] | None = None  # per local rank: what replaces fd 1 and 2 (see _output)
+    payload_fd: InheritedFd | None = None
+    outcome_fds: tuple[InheritedFd, ...] | None = None
+    outcome_fd: InheritedFd | None = None
     start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
     placements: tuple[RankPlacement, ...] | None = None
     env_function: Callable[[int], Any] | None = None

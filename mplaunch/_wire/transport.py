@@ -1,27 +1,35 @@
-"""Moving Python objects with tensors between the parent and its workers through files in shared memory.
+"""Moving Python objects with tensors between the parent and its workers through shared memory.
 
 An object is pickled once (protocol 5). The bytes of every tensor storage of 64 KiB or more, and every
-out-of-band buffer of that size (NumPy arrays, :class:`pickle.PickleBuffer`), go to one data
-file ``name.bin`` at page-aligned offsets, in a directory on a RAM-backed file system (``/dev/shm`` where
-there is one); the pickle ``name.pkl`` refers to them by offset. The reader maps each piece with ``mmap``:
+out-of-band buffer of that size (NumPy arrays, :class:`pickle.PickleBuffer`), are written at page-aligned
+offsets apart from the pickle, which refers to them by offset. They go to one of two places:
 
-* a *result* (worker to parent) is mapped shared and its files are unlinked at once, so it costs one copy
-  (the writer's), stays valid after the writer exits, and nothing is left on disk;
+* an anonymous memory file (``memfd_create``, see :func:`mplaunch._wire.fds.memory_file`) that the parent
+  made for the purpose and the worker inherited (:func:`dump_fd`, :func:`load_fd`): the data first, then the
+  pickle, then a trailer saying where the pickle starts. No file system's size limit counts it, so a
+  container's small ``/dev/shm`` does not bound its size;
+* where there is no such file, two files in the launch directory (:func:`dump`, :func:`load`): ``name.bin``
+  (the data) and ``name.pkl`` (the pickle), on a RAM-backed file system (``/dev/shm`` where there is one).
+
+The reader maps or reads each piece (:mod:`mplaunch._wire.mappings`):
+
+* a *result* (worker to parent) from a memory file is mapped shared and the pickle's pages are cut off the
+  file, so it costs one copy (the writer's), stays valid after the writer exits, and is held only by the
+  caller's mapping; from a file it is read into the caller's own memory (one more copy) and the files are
+  unlinked, so nothing stays charged to the file system once the call returns;
 * a *payload* (parent to workers) is written once and mapped private (copy-on-write) by every worker, so
   workers never see each other's in-place updates and start-up does not grow with the argument size.
 
-Every mapping is made with libc's ``mmap`` on a descriptor closed right after, so a mapped storage holds no
-file descriptor, and it is wrapped as an *ordinary* CPU storage (``torch.frombuffer``): ``is_shared()`` is
-false, so ``torch.multiprocessing`` (DataLoader workers, queues) moves it into shared memory of its own the
-usual way, and ``share_memory_()`` and ``torch.save`` work. The mapping is unmapped when the last tensor or
-array using it is freed. Nothing here flows through a pipe, so no size can fill a pipe buffer and deadlock a
-join.
+A mapped storage holds no file descriptor, and it is wrapped as an *ordinary* CPU storage
+(``torch.frombuffer``): ``is_shared()`` is false, so ``torch.multiprocessing`` (DataLoader workers, queues)
+moves it into shared memory of its own the usual way, and ``share_memory_()`` and ``torch.save`` work. The
+mapping is unmapped when the last tensor or array using it is freed. Nothing here flows through a pipe, so
+no size can fill a pipe buffer and deadlock a join.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import io
 import mmap
 import os
@@ -29,7 +37,6 @@ import pickle
 import struct
 import threading
 import types
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +46,7 @@ import torch
 
 from mplaunch._wire import start_objects as at_start
 from mplaunch._wire.importable import WorkerImports
+from mplaunch._wire.mappings import map_file, read_file
 
 #: Storages and buffers smaller than this many bytes travel inside the pickle instead of in the data file.
 INLINE_BYTES = 64 * 1024
@@ -47,6 +55,8 @@ _PICKLE_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
 _PAGE = mmap.PAGESIZE
 _HEADER = struct.Struct("<Q")  # number of out-of-band buffers
 _EXTENT = struct.Struct("<QQ")  # offset, size of one out-of-band buffer in the data file
+_TRAILER = struct.Struct("<QQ")  # where the pickle starts in a memory file, _MAGIC
+_MAGIC = 0x6D706C61756E6368  # "mplaunch": written last, so a memory file that ends with it is complete
 
 
 def _storage_bytes(storage: torch.UntypedStorage) -> memoryview:
@@ -257,7 +267,7 @@ def to_bytes(obj: object) -> bytes:
 
 def from_bytes(data: bytes) -> Any:
     """Read an object written by :func:`to_bytes`."""
-    return _Reader(-1, private=True).load(data, [])
+    return _Reader(-1, "private").load(data, [])
 
 
 def pickle_error(
@@ -283,6 +293,34 @@ def _aligned(offset: int) -> int:
     return -(-offset // _PAGE) * _PAGE
 
 
+def _layout(
+    obj: object, by_value: bool, imports: WorkerImports | None, start_objects: bool, keep_shared: bool = False
+) -> tuple[list[tuple[int, memoryview]], int, bytes, memoryview, list[Any]]:
+    """Pickle ``obj``; return the data pieces (offset, bytes) at page-aligned offsets, where the data ends
+    (page-aligned), the header (the buffers' extents and the storages' offsets), the pickle, and with
+    ``start_objects`` the objects written as placeholders (see :func:`dump`)."""
+    data, pickler = _pickle(obj, by_value, imports, start_objects, keep_shared)
+    pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
+    offsets: dict[int, int] = {}  # storage index -> offset
+    end = 0
+    for index, storage in enumerate(pickler.storages):
+        if storage.nbytes() >= INLINE_BYTES:
+            offsets[index] = end
+            pieces.append((end, _storage_bytes(storage)))
+            end = _aligned(end + storage.nbytes())
+    extents: list[tuple[int, int]] = []
+    for buffer in pickler.buffers:
+        raw = buffer.raw()
+        extents.append((end, raw.nbytes))
+        pieces.append((end, raw))
+        end = _aligned(end + raw.nbytes)
+    table = pickle.dumps(offsets, protocol=5)
+    header = b"".join(
+        [_HEADER.pack(len(extents)), *(_EXTENT.pack(*extent) for extent in extents), _HEADER.pack(len(table)), table]
+    )
+    return pieces, end, header, data, [] if pickler.start_objects is None else pickler.start_objects.objects
+
+
 def dump(
     obj: object,
     directory: str,
@@ -299,9 +337,6 @@ def dump(
     The ``.pkl`` file appears last and atomically (written aside, then renamed), so a reader that sees it
     sees a complete object. Tensors on other devices are copied to the CPU first. With ``imports`` (what
     the reading workers can import by name), functions and classes they cannot import travel by value.
-    With ``start_objects`` and ``keep_shared``, storages in torch's shared memory (``share_memory_()``) are
-    not written either: they are start objects, handed to the readers with torch's own reduction, so the
-    readers share them with the writer.
 
     Args:
         obj: what to write.
@@ -312,7 +347,8 @@ def dump(
         start_objects: write a placeholder for each object that ``multiprocessing`` sends only to a starting
             process (queues, locks, ``Pipe`` ends...: :mod:`mplaunch._wire.start_objects`) and return the
             objects; the reader passes the same objects, received with its start, to :func:`load`.
-        keep_shared: with ``start_objects``, also treat storages in torch's shared memory as start objects.
+        keep_shared: with ``start_objects``, storages in torch's shared memory (``share_memory_()``) are start
+            objects too, so the readers share them with the writer.
 
     Returns:
         The objects written as placeholders, in placeholder order (empty without ``start_objects``).
@@ -323,21 +359,7 @@ def dump(
             ``start_objects``.
         OSError: the directory is missing or full.
     """
-    data, pickler = _pickle(obj, by_value, imports, start_objects, keep_shared)
-    pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
-    offsets: dict[int, int] = {}  # storage index -> offset
-    end = 0
-    for index, storage in enumerate(pickler.storages):
-        if storage.nbytes() >= INLINE_BYTES:
-            offsets[index] = end
-            pieces.append((end, _storage_bytes(storage)))
-            end = _aligned(end + storage.nbytes())
-    extents: list[tuple[int, int]] = []
-    for buffer in pickler.buffers:
-        raw = buffer.raw()
-        extents.append((end, raw.nbytes))
-        pieces.append((end, raw))
-        end = _aligned(end + raw.nbytes)
+    pieces, _, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
     if pieces:
         fd = os.open(os.path.join(directory, f"{name}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -345,10 +367,6 @@ def dump(
                 _write_at(fd, piece, offset)
         finally:
             os.close(fd)
-    table = pickle.dumps(offsets, protocol=5)
-    header = b"".join(
-        [_HEADER.pack(len(extents)), *(_EXTENT.pack(*extent) for extent in extents), _HEADER.pack(len(table)), table]
-    )
     staging = os.path.join(directory, f".{name}.pkl")
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -357,7 +375,36 @@ def dump(
     finally:
         os.close(fd)
     os.replace(staging, os.path.join(directory, f"{name}.pkl"))
-    return [] if pickler.start_objects is None else pickler.start_objects.objects
+    return objects
+
+
+def dump_fd(
+    obj: object,
+    fd: int,
+    *,
+    by_value: bool = False,
+    imports: WorkerImports | None = None,
+    start_objects: bool = False,
+    keep_shared: bool = False,
+) -> list[Any]:
+    """Write ``obj`` into the memory file ``fd`` (see :func:`mplaunch._wire.fds.memory_file`), replacing what
+    it held: the storages and buffers of 64 KiB or more, then the header and the pickle, then the trailer,
+    last, so a reader that finds the trailer finds a complete object. Arguments and the return value as for
+    :func:`dump`.
+
+    Raises:
+        pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
+        RuntimeError: as for :func:`dump`.
+        OSError: no memory for it.
+    """
+    pieces, end, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
+    os.ftruncate(fd, 0)
+    for offset, piece in pieces:
+        _write_at(fd, piece, offset)
+    _write_at(fd, header, end)
+    _write_at(fd, data, end + len(header))
+    _write_at(fd, _TRAILER.pack(end, _MAGIC), end + len(header) + len(data))
+    return objects
 
 
 def remove(directory: str, name: str) -> None:
@@ -367,98 +414,14 @@ def remove(directory: str, name: str) -> None:
             os.unlink(os.path.join(directory, entry))
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)  # the mmap module names it from Python 3.13; 0x10 on Linux and BSDs
-_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2  # <linux/mman.h>
-_mremap = getattr(_libc, "mremap", None)
-if _mremap is not None:
-    _mremap.restype = ctypes.c_void_p
-    _mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-
-
-#: This process's live shared mappings (results), address -> bytes: a process forked from it shares them.
-_shared: dict[int, int] = {}
-
-
-def _map(fd: int, offset: int, nbytes: int, private: bool) -> Any:
-    """Map ``nbytes`` of ``fd`` at ``offset`` (page-aligned) as a writable ctypes array, unmapped when the
-    array (and so every tensor or memoryview made from it) is freed."""
-    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
-    address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
-    if address is None or address == _MAP_FAILED:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
-    array = (ctypes.c_char * nbytes).from_address(address)
-    if not private:
-        _shared[address] = nbytes
-    weakref.finalize(array, _unmap, address, nbytes)
-    return array
-
-
-def _unmap(address: int, nbytes: int) -> None:
-    _shared.pop(address, None)
-    _libc.munmap(address, nbytes)
-
-
-def _shared_mapping(address: int) -> tuple[int, int] | None:
-    for start, size in list(_shared.items()):
-        if start <= address < start + size:
-            return start, size
-    return None
-
-
-def in_shared_mapping(address: int) -> bool:
-    """Whether ``address`` lies in a shared mapping that :func:`load` made (a result read with
-    ``private=False``): unlike a private mapping, a process forked from this one would share its changes."""
-    return _shared_mapping(address) is not None
-
-
-def make_private(address: int) -> bool:
-    """Turn the shared mapping that holds ``address`` (see :func:`in_shared_mapping`) into a private copy
-    at the same address, so that every tensor and array in it, and every view of them, becomes this
-    process's own at once; for a forked process, before its other threads touch that memory. Costs one copy
-    of the mapping (two where ``mremap`` is missing). Returns False when ``address`` is in no such mapping.
-
-    Raises:
-        OSError: no memory for the copy.
-    """
-    found = _shared_mapping(address)
-    if found is None:
-        return False
-    start, size = found
-    anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    copy = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, anonymous, -1, 0)
-    if copy is None or copy == _MAP_FAILED:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"mmap of {size} bytes failed: {os.strerror(errno)}")
-    ctypes.memmove(copy, start, size)
-    if _mremap is not None:  # Linux: move the copy's pages over the shared mapping, which goes away
-        moved = _mremap(copy, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, start)
-        if moved == start:
-            del _shared[start]
-            return True
-    fixed = _libc.mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE, anonymous | _MAP_FIXED, -1, 0)
-    if fixed != start:
-        _libc.munmap(copy, size)
-        raise OSError(ctypes.get_errno(), "mmap at a fixed address failed")
-    ctypes.memmove(start, copy, size)
-    _libc.munmap(copy, size)
-    del _shared[start]
-    return True
-
-
 class _Reader:
     """Maps the storages of one object being unpickled; :func:`_rebuild_storage` finds it in ``_reading``."""
 
     def __init__(
-        self, fd: int, private: bool, offsets: dict[int, int] | None = None, start_objects: Sequence[Any] = ()
+        self, fd: int, how: str, offsets: dict[int, int] | None = None, start_objects: Sequence[Any] = ()
     ) -> None:
         self._fd = fd
-        self._private = private
+        self._how = how  # "private", "shared" (mapped) or "copy" (read)
         self._offsets = offsets or {}
         self._storages: dict[int, torch.UntypedStorage] = {}
         self.start_objects = start_objects
@@ -470,7 +433,7 @@ class _Reader:
                 _storage_bytes(storage)[:] = data
             self._storages[index] = storage
         elif kind == "file":
-            array = _map(self._fd, self._offsets[index], data, self._private)
+            array = self._piece(self._offsets[index], data)
             self._storages[index] = torch.frombuffer(array, dtype=torch.uint8).untyped_storage()
         elif kind == "shared":  # the user's shared memory, received with this process's start
             return torch.storage.TypedStorage(
@@ -482,8 +445,13 @@ class _Reader:
             wrap_storage=self._storages[index], dtype=dtype or torch.uint8, _internal=True
         )
 
+    def _piece(self, offset: int, nbytes: int) -> Any:
+        if self._how == "copy":
+            return read_file(self._fd, offset, nbytes)
+        return map_file(self._fd, offset, nbytes, private=self._how == "private")
+
     def buffers(self, extents: list[tuple[int, int]]) -> list[memoryview]:
-        return [memoryview(_map(self._fd, offset, nbytes, self._private)).cast("B") for offset, nbytes in extents]
+        return [memoryview(self._piece(offset, nbytes)).cast("B") for offset, nbytes in extents]
 
     def load(self, data: Any, buffers: list[memoryview]) -> Any:
         previous = getattr(_reading, "reader", None)
@@ -503,6 +471,21 @@ def _rebuild_storage(kind: str, index: int, dtype: torch.dtype | None, data: Any
     if reader is None:
         raise pickle.UnpicklingError("mplaunch storages can only be read with mplaunch._transport.load")
     return reader.storage(kind, index, dtype, data)
+
+
+def _read(view: mmap.mmap, start: int, fd: int, how: str, start_objects: Sequence[Any] = ()) -> Any:
+    """Unpickle the object whose header begins at ``start`` of ``view``, its data in ``fd``."""
+    (count,) = _HEADER.unpack_from(view, start)
+    extents = [_EXTENT.unpack_from(view, start + _HEADER.size + i * _EXTENT.size) for i in range(count)]
+    start += _HEADER.size + count * _EXTENT.size
+    (table_size,) = _HEADER.unpack_from(view, start)
+    start += _HEADER.size
+    offsets = pickle.loads(view[start : start + table_size])
+    reader = _Reader(fd, how, offsets, start_objects)
+    with memoryview(view) as pickled, pickled[start + table_size :] as data:
+        # released here, not by the traceback: an error while unpickling must not become
+        # "BufferError: cannot close exported pointers exist" when the file's mapping closes
+        return reader.load(data, reader.buffers(extents))
 
 
 def _start_object(index: int) -> Any:
@@ -530,15 +513,16 @@ def load(
     Args:
         directory: where it was written.
         name: its name.
-        private: map storages and buffers copy-on-write (each reader gets its own copy of what it changes)
-            instead of shared with the file.
-        remove: unlink its files once mapped (the data lives on in the mappings until they are freed).
+        private: map storages and buffers copy-on-write (each reader gets its own copy of what it changes,
+            the rest stays backed by the file) instead of reading them into this process's own memory.
+        remove: unlink its files once read (mapped data lives on in the mappings until they are freed).
         missing_ok: return ``None`` when no complete object ``name`` was written, instead of raising.
         start_objects: what :func:`dump` returned, received with this process's start: the objects its
             placeholders stand for.
 
     Raises:
         FileNotFoundError: nothing complete was written as ``name`` (and not ``missing_ok``).
+        OSError: no memory for the data.
         Exception: whatever unpickling raises (a class missing in this process, a corrupt file).
     """
     path, data_path = os.path.join(directory, f"{name}.pkl"), os.path.join(directory, f"{name}.bin")
@@ -548,28 +532,50 @@ def load(
         if missing_ok:  # (a data file that a stopped writer left is removed with the directory)
             return None
         raise
-    has_data = True  # until the header says otherwise
     try:
         with file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            (count,) = _HEADER.unpack_from(view, 0)
-            extents = [_EXTENT.unpack_from(view, _HEADER.size + i * _EXTENT.size) for i in range(count)]
-            start = _HEADER.size + count * _EXTENT.size
-            (table_size,) = _HEADER.unpack_from(view, start)
-            start += _HEADER.size
-            offsets = pickle.loads(view[start : start + table_size])
-            has_data = bool(offsets or extents)
-            fd = os.open(data_path, os.O_RDWR) if has_data else -1
             try:
-                reader = _Reader(fd, private, offsets, start_objects)
-                with memoryview(view) as pickled, pickled[start + table_size :] as data:
-                    # released here, not by the traceback: an error while unpickling must not become
-                    # "BufferError: cannot close exported pointers exist" when the file's mapping closes
-                    return reader.load(data, reader.buffers(extents))
+                fd = os.open(data_path, os.O_RDWR if private else os.O_RDONLY)
+            except FileNotFoundError:
+                fd = -1  # everything is in the pickle
+            try:
+                return _read(view, 0, fd, "private" if private else "copy", start_objects)
             finally:
                 if fd >= 0:
                     os.close(fd)
     finally:
         if remove:
-            for leftover in (path, data_path) if has_data else (path,):
+            for leftover in (path, data_path):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
+
+
+def load_fd(fd: int, *, private: bool, missing_ok: bool = False, start_objects: Sequence[Any] = ()) -> Any:
+    """Read the object that :func:`dump_fd` wrote into the memory file ``fd`` (which stays open).
+
+    Args:
+        fd: the memory file.
+        private: map storages and buffers copy-on-write (a payload, which every worker maps) instead of
+            shared; a shared read is a result: the pickle's pages are cut off the file once read, and the
+            data lives in this process's mappings, whose changes a process forked from this one would share
+            (see :func:`mplaunch._wire.mappings.make_private`).
+        missing_ok: return ``None`` when the file holds no complete object, instead of raising.
+        start_objects: as for :func:`load`.
+
+    Raises:
+        FileNotFoundError: the file holds no complete object (and not ``missing_ok``).
+        OSError: no memory for the mappings.
+        Exception: whatever unpickling raises (a class missing in this process).
+    """
+    size = os.fstat(fd).st_size
+    trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size) if size >= _TRAILER.size else b""
+    start, magic = _TRAILER.unpack(trailer) if len(trailer) == _TRAILER.size else (0, 0)
+    if magic != _MAGIC or start >= size:
+        if missing_ok:
+            return None
+        raise FileNotFoundError("the memory file holds no complete object")
+    with mmap.mmap(fd, size - start, offset=start, access=mmap.ACCESS_READ) as view:
+        value = _read(view, 0, fd, "private" if private else "shared", start_objects)
+    if not private:
+        os.ftruncate(fd, start)  # the header and pickle: only the data is kept
+    return value

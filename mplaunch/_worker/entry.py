@@ -32,6 +32,7 @@ from mplaunch._output.fds import take_fds, terminal_stdin
 from mplaunch._platform.proctree import become_subreaper
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, transport
+from mplaunch._wire.fds import close_memory_files, close_quietly
 from mplaunch._wire.records import (
     PAYLOAD,
     REMOTE_RANK0,
@@ -160,9 +161,7 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         placement.apply(spec, local_rank, rank)  # devices, CPUs, env=: before anything reads them
         _set_threads(placement.thread_count(spec, local_rank))
         if payload is None:
-            payload = transport.load(
-                spec.directory, PAYLOAD, private=True, remove=False, start_objects=spec.start_objects
-            )
+            payload = _read_payload(spec)
         payload.state.restore()
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
@@ -179,6 +178,35 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         if spec.post_mortem and _signal_received is None:
             post_mortem(error, spec, rank)
         return _decide(Raised.of(error, when=raised_at))
+
+
+def _read_payload(spec: WorkerSpec) -> Payload:
+    """The call, mapped copy-on-write from the parent's memory file or from the launch directory."""
+    if spec.payload_fd is None:
+        payload: Payload = transport.load(
+            spec.directory, PAYLOAD, private=True, remove=False, start_objects=spec.start_objects
+        )
+        return payload
+    try:
+        payload = transport.load_fd(spec.payload_fd.fd, private=True, start_objects=spec.start_objects)
+        return payload
+    finally:
+        close_quietly(spec.payload_fd.fd)  # the mappings keep what they need
+
+
+def _keep_own_outcome_fd(spec: WorkerSpec) -> None:
+    """Under fork, close the memory files inherited from the parent but this rank's outcome's: the other
+    ranks', and those of other launches running in the parent (``submit()``)."""
+    if spec.start_method == "fork":
+        close_memory_files(set() if spec.outcome_fd is None else {spec.outcome_fd.fd})
+
+
+def _dump_outcome(spec: WorkerSpec, name: str, outcome: Outcome) -> None:
+    """Write the outcome into this rank's memory file, else as ``name`` in the launch directory."""
+    if spec.outcome_fd is None:
+        transport.dump(outcome, spec.directory, name)
+    else:
+        transport.dump_fd(outcome, spec.outcome_fd.fd)
 
 
 def _must_unshare(spec: WorkerSpec) -> bool:
@@ -199,20 +227,26 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | No
     pickled or written is replaced by the error saying so. Returns what was written."""
     name = name or outcome_name(rank)
     try:
-        transport.dump(outcome, spec.directory, name)
+        _dump_outcome(spec, name, outcome)
         return outcome
     except BaseException as error:  # noqa: BLE001 - the result cannot be sent: report that instead
-        transport.remove(spec.directory, name)
+        if spec.outcome_fd is None:
+            transport.remove(spec.directory, name)
         if not isinstance(outcome, Returned):
             raise
         kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
         if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt...: an exit, as if the function had
             exited = Raised.of(error)
             exited = dataclasses.replace(exited, message=f"{exited.message} while its result (type {kind}) was pickled")
-            transport.dump(exited, spec.directory, name)
+            _dump_outcome(spec, name, exited)
             return exited
-        how = "written to the launch directory" if isinstance(error, OSError) else "pickled"
-        advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR." if how[0] == "w" else ""
+        in_directory = spec.outcome_fd is None
+        how = "pickled"
+        if isinstance(error, OSError):
+            how = "written to the launch directory" if in_directory else "written to shared memory"
+        advice = ""
+        if isinstance(error, OSError) and in_directory:
+            advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR."
         failure = RemoteError(
             f"the result of rank {rank} (type {kind}) could not be {how} to send it to the parent: "
             f"{type(error).__name__}: {error}.{advice}",
@@ -222,7 +256,7 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | No
         )
         failure.__cause__ = error
         replacement = Raised.of(failure)
-        transport.dump(replacement, spec.directory, name)
+        _dump_outcome(spec, name, replacement)
         return replacement
 
 
@@ -312,6 +346,7 @@ def set_up(rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None]
     takes ``on_interrupt``), the output descriptors, and torchrun's environment."""
     _start(spec, on_interrupt)
     take_fds(spec.output_fds, rank, rank)
+    _keep_own_outcome_fd(spec)
     if spec.environ is not None:
         os.environ.clear()
         os.environ.update(spec.environ)

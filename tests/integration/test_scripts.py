@@ -429,20 +429,22 @@ BIG_ARGUMENT = """
         time.sleep(120)
 
     if __name__ == "__main__":
-        work(sys.argv[2], torch.ones(64 * 2**20))  # 256 MiB, in the launch directory for the whole call
+        work(sys.argv[2], torch.ones(64 * 2**20))  # 256 MiB of shared memory for the whole call
 """
 
 
 def _shm_used() -> int:
-    stats = os.statvfs("/dev/shm")
-    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+    """Shared memory in use on the machine: /dev/shm's files and memory files (memfd) alike."""
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("Shmem:"))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP])
 def test_a_killed_parents_launch_directory_is_removed_without_a_later_launch(started: Starter, signum: int) -> None:
     """Issue 16: after SIGKILL (or SIGHUP, SIGQUIT) the launch directory stayed in /dev/shm until some later
     launch cleaned it: a dead job's arguments and results could hold gigabytes of RAM. The parent's reaper
-    removes it as soon as the parent is gone."""
+    removes it as soon as the parent is gone, and the memory files of the call go with the last process that
+    holds them."""
     before = _shm_used()
     parent, pids = started(BIG_ARGUMENT, "forkserver")
     assert _shm_used() - before > 200 * 2**20  # the argument is there

@@ -11,7 +11,7 @@ import pytest
 
 from mplaunch._parent import policy
 from mplaunch._platform import cpus
-from mplaunch._platform.cgroup import cpu_limit
+from mplaunch._platform.cgroup import cpu_limit, pids_limit
 
 V1_MOUNTS = """\
 25 30 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
@@ -173,3 +173,24 @@ def test_a_real_cgroup_quota_is_seen_by_a_process_moved_into_it() -> None:
     limit, count = done.stdout.split()
     assert float(limit) == 0.5
     assert int(count) == 1  # half a CPU, rounded up, whatever the affinity mask
+
+
+def test_the_tightest_pids_limit_along_the_path(tmp_path: Path) -> None:
+    """Issue 21: the process limit named in a refusal is the one with the least room (v2 nested, v1 pids)."""
+    root = _tree(
+        tmp_path,
+        "0::/pod/c1\n",
+        V2_MOUNTS.format(root="/"),
+        {
+            "sys/fs/cgroup/pod/c1/pids.max": "max\n",
+            "sys/fs/cgroup/pod/c1/pids.current": "3\n",
+            "sys/fs/cgroup/pod/pids.max": "64\n",
+            "sys/fs/cgroup/pod/pids.current": "60\n",
+        },
+    )
+    assert pids_limit(root) == (64, 60)
+    v1 = tmp_path / "v1"
+    mounts = "40 25 0:40 / /sys/fs/cgroup/pids rw,nosuid - cgroup cgroup rw,pids\n"
+    files = {"sys/fs/cgroup/pids/docker/c/pids.max": "100\n", "sys/fs/cgroup/pids/docker/c/pids.current": "7\n"}
+    assert pids_limit(_tree(v1, "5:pids:/docker/c\n", mounts, files)) == (100, 7)
+    assert pids_limit(_tree(tmp_path / "none", "0::/\n", V2_MOUNTS.format(root="/"), {})) is None

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mplaunch._wire import transport
+from mplaunch._wire import fds, mappings, transport
 
 
 def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
@@ -140,7 +140,7 @@ def test_numpy_arrays_travel_out_of_band(tmp_path: Path) -> None:
 
 def test_mappings_are_released_with_the_last_tensor(tmp_path: Path) -> None:
     transport.dump([torch.zeros(1 << 18), np.zeros(1 << 15)], str(tmp_path), "x")
-    back = transport.load(str(tmp_path), "x", private=False, remove=True)
+    back = transport.load(str(tmp_path), "x", private=True, remove=True)
 
     def mapped() -> int:
         with open("/proc/self/maps") as maps:
@@ -168,3 +168,67 @@ def test_an_object_that_fails_to_unpickle_raises_its_own_error(tmp_path: Path) -
     with pytest.raises(TypeError, match="cannot rebuild this object here"):
         transport.load(str(tmp_path), "r", private=False, remove=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def _memory_file() -> int:
+    fd = fds.memory_file("test")
+    if fd is None:
+        pytest.skip("no memfd_create here")
+    return fd
+
+
+def test_a_result_read_from_a_file_is_the_readers_own_memory(tmp_path: Path) -> None:
+    """Issue 21: a result mapped shared from an unlinked file kept its space on the tmpfs charged while the
+    caller held it ("No space left" on the 4th kept 5 MiB result in a 16 MiB /dev/shm). Read from a file,
+    a result is copied into the reader's memory: no mapping of the file is left."""
+    transport.dump({"t": torch.ones(1 << 18), "a": np.ones(1 << 15)}, str(tmp_path), "x")
+    back = transport.load(str(tmp_path), "x", private=False, remove=True)
+    with open("/proc/self/maps") as maps:
+        assert str(tmp_path) not in maps.read()
+    assert back["t"].sum().item() == 1 << 18 and back["a"].sum() == 1 << 15 and not list(tmp_path.iterdir())
+    back["a"][0] = 5.0  # writable
+    assert not mappings.in_shared_mapping(back["t"].untyped_storage().data_ptr())
+
+
+def test_memory_file_round_trip_keeps_only_the_data() -> None:
+    """A result written to a memory file comes back mapped shared; the header and the pickle are cut off the
+    file once read, so what stays allocated is the data alone."""
+    fd = _memory_file()
+    try:
+        base = torch.arange(1 << 18, dtype=torch.float32)
+        value: dict[str, Any] = {"base": base, "view": base[5:9], "a": np.arange(1 << 15), "ints": list(range(10**5))}
+        transport.dump_fd(value, fd)
+        back = transport.load_fd(fd, private=False)
+        assert torch.equal(back["base"], base) and back["view"][0].item() == 5.0 and back["ints"] == value["ints"]
+        assert np.array_equal(back["a"], value["a"])
+        assert os.fstat(fd).st_size == (1 << 20) + (1 << 18)  # the two pieces, page-aligned: no pickle
+        assert mappings.in_shared_mapping(back["base"].untyped_storage().data_ptr())
+    finally:
+        os.close(fd)
+    assert back["base"].sum().item() == base.sum().item()  # the mapping outlives the descriptor
+
+
+def test_memory_file_payloads_are_private_to_each_reader() -> None:
+    fd = _memory_file()
+    try:
+        transport.dump_fd({"w": torch.zeros(1 << 18)}, fd)
+        first, second = transport.load_fd(fd, private=True), transport.load_fd(fd, private=True)
+        first["w"].add_(1)
+        assert second["w"].sum().item() == 0 and transport.load_fd(fd, private=True)["w"].sum().item() == 0
+    finally:
+        os.close(fd)
+
+
+def test_an_incomplete_memory_file_holds_no_object() -> None:
+    """A worker killed while writing leaves no trailer: the reader finds nothing, as with a missing file."""
+    fd = _memory_file()
+    try:
+        assert transport.load_fd(fd, private=False, missing_ok=True) is None
+        os.write(fd, b"x" * 100)
+        assert transport.load_fd(fd, private=False, missing_ok=True) is None
+        with pytest.raises(FileNotFoundError):
+            transport.load_fd(fd, private=False)
+        transport.dump_fd(7, fd)
+        assert transport.load_fd(fd, private=False) == 7
+    finally:
+        os.close(fd)

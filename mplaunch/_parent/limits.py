@@ -1,0 +1,170 @@
+"""The limits of a machine or container that a launch can run into while it starts its workers, and the
+errors that name them and their fix: the process limit (a cgroup's ``pids.max``, ``RLIMIT_NPROC``), the size
+of an environment that ``exec`` accepts (``E2BIG``), and the open-files limit (``RLIMIT_NOFILE``).
+
+Without them, multiprocessing reports each as something else: a bare ``BlockingIOError: [Errno 11]`` from
+``fork``, a spawned worker that "exited with code 255" (its ``exec`` failed after the fork, where no error
+can be raised), or an ``EOFError`` / ``BrokenPipeError`` from a fork server that died of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import resource
+import sys
+from collections.abc import Iterator, Mapping
+
+from mplaunch._errors import LaunchRefusedError, RemoteTraceback
+from mplaunch._platform.cgroup import pids_limit
+
+#: Linux's MAX_ARG_STRLEN: the longest single argument or ``NAME=value`` that ``exec`` accepts.
+MAX_ARG_STRLEN = 32 * mmap.PAGESIZE
+_FORK_FAILED = (errno.EAGAIN, errno.ENOMEM)
+_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def _limit(kind: int) -> str:
+    soft = resource.getrlimit(kind)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+
+
+def _open_fds() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # the listing's own descriptor
+    except OSError:
+        return None
+
+
+def _files_short(margin: int = 16) -> bool:
+    """Whether this process has fewer than ``margin`` descriptors left below its open-files limit (a fork
+    server, started from it, has the same limit and about as many open)."""
+    soft, open_now = resource.getrlimit(resource.RLIMIT_NOFILE)[0], _open_fds()
+    return soft != resource.RLIM_INFINITY and open_now is not None and soft - open_now < margin
+
+
+def process_limits() -> str:
+    """The process limits that apply here, e.g. ``pids.max=64 (63 in use), RLIMIT_NPROC=unlimited``."""
+    found = []
+    pids = pids_limit()
+    if pids is not None:
+        found.append(f"the cgroup's pids.max={pids[0]} ({pids[1]} in use)")
+    root = " (not enforced for root)" if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
+    found.append(f"RLIMIT_NPROC={_limit(resource.RLIMIT_NPROC)}{root}")
+    return ", ".join(found)
+
+
+def _process_text() -> str:
+    return (
+        f"the process limit ({process_limits()}; every worker and each of its threads counts). Raise it "
+        "(docker run --pids-limit, Kubernetes podPidsLimit, systemd TasksMax, ulimit -u), or start fewer workers"
+    )
+
+
+def _files_text() -> str:
+    open_now = _open_fds()
+    now = "" if open_now is None else f", {open_now} open in this process now"
+    return (
+        f"the open-files limit (RLIMIT_NOFILE={_limit(resource.RLIMIT_NOFILE)}{now}; a launch holds a few "
+        "descriptors per worker). Raise it (ulimit -n 65536, docker run --ulimit nofile=65536:65536, or "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard)) at the start of the script)"
+    )
+
+
+def environment_problem(environ: Mapping[str, str], argv: list[str] | None = None) -> str | None:
+    """Why ``exec`` would refuse a new Python with ``environ`` (``E2BIG``), or ``None`` if it would not: a
+    variable longer than :data:`MAX_ARG_STRLEN`, or arguments and environment together over ``ARG_MAX``."""
+    strings = [f"{name}={value}" for name, value in environ.items()]
+    sizes = [len(entry.encode(errors="surrogateescape")) + 1 for entry in strings]
+    for (name, _), size in zip(environ.items(), sizes, strict=False):
+        if size > MAX_ARG_STRLEN:
+            return (
+                f"the environment variable {name} is {size} bytes and exec accepts at most {MAX_ARG_STRLEN} "
+                "bytes per variable (Linux's MAX_ARG_STRLEN)"
+            )
+    try:
+        arg_max = os.sysconf("SC_ARG_MAX")
+    except (ValueError, OSError):
+        return None
+    pointer = 8
+    total = sum(sizes) + pointer * len(sizes)
+    total += sum(len(arg) + 1 + pointer for arg in (argv or [sys.executable, "-c", "x" * 200]))
+    if arg_max > 0 and total > arg_max:
+        largest = max(environ, key=lambda name: len(environ[name]))
+        return (
+            f"the environment and arguments take {total} bytes and exec accepts at most {arg_max} in all "
+            f"(ARG_MAX; the largest variable is {largest})"
+        )
+    return None
+
+
+def check_exec_environment(environ: Mapping[str, str], start_method: str) -> None:
+    """Refuse before starting a ``spawn`` worker (or the fork server) whose ``exec`` would fail with ``E2BIG``:
+    multiprocessing cannot report that failure, and the worker would just "exit with code 255".
+
+    Raises:
+        LaunchRefusedError: the environment is too large for ``exec``.
+    """
+    problem = environment_problem(environ)
+    if problem is not None:
+        raise LaunchRefusedError(_environment_text(problem, start_method))
+
+
+def _environment_text(problem: str, start_method: str) -> str:
+    return (
+        f"cannot start {start_method!r} workers: {problem}, so starting a new Python fails (E2BIG). Unset or "
+        "shorten it (pass large data as an argument of the function instead), or use start_method='fork', "
+        "which does not exec."
+    )
+
+
+def start_refused(error: BaseException, start_method: str, rank: int, nprocs: int) -> LaunchRefusedError | None:
+    """The error to raise instead of ``error``, which starting worker ``rank`` raised, when a limit is the
+    cause (or the likely cause: a fork server that died says nothing); ``None`` for any other error."""
+    what = f"could not start rank {rank} of {nprocs} ({start_method}): {type(error).__name__}: {error}"
+    code = getattr(error, "errno", None)
+    if isinstance(error, OSError) and code in _FILES:
+        return LaunchRefusedError(f"{what}. It reached {_files_text()}.")
+    if isinstance(error, OSError) and code == errno.E2BIG:
+        return LaunchRefusedError(_environment_text("the environment is too large for exec", start_method))
+    if isinstance(error, OSError) and code == errno.EAGAIN:
+        return LaunchRefusedError(f"{what}. The system refused a new process: it reached {_process_text()}.")
+    if isinstance(error, OSError) and code == errno.ENOMEM:
+        return LaunchRefusedError(
+            f"{what}. The system has no memory for a new process: free memory or start "
+            f"fewer workers. If memory is not short, the cause is {_process_text()}."
+        )
+    if isinstance(error, (EOFError, ConnectionError)):  # BrokenPipeError, ConnectionResetError...
+        environment = environment_problem(os.environ)
+        causes = [_process_text(), _files_text()]
+        if _files_short():
+            causes.reverse()
+        if environment is not None:
+            causes.insert(0, f"an environment too large for exec: {environment}")
+        listed = "; or ".join(causes)
+        helper = "the fork server" if start_method == "forkserver" else "the new process"
+        return LaunchRefusedError(
+            f"{what}. {helper.capitalize()} ended while starting it; a limit of this machine "
+            f"or container is the likely cause: {listed}."
+        )
+    return None
+
+
+@contextlib.contextmanager
+def open_files_explained() -> Iterator[None]:
+    """Turn running out of descriptors in the parent while a launch sets up (pipes, memory files, the store)
+    into an error that names the limit; a worker's own ``OSError``, re-raised, passes unchanged.
+
+    Raises:
+        LaunchRefusedError: ``EMFILE`` / ``ENFILE`` in the parent.
+    """
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _FILES or isinstance(error.__cause__, RemoteTraceback):
+            raise
+        raise LaunchRefusedError(
+            f"the launch could not open a descriptor ({error}): it reached {_files_text()}."
+        ) from error

@@ -1,0 +1,89 @@
+"""Where a launch's payload and outcomes are written: anonymous memory files the parent makes and the workers
+inherit, else files in the launch directory.
+
+A memory file (``memfd_create``) is shared memory that no file system's size limit counts, so neither a
+container's small ``/dev/shm`` nor the space left there bounds an argument or a result, and a result the
+caller keeps holds no space there: once the parent has read it, only the caller's mappings hold its pages.
+The parent makes the files before the workers start, so it holds every descriptor itself and no worker has
+to outlive its outcome for the parent to get it (CPython's ``multiprocessing.heap`` arenas use such files
+the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+
+from mplaunch._errors import LaunchRefusedError
+from mplaunch._parent import checks
+from mplaunch._parent.directory import space_hint
+from mplaunch._wire import transport
+from mplaunch._wire.fds import InheritedFd, close_quietly, memory_file
+from mplaunch._wire.importable import WorkerImports
+from mplaunch._wire.records import PAYLOAD, Payload, WorkerSpec
+
+
+@contextlib.contextmanager
+def outcome_files(spec: WorkerSpec) -> Iterator[WorkerSpec]:
+    """Make one memory file per rank for its outcome; yield ``spec`` naming them (``outcome_fds``), or
+    unchanged where there are none (the ranks then write to the launch directory); close them after."""
+    fds: list[int] = []
+    try:
+        for rank in range(spec.nprocs):
+            fd = memory_file(f"rank{rank}")
+            if fd is None:
+                break
+            fds.append(fd)
+        else:
+            yield dataclasses.replace(spec, outcome_fds=tuple(map(InheritedFd, fds)))
+            return
+        close_quietly(*fds)
+        fds = []
+        yield spec
+    finally:
+        close_quietly(*fds)
+
+
+@contextlib.contextmanager
+def payload_written(
+    payload: Payload, spec: WorkerSpec, imports: WorkerImports | None, *, memory: bool, keep_shared: bool = False
+) -> Iterator[WorkerSpec]:
+    """Write the call for workers that cannot inherit it: to a memory file (with ``memory``, where there are
+    such files), else to the launch directory; yield ``spec`` naming the file (``payload_fd``); close it
+    after. Refuse, naming the argument, what cannot be pickled. The call's objects that travel with each
+    worker's start (queues, locks..., and with ``keep_shared`` the storages the user put in torch's shared
+    memory, so the workers share them) are put in the spec (``start_objects``).
+
+    Raises:
+        LaunchRefusedError: an argument cannot be pickled, or there is no room for the call.
+    """
+    fd = memory_file("payload") if memory else None
+    try:
+        try:
+            if fd is None:
+                found = transport.dump(
+                    payload, spec.directory, PAYLOAD, imports=imports, start_objects=True, keep_shared=keep_shared
+                )
+            else:
+                found = transport.dump_fd(payload, fd, imports=imports, start_objects=True, keep_shared=keep_shared)
+        except OSError as error:
+            where = os.path.dirname(spec.directory) if fd is None else "memory"
+            raise LaunchRefusedError(
+                f"cannot write the call's arguments to {where}: {error}. "
+                f"{space_hint(spec.directory) if fd is None else 'Free memory, or pass smaller arguments.'}"
+            ) from error
+        except Exception as error:
+            culprit = checks.describe_unpicklable(payload.args, payload.kwargs, imports)
+            raise LaunchRefusedError(
+                f"cannot send the call to {spec.start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
+                "every argument is pickled; pass picklable values, create the object inside the function, or use "
+                "start_method='fork'."
+            ) from error
+        if spec.start_method != "fork":  # forked workers inherit them: nothing is pickled
+            checks.check_start_objects(found, spec.start_method)
+        spec = dataclasses.replace(spec, start_objects=tuple(found))
+        yield spec if fd is None else dataclasses.replace(spec, payload_fd=InheritedFd(fd))
+    finally:
+        close_quietly(fd)
