@@ -19,7 +19,7 @@ from collections.abc import Generator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from mplaunch._errors import LaunchTimeoutError, RemoteError
+from mplaunch._errors import LaunchTimeoutError
 from mplaunch._parent.control import LaunchStopped
 from mplaunch._parent.processes import signal_worker
 from mplaunch._parent.signals import signals_held
@@ -38,6 +38,7 @@ from mplaunch._wire.records import (
     outcome_name,
     rank_state,
     result_name,
+    unreadable_result,
 )
 
 _INTERRUPTED = 128 + signal.SIGINT  # the exit code a KeyboardInterrupt's record carries
@@ -140,17 +141,12 @@ def _result(team: Team, number: int, rank: int, interrupted: bool) -> RankState:
     """Read rank ``rank``'s outcome of call ``number``."""
     process = team.processes[rank]
     try:
-        outcome: Outcome = transport.load(team.spec.directory, result_name(number, rank), private=False, remove=True)
-    except Exception as error:  # noqa: BLE001 - e.g. a result class that this process cannot import
-        failure = RemoteError(
-            f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
-            f"{type(error).__name__}: {error}",
-            rank,
-            process.pid,
-            type(error).__qualname__,
-        )
-        failure.__cause__ = error
-        return failure
+        with signals_held():  # what unpickling raises is the result's own, never a Ctrl-C
+            outcome: Outcome = transport.load(
+                team.spec.directory, result_name(number, rank), private=False, remove=True
+            )
+    except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
+        return unreadable_result(rank, process.pid, error)
     if interrupted and isinstance(outcome, Raised) and outcome.exit_code == _INTERRUPTED:
         return Stopped(rank)
     if isinstance(outcome, Raised):

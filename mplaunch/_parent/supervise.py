@@ -13,7 +13,7 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from mplaunch._errors import LaunchTimeoutError, RemoteError, StallError
+from mplaunch._errors import LaunchTimeoutError, StallError
 from mplaunch._parent import stacks
 from mplaunch._parent.control import LaunchControl, LaunchStopped
 from mplaunch._parent.processes import kill_leftovers, kill_tree, send_signal, signal_worker
@@ -30,6 +30,7 @@ from mplaunch._wire.records import (
     outcome_name,
     rank_state,
     set_attribute,
+    unreadable_result,
 )
 from mplaunch._wire.watch import BEAT, STACKS_SIGNAL, Board
 
@@ -164,14 +165,7 @@ class Supervisor:
             with signals_held():  # what unpickling raises is the result's own, never a Ctrl-C
                 outcome = self._load(rank)
         except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
-            failure = RemoteError(
-                f"rank {rank} (pid {process.pid}) returned a result that cannot be unpickled in the parent: "
-                f"{type(error).__name__}: {error}",
-                rank,
-                process.pid,
-                type(error).__qualname__,
-            )
-            failure.__cause__ = error
+            failure = unreadable_result(rank, process.pid, error)
             self.states[rank] = failure
             return failure
         if outcome is None and rank not in self.killed and self.spec.master_port:

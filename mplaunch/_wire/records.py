@@ -381,3 +381,17 @@ def _pickle_exception(error: BaseException) -> bytes:
             return data
     finally:
         error.__traceback__, error.__cause__, error.__context__ = traceback_, cause, context
+
+
+def unreadable_result(rank: int, pid: int | None, error: BaseException) -> RemoteError:
+    """The failure of a rank whose result cannot be unpickled in the parent (a class this process cannot
+    import, a ``__reduce__`` that raises ``SystemExit``...), with ``error`` as its cause."""
+    failure = RemoteError(
+        f"rank {rank} (pid {pid}) returned a result that cannot be unpickled in the parent: "
+        f"{type(error).__name__}: {error}",
+        rank,
+        pid,
+        type(error).__qualname__,
+    )
+    failure.__cause__ = error
+    return failure

@@ -268,3 +268,16 @@ def test_closing_while_a_call_runs_in_another_thread_stops_it(tmp_path: Path) ->
 def test_options_of_launches_only_are_refused() -> None:
     with pytest.raises(mplaunch.InvalidOptionError, match="cpu_binding"):
         Workers(nprocs=2, start_method="fork", cpu_binding="cores")
+
+
+def test_a_warm_result_that_exits_when_unpickled_is_a_remote_error_and_the_ranks_stay() -> None:
+    """The kind of issue 21's exit-order bug, on warm workers: a result whose unpickling raises SystemExit in
+    the parent is the documented RemoteError, never a bare SystemExit, and the ranks keep running."""
+    from mplaunch import RemoteError
+    from tests import compat_workers
+
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT) as workers:
+        before = workers.pids
+        with pytest.raises(RemoteError, match=r"cannot be unpickled in the parent: SystemExit: 4"):
+            workers.run(compat_workers.result_exiting_when_unpickled)
+        assert workers.run(os.getpid) == before[0]
