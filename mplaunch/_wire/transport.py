@@ -83,6 +83,18 @@ class _StorageWriter:
 
     inline_bytes = INLINE_BYTES
 
+    def __init__(
+        self,
+        file: io.BytesIO,
+        imports: WorkerImports | None = None,
+        start_objects: at_start.StartObjects | None = None,
+        probe: bool = False,
+        keep_shared: bool = False,
+    ) -> None:
+        self._init_storages(start_objects, probe, keep_shared)
+        self._imports = imports
+        super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)  # type: ignore[call-arg] # the pickler's
+
     def _init_storages(
         self, start_objects: at_start.StartObjects | None = None, probe: bool = False, keep_shared: bool = False
     ) -> None:
@@ -152,18 +164,6 @@ class _Pickler(_StorageWriter, pickle.Pickler):
     """Pickles by reference, like ``pickle``; storages are recorded, not copied. Given ``imports`` (what the
     reader can import), a function or class the reader cannot import raises :class:`_NeedsValue`."""
 
-    def __init__(
-        self,
-        file: io.BytesIO,
-        imports: WorkerImports | None = None,
-        start_objects: at_start.StartObjects | None = None,
-        probe: bool = False,
-        keep_shared: bool = False,
-    ) -> None:
-        self._init_storages(start_objects, probe, keep_shared)
-        self._imports = imports
-        super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
-
     def reducer_override(self, obj: Any) -> Any:
         if self._imports is not None and isinstance(obj, (types.FunctionType, type)):
             if self._imports.needs_value(obj):
@@ -180,18 +180,6 @@ class _CloudPickler(_StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
     Open files are refused: cloudpickle would send a copy of their contents, which is never what a
     worker writing to a file wants.
     """
-
-    def __init__(
-        self,
-        file: io.BytesIO,
-        imports: WorkerImports | None = None,
-        start_objects: at_start.StartObjects | None = None,
-        probe: bool = False,
-        keep_shared: bool = False,
-    ) -> None:
-        self._init_storages(start_objects, probe, keep_shared)
-        self._imports = imports
-        super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
