@@ -876,3 +876,16 @@ def memory_files_seen() -> list[str]:
             if target.startswith("/memfd:"):
                 found.append(target)
     return found
+def handlers_in_a_forked_child() -> str:
+    """What a process the function forks has for SIGTERM and SIGINT (Python's defaults, not the worker's)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        seen = f"{signal.getsignal(signal.SIGTERM)!r} {signal.getsignal(signal.SIGINT) is signal.default_int_handler}"
+        os.write(write_end, seen.encode())
+        os._exit(0)
+    os.close(write_end)
+    seen = os.read(read_end, 200).decode()
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    return seen

@@ -179,6 +179,10 @@ class Returned:
     pid: int
     value: Any
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the fields as arguments: a slotted dataclass's own state functions cost a worker a dozen calls
+        return (Returned, (self.pid, self.value))
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Raised:

@@ -20,9 +20,12 @@ def process_group(backend: str | None, local_rank: int) -> Iterator[None]:
     Raises:
         RuntimeError: ``backend="nccl"`` and this process sees no CUDA device.
     """
+    if backend is None:  # (before the import: a worker without a group pays nothing here)
+        yield
+        return
     import torch.distributed as dist
 
-    if backend is None or dist.is_initialized():
+    if dist.is_initialized():
         yield
         return
     if backend == "nccl":

@@ -276,3 +276,11 @@ def test_what_a_rank_killed_by_someone_else_started_does_not_survive_it(
     assert caught.value.rank == 1
     assert caught.value.signal_name == "SIGKILL"
     assert _all_gone(_pids(pid_file), within=2.0)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_process_a_worker_forks_has_pythons_own_signal_handlers(start_method: StartMethod) -> None:
+    """A process the function forks (a DataLoader worker) ends on SIGTERM and raises KeyboardInterrupt on
+    SIGINT, as any Python process: the worker's handlers are not its own."""
+    seen = parallel(nprocs=1, start_method=start_method, timeout=120)(workers.handlers_in_a_forked_child)()
+    assert seen == f"{signal.SIG_DFL!r} True"
