@@ -1,7 +1,8 @@
 """One benchmark cell, in a fresh process: ``python -m benchmarks.cells NAME PLAN_JSON OUT_JSON [PART ...]``.
 
 A cell (one launcher with one start method, ``mplaunch/fork``, or ``baselines``, ``arguments``, ``ddp``,
-``output``) is named parts, each measured by one function; with PARTs only those run (reruns of noisy targets).
+``output``, ``floor``) is named parts, each measured by one function; with PARTs only those run (reruns of
+noisy targets).
 A fresh process makes a first launch a real first launch and keeps one launcher's leftovers from the next.
 Results go to OUT_JSON after every part, so a cell killed at its time limit still reports what it measured."""
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import PeakRss, median, one_copy_seconds, timed
+from benchmarks.floor import floor_parts
 from benchmarks.launchers import BY_KEY, PAYLOADS, build_payload, gloo_cycle, make_payload, size, trivial
 
 TIMEOUT = 300.0  # seconds one launch may take
@@ -193,6 +195,7 @@ def main(name: str, plan_json: str, out: str, *wanted: str) -> None:
         },
         "ddp": lambda p: {"wall": functools.partial(ddp_wall, p["repeats"])},
         "output": lambda p: {k: functools.partial(output, k == "on", p["repeats"]) for k in ("off", "on")},
+        "floor": floor_parts,
     }.get(name, functools.partial(launcher_parts, name))(plan)
     result: dict[str, Any] = {"errors": {}}
     for part, measure in parts.items():

@@ -113,6 +113,11 @@ TARGETS = [Target(*row) for row in (  # text, limit, top, bottom (a path or a nu
     (f"{ARRAY} argument (spawn) parent peak <= 1.1x data", 1.1, f"arguments|{ARRAY}|rss", 400e6),
     ("fork, 4 MiB bytes argument <= 1.2x raw", 1.2, "arguments|4 MiB bytes|mplaunch", "arguments|4 MiB bytes|raw"),
     (f"fork, {LIST} argument <= 1.2x raw", 1.2, f"arguments|{LIST}|mplaunch", f"arguments|{LIST}|raw"),
+    ("fork warm, 2 ranks <= 1.3x the floor (2 bare forks)", 1.3, "floor|fork 2|mplaunch", "floor|fork 2|floor"),
+    ("fork warm, 8 ranks <= 1.3x the floor (8 bare forks)", 1.3, "floor|fork 8|mplaunch", "floor|fork 8|floor"),
+    ("fork warm, 32 ranks <= 1.3x the floor (32 bare forks)", 1.3, "floor|fork 32|mplaunch", "floor|fork 32|floor"),
+    ("return path, last return -> values held, 2 ranks < 1 ms", 1, "floor|return|mplaunch_return", 1e-3, True, "ms"),
+    ("return path, 2 ranks <= 1.3x the floor's", 1.3, "floor|return|mplaunch_return", "floor|return|floor_return"),
 )]  # fmt: skip
 
 
@@ -210,6 +215,10 @@ DETAILS = (  # the lines of (d): a label, then the paths of the seconds it shows
     ("a rank printing 100 MB: routing off / on (prefix_output)", "output|off|write", "output|on|write"),
     ("its launch: routing off / on", "output|off|launch", "output|on|launch"),
     ("import torch / then import mplaunch", "baselines|imports|torch", "baselines|imports|mplaunch"),
+    ("fork warm, 2 ranks: mplaunch / the floor", "floor|fork 2|mplaunch", "floor|fork 2|floor"),
+    ("fork warm, 8 ranks: mplaunch / the floor", "floor|fork 8|mplaunch", "floor|fork 8|floor"),
+    ("fork warm, 32 ranks: mplaunch / the floor", "floor|fork 32|mplaunch", "floor|fork 32|floor"),
+    ("return path, 2 ranks: mplaunch / the floor", "floor|return|mplaunch_return", "floor|return|floor_return"),
 )  # fmt: skip
 
 
@@ -221,7 +230,7 @@ def report(rounds: list[Round], verdicts: list[dict[str, Any]], notes: list[str]
     lines += payload_table(rounds)
     lines += ["", "(c) launch that sets up and tears down a gloo group (Fabric and ignite always do)"]
     lines += latency_table(rounds, "gloo")
-    lines += ["", "(d) arguments, a DDP script, output routing, imports (medians)"]
+    lines += ["", "(d) arguments, a DDP script, output routing, imports, the floor (medians)"]
     lines += [f"  {label:<60}{' / '.join(fmt(pooled(rounds, p)) for p in paths)} s" for label, *paths in DETAILS]
     lines += ["", "targets (median of the last 3 rounds; NOISY: never stable within 15%)"]
     for v in verdicts:
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"the machine was busy at the start (load average {os.getloadavg()[0]:.1f})")
     logs = args.results.resolve() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rounds = run_rounds(plan, [*cells, "baselines", "arguments", "ddp", "output"], logs, notes)
+    rounds = run_rounds(plan, [*cells, "baselines", "arguments", "ddp", "output", "floor"], logs, notes)
     verdicts = []
     for target in TARGETS:
         status, value, found = target.verdict(rounds, final=True)
