@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import multiprocessing
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -251,9 +253,8 @@ def check_log_dir(log_dir: str | None) -> None:
 def check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise the ``TypeError`` a plain call would raise for wrong arguments, here, before any worker starts."""
     target = function._mplaunch_target
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):  # builtins and other callables without a signature
+    signature = _signature(target)
+    if signature is None:  # builtins and other callables without a signature
         return
     try:
         signature.bind(*args, **kwargs)
@@ -282,3 +283,32 @@ def post_mortem_terminal(post_mortem: bool) -> bool:
             RuntimeWarning,
         )
     return interactive
+
+
+#: ``inspect.signature`` of each launched function, with what it was computed from (code and defaults).
+_SIGNATURES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], inspect.Signature | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _signature(target: Any) -> inspect.Signature | None:
+    """``inspect.signature(target)`` (``None`` when it has none), computed once per function while its code
+    and defaults stay the same: building it walks the parameters and costs a launch more than the check."""
+    key = (
+        getattr(target, "__code__", None),
+        getattr(target, "__defaults__", None),
+        getattr(target, "__kwdefaults__", None),
+    )
+    try:
+        known, signature = _SIGNATURES[target]
+        if known == key and key[0] is not None:
+            return signature
+    except (KeyError, TypeError):  # not seen, or not weakly referable
+        pass
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        signature = None
+    with contextlib.suppress(TypeError):
+        _SIGNATURES[target] = (key, signature)
+    return signature
