@@ -876,6 +876,8 @@ def memory_files_seen() -> list[str]:
             if target.startswith("/memfd:"):
                 found.append(target)
     return found
+
+
 def handlers_in_a_forked_child() -> str:
     """What a process the function forks has for SIGTERM and SIGINT (Python's defaults, not the worker's)."""
     read_end, write_end = os.pipe()
