@@ -1,4 +1,5 @@
-"""``post_mortem=True``: pdb at the failing frame of the first rank that raises, on the caller's terminal.
+"""A debugger in a rank: ``breakpoint()`` on the caller's terminal, one rank at a time; and
+``post_mortem=True``: pdb at the failing frame of the first rank that raises, on the caller's terminal.
 
 The rank opens the terminal itself (``/dev/tty``, its controlling terminal, which it shares with the parent)
 and makes its own process group the terminal's foreground group while the debugger runs, so that it may
@@ -11,9 +12,11 @@ directory.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pdb
 import signal
+import sys
 
 from mplaunch._wire.records import WorkerSpec
 
@@ -65,3 +68,73 @@ def _debug_on(fd: int, error: BaseException, rank: int, parent_group: int) -> No
                 os.tcsetpgrp(fd, foreground)
     finally:
         signal.signal(signal.SIGTTOU, previous)
+
+
+_BREAKPOINT_LOCK = "breakpoint.lock"
+
+
+class _RankPdb(pdb.Pdb):
+    """pdb with ``(Pdb rank N)`` as its prompt, holding the launch's debugger lock until it continues or
+    quits, so that the ranks of a launch debug one at a time on the shared terminal."""
+
+    def __init__(self, rank: int, lock: int) -> None:
+        super().__init__()
+        self.prompt = f"(Pdb rank {rank}) "
+        self._lock = lock
+
+    def _release(self) -> None:
+        if self._lock >= 0:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
+                os.close(self._lock)
+            self._lock = -1
+
+    def set_continue(self) -> None:
+        super().set_continue()
+        self._release()
+
+    def set_quit(self) -> None:
+        self._release()
+        super().set_quit()
+
+
+def install_breakpoint_hook(spec: WorkerSpec, rank: int) -> None:
+    """Make ``breakpoint()`` in this rank open pdb on the caller's terminal, one rank at a time, the prompt
+    naming the rank (:class:`_RankPdb`). Without a terminal (a notebook's rank, input from a pipe) it says
+    so on stderr, points to ``fn.debug()``, and the rank goes on, rather than pdb reading an empty stdin and
+    raising ``BdbQuit``. A hook the user set (``sys.breakpointhook``, ``PYTHONBREAKPOINT``) is left alone.
+
+    Args:
+        spec: the launch's spec (its directory holds the lock that lets one rank debug at a time).
+        rank: this worker's global rank, for the prompt.
+    """
+    if sys.breakpointhook is not sys.__breakpointhook__ or os.environ.get("PYTHONBREAKPOINT"):
+        return
+    path = os.path.join(spec.directory, _BREAKPOINT_LOCK)
+
+    def hook(*args: object, **kwargs: object) -> None:
+        if not _reads_a_terminal():
+            print(
+                f"mplaunch: breakpoint() in rank {rank} skipped: this rank has no terminal to read (a notebook, "
+                "or input from a pipe). Debug the function in this process with fn.debug(...), or run the "
+                "program from a terminal.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        try:
+            lock = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another rank's session first: one at a time
+        except OSError:
+            lock = -1
+        _RankPdb(rank, lock).set_trace(sys._getframe(1))
+
+    sys.breakpointhook = hook
+
+
+def _reads_a_terminal() -> bool:
+    """Whether this process's ``sys.stdin`` is a terminal (a rank started from an interactive shell)."""
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, OSError, ValueError):
+        return False

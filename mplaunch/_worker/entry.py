@@ -46,7 +46,7 @@ from mplaunch._wire.records import (
 )
 from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
-from mplaunch._worker.debugger import post_mortem
+from mplaunch._worker.debugger import install_breakpoint_hook, post_mortem
 from mplaunch._worker.exit import close_files, keep_inherited
 from mplaunch._worker.process_group import forget_inherited_groups, process_group
 from mplaunch._worker.rendezvous import follow_own_rendezvous
@@ -363,6 +363,7 @@ def set_up(rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None]
         ),
     )
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
+    install_breakpoint_hook(spec, rank)  # breakpoint(): one rank at a time, the prompt naming the rank
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
@@ -396,6 +397,7 @@ def elastic_entry(spec: WorkerSpec) -> int:
         _start(spec)
         take_fds(spec.output_fds, local_rank, rank)
         os.environ[WORKER_VARIABLE] = "1"
+        install_breakpoint_hook(spec, rank)
         outcome = _execute(rank, local_rank, spec, None)
         if isinstance(outcome, Returned):
             outcome, written = _write_outcome(spec, rank, outcome), True

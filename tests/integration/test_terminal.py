@@ -5,6 +5,7 @@ pseudo-terminal (pexpect), where it is the terminal's foreground job."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -31,6 +32,11 @@ SCRIPT = """
             breakpoint()
             value += 1
         return value
+
+    def debug_both() -> int:
+        rank = worker_info().rank
+        breakpoint()
+        return rank
 
     def debug_distributed() -> int:
         import torch.distributed as dist
@@ -120,14 +126,56 @@ def test_a_rank_reads_the_terminal_with_input(in_terminal: Terminal, start_metho
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_a_rank_stops_at_a_breakpoint(in_terminal: Terminal, start_method: str) -> None:
+    """The prompt names the rank (issue 24); ``p`` reads the rank's own state; ``c`` returns normally."""
     terminal = in_terminal("debug", start_method)
-    terminal.expect_exact("(Pdb)")
-    terminal.sendline("p 1+1")
-    terminal.expect_exact("2")
-    terminal.expect_exact("(Pdb)")
+    terminal.expect_exact("(Pdb rank 0) ")
+    terminal.sendline("p worker_info().rank, value")
+    terminal.expect_exact("(0, 41)")
+    terminal.expect_exact("(Pdb rank 0) ")
     terminal.sendline("c")
     terminal.expect_exact("RESULT 42")
     finish(terminal)
+
+
+def test_ranks_debug_one_at_a_time_and_quitting_fails_the_rank(in_terminal: Terminal) -> None:
+    """Both ranks reach breakpoint(): the second prompt appears only once the first rank continues. ``q`` in
+    the second raises BdbQuit there, which is that rank's failure, as in a plain process."""
+    terminal = in_terminal("debug_both", "fork")
+    terminal.expect(r"\(Pdb rank (\d)\) ")
+    first = int(terminal.match.group(1))
+    terminal.sendline("p worker_info().rank")
+    terminal.expect_exact(f"(Pdb rank {first}) ")
+    assert "(Pdb rank" not in terminal.before  # the other rank waits for the terminal
+    assert str(first) in terminal.before
+    terminal.sendline("c")
+    terminal.expect_exact(f"(Pdb rank {1 - first}) ")
+    terminal.sendline("q")
+    terminal.expect(pexpect.EOF)
+    terminal.close()
+    assert "BdbQuit" in terminal.before
+    assert terminal.exitstatus == 1
+
+
+def test_a_breakpoint_without_a_terminal_says_so_and_goes_on(tmp_path: Path) -> None:
+    """A rank whose stdin is no terminal (a notebook kernel's, a pipe's) cannot debug: it says where to go
+    (fn.debug()) and carries on, instead of pdb reading an empty stdin and raising BdbQuit."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PYTHONBREAKPOINT", None)
+    done = subprocess.run(
+        [sys.executable, str(script), "debug", "fork"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "RESULT 42" in done.stdout
+    assert "breakpoint() in rank 0 skipped" in done.stderr
+    assert "fn.debug(" in done.stderr
 
 
 def test_torch_distributed_breakpoint(in_terminal: Terminal) -> None:
