@@ -27,6 +27,7 @@ from typing import Any
 from benchmarks.common import PeakRss, median, one_copy_seconds, timed
 from benchmarks.floor import floor_parts
 from benchmarks.launchers import BY_KEY, PAYLOADS, build_payload, gloo_cycle, make_payload, size, trivial
+from benchmarks.warm import interactive_parts
 
 TIMEOUT = 300.0  # seconds one launch may take
 Parts = dict[str, Callable[[], Any]]
@@ -196,6 +197,7 @@ def main(name: str, plan_json: str, out: str, *wanted: str) -> None:
         "ddp": lambda p: {"wall": functools.partial(ddp_wall, p["repeats"])},
         "output": lambda p: {k: functools.partial(output, k == "on", p["repeats"]) for k in ("off", "on")},
         "floor": floor_parts,
+        "interactive": interactive_parts,
     }.get(name, functools.partial(launcher_parts, name))(plan)
     result: dict[str, Any] = {"errors": {}}
     for part, measure in parts.items():

@@ -118,6 +118,9 @@ TARGETS = [Target(*row) for row in (  # text, limit, top, bottom (a path or a nu
     ("fork warm, 32 ranks <= 1.3x the floor (32 bare forks)", 1.3, "floor|fork 32|mplaunch", "floor|fork 32|floor"),
     ("return path, last return -> values held, 2 ranks < 1 ms", 1, "floor|return|mplaunch_return", 1e-3, True, "ms"),
     ("return path, 2 ranks <= 1.3x the floor's", 1.3, "floor|return|mplaunch_return", "floor|return|floor_return"),
+    ("warm Workers.run(), no-op, 2 ranks (fork) <= 2 ms", 2, "interactive|warm|run", 1e-3, True, "ms"),
+    ("yield in a rank -> value in the caller <= 10 ms", 10, "interactive|warm|yield", 1e-3, True, "ms"),
+    ("heartbeat() in a rank <= 2 us", 2, "interactive|heartbeat", 1e-6, True, "us"),
 )]  # fmt: skip
 
 
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"the machine was busy at the start (load average {os.getloadavg()[0]:.1f})")
     logs = args.results.resolve() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rounds = run_rounds(plan, [*cells, "baselines", "arguments", "ddp", "output", "floor"], logs, notes)
+    rounds = run_rounds(plan, [*cells, "baselines", "arguments", "ddp", "output", "floor", "interactive"], logs, notes)
     verdicts = []
     for target in TARGETS:
         status, value, found = target.verdict(rounds, final=True)

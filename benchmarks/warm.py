@@ -4,10 +4,12 @@ median of a no-op ``Workers.run`` on 2 warm ranks (target: 2 ms or less), and th
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import mplaunch
 
@@ -37,6 +39,32 @@ def measure(start_method: str) -> tuple[float, float]:
             calls.append(time.perf_counter() - start)
         delays = [time.monotonic() - stamp for stamp in workers.run(stamps, VALUES)]
     return statistics.median(calls), statistics.median(delays)
+
+
+def measure_samples(start_method: str, runs: int) -> dict[str, list[float]]:
+    """Every sample of :func:`measure`'s two figures (seconds), for the ``interactive`` cell of run.py."""
+    with mplaunch.Workers(nprocs=2, start_method=start_method, timeout=600) as workers:  # type: ignore[arg-type]
+        workers.run(noop)
+        calls = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            workers.run(noop)
+            calls.append(time.perf_counter() - start)
+        delays = [time.monotonic() - stamp for stamp in workers.run(stamps, runs)]
+    return {"run": calls, "yield": delays}
+
+
+def interactive_parts(plan: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """The ``interactive`` cell of ``benchmarks/run.py``: a no-op warm ``run()`` and a yield's delay (fork),
+    and ``heartbeat()`` in a rank (seconds per call)."""
+    from benchmarks.heartbeat import per_call
+
+    runs = plan["warm"] * 25
+
+    def beat() -> list[float]:
+        return [mplaunch.parallel(nprocs=1, start_method="fork", timeout=120)(per_call)() * 1e-9]
+
+    return {"warm": functools.partial(measure_samples, "fork", runs), "heartbeat": beat}
 
 
 def main(start_methods: list[str]) -> None:
