@@ -848,6 +848,8 @@ def start_a_tree(pid_file: str, then: str) -> int:
     _write(f"{pid_file}.tmp{rank}", " ".join(map(str, pids)))
     os.rename(f"{pid_file}.tmp{rank}", f"{pid_file}{rank}")
     if then == "die" and rank == 1:
+        while not os.path.exists(f"{pid_file}0"):  # rank 0's tree is recorded before the launch stops it
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     if then in ("linger", "die"):
         if rank == 1:
