@@ -176,7 +176,13 @@ def run_rounds(plan: dict[str, Any], cells: list[str], logs: Path, notes: list[s
 def fmt(value: float | None, unit: str = "s") -> str:
     if value is None:
         return "-"
-    shown = {"s": f"{value:.3f}", "ms": f"{value:.1f} ms", "MiB": f"{value / 2**20:.0f}", "x": f"{value:.2f}x"}[unit]
+    shown = {
+        "s": f"{value:.3f}",
+        "ms": f"{value:.1f} ms",
+        "us": f"{value:.2f} us",
+        "MiB": f"{value / 2**20:.0f}",
+        "x": f"{value:.2f}x",
+    }[unit]
     return f"{value:.0f}x" if unit == "x" and value >= 100 else shown
 
 
