@@ -36,10 +36,11 @@ from mplaunch._parent.signals import ParentSignalled, ignored_signals, parent_si
 from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.supervise import Supervisor
 from mplaunch._state.python import warn_not_carried
-from mplaunch._state.sharing import shared_mappings, unshare_verdict
+from mplaunch._state.sharing import unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.importable import WorkerImports, worker_imports
+from mplaunch._wire.mappings import holds_shared_mappings
 from mplaunch._wire.records import Payload, WorkerSpec, outcome_name, set_attribute
 from mplaunch._wire.watch import Board
 
@@ -339,7 +340,8 @@ def _noting_pids(started: Callable[[BaseProcess], None], pump: Pump | None) -> C
 
 
 def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
-    """Tell forked workers with large arguments whether to look in them for shared memory: whether this
-    process maps any. Asked once they have all started, so the ``/proc/self/maps`` read overlaps their
-    start instead of delaying it; they wait for the answer only if they get that far first."""
-    os.write(pipe[1], (b"1" if shared_mappings() else b"0") * nprocs)
+    """Tell forked workers with large arguments whether to look in them for memory to make private: whether
+    this process holds a result mapped shared by mplaunch. Memory the user shared (``share_memory_()``) stays
+    shared (``keep_requested``), and mplaunch's own shared bookkeeping (the heartbeat board, the preemption
+    flag) holds no argument, so ``/proc/self/maps``, which lists all of them, is not the question."""
+    os.write(pipe[1], (b"1" if holds_shared_mappings() else b"0") * nprocs)

@@ -35,6 +35,13 @@ if _mremap is not None:
 _shared: dict[int, int] = {}
 
 
+def holds_shared_mappings() -> bool:
+    """Whether this process holds a shared mapping made by :func:`map_file` (a result, or part of one, that
+    the caller keeps): a process forked from this one would share it. mplaunch's own bookkeeping mappings
+    (the heartbeat board, the preemption flag) are not counted: no argument lives there."""
+    return bool(_shared)
+
+
 def _mmap(address: int | None, nbytes: int, flags: int, fd: int, offset: int) -> int:
     found = _libc.mmap(address, nbytes, _READ_WRITE, flags, fd, offset)
     if found is None or found == _MAP_FAILED:
