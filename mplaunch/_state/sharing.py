@@ -158,30 +158,19 @@ class _TooLarge(Exception):
 def unshare_verdict(obj: Any, keep_requested: bool = False) -> bool | None:
     """In the parent, before forking: whether forked workers must run :func:`unshare` on ``obj``, as far as
     ``obj`` alone tells: ``True`` (it holds shared memory), ``False`` (it holds none), or ``None`` when it is
-    large and the answer is whether this process maps shared memory at all (:func:`shared_mappings`, which
-    a launch asks while its workers start).
+    large and the answer is whether this process holds a result mapped shared
+    (:func:`mplaunch._wire.mappings.holds_shared_mappings`, which a launch asks while its workers start).
 
     Walking a forked worker's arguments touches every element's reference count, which copies every page
     they live on (copy-on-write): 30 ms for a list of 10**6 ints, in each worker. So when ``obj`` is large
     (more than 10,000 elements and objects in all), it is not walked here, and walked in the workers only if
-    this process has a writable shared memory mapping: a tensor can be in shared memory only then. Smaller
+    this process holds a result that mplaunch mapped shared. Smaller
     arguments are walked here (it costs microseconds), and in the workers only if they hold shared memory.
     """
     try:
         return any(_shared(found, keep_requested) for found in _walk(obj, _BIG))
     except _TooLarge:
         return None
-
-
-def shared_mappings(maps: str = "/proc/self/maps") -> bool:
-    """Whether this process maps any memory shared and writable (``rw-s``); True when it cannot tell."""
-    try:
-        with open(maps, "rb") as file:
-            text = file.read()
-    except OSError:
-        return True
-    # the permissions column ("rw-s", "rwxs"); a path holding those words only costs a needless walk
-    return b" rw-s " in text or b" rwxs " in text
 
 
 def unshare(obj: T, *, keep_requested: bool = False) -> T:
