@@ -14,7 +14,6 @@ from typing import Any
 import mplaunch
 
 RUNS = 300
-VALUES = 200
 
 
 def noop() -> None:
@@ -26,19 +25,6 @@ def stamps(count: int) -> Iterator[float]:
     for _ in range(count):
         yield time.monotonic()
         time.sleep(0.001)
-
-
-def measure(start_method: str) -> tuple[float, float]:
-    """Return (median seconds of a no-op run, median seconds from yield to arrival)."""
-    with mplaunch.Workers(nprocs=2, start_method=start_method, timeout=600) as workers:  # type: ignore[arg-type]
-        workers.run(noop)
-        calls = []
-        for _ in range(RUNS):
-            start = time.perf_counter()
-            workers.run(noop)
-            calls.append(time.perf_counter() - start)
-        delays = [time.monotonic() - stamp for stamp in workers.run(stamps, VALUES)]
-    return statistics.median(calls), statistics.median(delays)
 
 
 def measure_samples(start_method: str, runs: int) -> dict[str, list[float]]:
@@ -69,7 +55,8 @@ def interactive_parts(plan: dict[str, Any]) -> dict[str, Callable[[], Any]]:
 
 def main(start_methods: list[str]) -> None:
     for start_method in start_methods:
-        call, delay = measure(start_method)
+        found = measure_samples(start_method, RUNS)
+        call, delay = statistics.median(found["run"]), statistics.median(found["yield"])
         print(
             f"{start_method:>10}: no-op run {call * 1e3:.2f} ms median (target <= 2 ms); "
             f"yield to arrival {delay * 1e3:.2f} ms median (target <= 10 ms)"
