@@ -75,3 +75,20 @@ def assert_gone(pids: list[int], within: float) -> None:
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     raise AssertionError(f"processes still alive after {within} s: {alive}")
+
+
+def gone(pids: list[int], within: float = 10.0) -> bool:
+    """Whether every process in ``pids`` has ceased to exist (reaped) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False

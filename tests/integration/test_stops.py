@@ -14,6 +14,7 @@ import pytest
 
 from mplaunch import InvalidOptionError, LaunchTimeoutError, StartMethod, WorkerExitedError, parallel
 from tests import workers
+from tests.helpers import gone
 
 TIMEOUT = 90
 METHODS = ["fork", "forkserver", "spawn"]
@@ -23,22 +24,6 @@ def launch(function: Callable[..., Any], start_method: StartMethod = "fork", **o
     options = {"nprocs": 2, "start_method": start_method, "timeout": TIMEOUT, **options}
     run: Callable[..., Any] = parallel(**options)(function)  # type: ignore[call-overload]
     return run
-
-
-def _gone(pids: list[int], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize("start_method", METHODS)
@@ -114,7 +99,7 @@ def test_children_of_a_finished_worker_never_hold_the_call(
         with pytest.raises(ValueError, match="done with an error"):
             launch(workers.forked_child_then, start_method)(action, str(pid_file))
     assert time.monotonic() - start < 60
-    assert _gone([int(pid_file.read_text())], within=5.0)
+    assert gone([int(pid_file.read_text())], within=5.0)
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
@@ -133,7 +118,7 @@ def test_a_stopped_worker_ends_with_its_children(start_method: StartMethod, acti
         with pytest.raises(LaunchTimeoutError):
             stopper(workers.start_children_then)("wait", str(pid_file))
     assert time.monotonic() - start < 30
-    assert _gone([int(pid) for pid in pid_file.read_text().split()], within=1.0)
+    assert gone([int(pid) for pid in pid_file.read_text().split()], within=1.0)
 
 
 def test_a_log_dir_that_is_a_file_is_refused_before_launching(tmp_path: Path) -> None:
@@ -186,7 +171,7 @@ def test_a_ctrl_c_that_another_thread_receives_while_workers_fork_is_delivered_a
     with pytest.raises(KeyboardInterrupt):
         launch(workers.sleep)(30)
     assert len(started) == 2  # the signal waited for the last fork
-    assert _gone(started, within=10)
+    assert gone(started, within=10)
 
 
 def test_a_ctrl_c_right_after_a_worker_is_reaped_stays_a_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -13,24 +11,9 @@ import pytest
 from mplaunch import StartMethod, Stream, Workers, parallel
 from mplaunch._wire import mappings
 from tests import warm_workers
+from tests.helpers import gone
 
 TIMEOUT = 90
-
-
-def _gone(pids: list[int], within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
@@ -51,14 +34,14 @@ def test_break_leaves_no_process() -> None:
         pids.append(pid)
         if len(pids) == 3:
             break
-    assert _gone(pids[:1], 0.1)
+    assert gone(pids[:1], 0.1)
 
 
 def test_close_and_with_leave_no_process() -> None:
     function = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(warm_workers.pids_forever)
     with cast(Stream[int], function()) as stream:
         pid = next(stream)
-    assert _gone([pid], 0.1)
+    assert gone([pid], 0.1)
     stream.close()  # again: nothing to do
 
 
