@@ -4,13 +4,15 @@ A worker that is this process's child is reaped with ``wait4``, which returns th
 (peak resident memory, CPU time), also after a SIGKILL; ``multiprocessing`` is then told its exit code
 (``Popen.returncode``, which its ``poll()`` returns once set). A fork server's workers are not this process's
 children: they write their own account to the launch's board when they exit (none after a SIGKILL). The
-out-of-memory killer's count of each worker's cgroup is read when it starts and when it has ended.
+out-of-memory killer's count of each worker's cgroup is read before it starts and, when a SIGKILL ended it,
+before it is reaped: only a SIGKILL can be the killer's, so a launch whose workers exit reads it once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from collections.abc import Mapping
 from multiprocessing.process import BaseProcess
@@ -92,12 +94,21 @@ class RankRecords:
         self._counters: dict[int, tuple[tuple[str, ...], int | None]] = {}
         self._usage: dict[int, tuple[int, float, float]] = {}
         self._oom_kills: dict[int, int | None] = {}
+        # children start in this process's cgroup: its count, read once, before any of them starts
+        self._own: tuple[tuple[str, ...], int | None] | None = None
+        if self.children:
+            counters = oom_counters(os.getpid())
+            self._own = (counters, oom_kills(counters))
 
     def started(self, rank: int, pid: int | None) -> None:
-        """Note that ``rank`` started as ``pid``; read its cgroup's out-of-memory count."""
+        """Note that ``rank`` started as ``pid``; read its cgroup's out-of-memory count if it is not this
+        process's child (a fork server's worker starts in the server's cgroup)."""
         self._started[rank] = time.monotonic()
-        counters = oom_counters(pid) if pid is not None else ()
-        self._counters[rank] = (counters, oom_kills(counters))
+        if self._own is not None:
+            self._counters[rank] = self._own
+        else:
+            counters = oom_counters(pid) if pid is not None else ()
+            self._counters[rank] = (counters, oom_kills(counters))
 
     def reap(self, rank: int, process: BaseProcess) -> None:
         """Reap ``rank``'s ended worker (``process``), keeping the kernel's account of it; wait for it if it
@@ -105,17 +116,19 @@ class RankRecords:
         if rank in self._ended:
             process.join()
             return
-        counters, before = self._counters.get(rank, ((), None))
-        after = oom_kills(counters)  # before reaping: the cgroup is the one it died in
-        self._oom_kills[rank] = None if before is None or after is None else after - before
-        popen = getattr(process, "_popen", None)
-        if self.children and popen is not None and popen.returncode is None and process.pid is not None:
+        popen, pid = getattr(process, "_popen", None), process.pid
+        unreaped = self.children and popen is not None and popen.returncode is None and pid is not None
+        if popen is None or pid is None or not unreaped or _killed(pid):
+            counters, before = self._counters.get(rank, ((), None))
+            after = oom_kills(counters)  # before reaping: the cgroup is the one it died in
+            self._oom_kills[rank] = None if before is None or after is None else after - before
+        if unreaped and popen is not None and pid is not None:
             try:
-                pid, status, usage = os.wait4(process.pid, 0)
+                found, status, usage = os.wait4(pid, 0)
             except ChildProcessError:
                 pass  # reaped by multiprocessing meanwhile (another thread started a process): it has the code
             else:
-                if pid == process.pid:
+                if found == pid:
                     popen.returncode = os.waitstatus_to_exitcode(status)
                     self._usage[rank] = (usage.ru_maxrss * 1024, usage.ru_utime, usage.ru_stime)
         process.join()
@@ -163,3 +176,13 @@ class RankRecords:
             return (int(rss), self.board.get(rank, USER_TIME), self.board.get(rank, SYSTEM_TIME)) if rss else None
         except (ValueError, IndexError):  # the board is closed
             return None
+
+
+def _killed(pid: int) -> bool:
+    """Whether child ``pid`` ended by SIGKILL (the out-of-memory killer's signal), or may have: it has not
+    ended yet (it is then waited for), or its end cannot be looked at. It is not reaped."""
+    try:
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return True
+    return found is None or (found.si_code == os.CLD_KILLED and found.si_status == signal.SIGKILL)

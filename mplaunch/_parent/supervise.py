@@ -159,15 +159,16 @@ class Supervisor:
     def _collect(self, rank: int) -> RankState:
         """Read the outcome of a finished worker and decide its state."""
         process = self.processes[rank]
-        with signals_held():  # a Ctrl-C there would lose the exit code of the worker it reaps
+        # a Ctrl-C there would lose the exit code of the worker it reaps; what unpickling raises is the
+        # result's own, never a Ctrl-C
+        with signals_held():
             self.records.reap(rank, process)
-        try:
-            with signals_held():  # what unpickling raises is the result's own, never a Ctrl-C
+            try:
                 outcome = self._load(rank)
-        except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
-            failure = unreadable_result(rank, process.pid, error)
-            self.states[rank] = failure
-            return failure
+            except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
+                failure = unreadable_result(rank, process.pid, error)
+                self.states[rank] = failure
+                return failure
         if outcome is None and rank not in self.killed and self.spec.master_port:
             kill_leftovers(rank, self.spec.master_port)  # it ended without stopping what it started
         oom_kills = self.records.oom_kills(rank)
@@ -309,8 +310,8 @@ class Supervisor:
                 if not _ended(self._end(rank)):
                     self.killed.add(rank)
                     kill_tree(process)
-            for rank, process in enumerate(self.processes):
-                with signals_held():
+            with signals_held():
+                for rank, process in enumerate(self.processes):
                     self.records.reap(rank, process)
             with self._signalling:
                 for fd in self._pidfds.values():
