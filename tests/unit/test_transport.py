@@ -146,7 +146,7 @@ def test_mappings_are_released_with_the_last_tensor(tmp_path: Path) -> None:
         with open("/proc/self/maps") as maps:
             return sum(str(tmp_path / "x.bin") in line for line in maps)
 
-    assert mapped() == 2
+    assert mapped() in (1, 2)  # two mappings, or one where the kernel merged them (adjacent, same file)
     del back
     gc.collect()
     assert mapped() == 0
