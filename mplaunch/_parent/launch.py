@@ -199,7 +199,8 @@ def _launch_on(
         if nodes is not None:
             from mplaunch._multinode.elastic import launch_nodes
 
-            results = launch_nodes(spec, nodes, config)
+            with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
+                results = launch_nodes(spec, nodes, config, notice)
         else:
             in_memory = payload if start_method == "fork" else None
             preload = _preload(imports, function)
@@ -249,7 +250,7 @@ def _check_single_node(config: ParallelConfig) -> None:
     """Refuse the options a multi-node launch does not support (torch elastic restarts and signals there)."""
     given = [
         f"{name}={getattr(config, name)!r}"
-        for name, default in (("preempt_signals", ()), ("restart_on", None), ("restart_delay", 0.0))
+        for name, default in (("restart_on", None), ("restart_delay", 0.0))
         if getattr(config, name) != default
     ]
     if given:
