@@ -170,8 +170,9 @@ class WatchedRendezvous(RendezvousHandler):
         return closed
 
     def num_nodes_waiting(self) -> int:
-        """Elastic's count of nodes waiting to join; raises :class:`NodeLostError` for a lost node and
-        :class:`LaunchTimeoutError` past ``timeout`` (see the module's docstring)."""
+        """Elastic's count of nodes waiting to join; raises :class:`NodeLostError` for a lost node,
+        :class:`LaunchTimeoutError` past ``timeout`` (see the module's docstring), and
+        :class:`~mplaunch._multinode.notice.Preempted` at the end of this node's preemption grace."""
         self._watch.check_deadline()
         notice.check_grace(self._watch.preemption)
         try:

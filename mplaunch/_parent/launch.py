@@ -247,7 +247,8 @@ def _attempt(
 
 
 def _check_single_node(config: ParallelConfig) -> None:
-    """Refuse the options a multi-node launch does not support (torch elastic restarts and signals there)."""
+    """Refuse the options a multi-node launch does not support: there, each node's torch elastic agent decides
+    its own restarts, and a node whose ranks are healthy restarts them when another node rejoins."""
     given = [
         f"{name}={getattr(config, name)!r}"
         for name, default in (("restart_on", None), ("restart_delay", 0.0))
@@ -255,8 +256,11 @@ def _check_single_node(config: ParallelConfig) -> None:
     ]
     if given:
         raise InvalidOptionError(
-            f"{', '.join(given)} is not supported with more than one node: torch elastic restarts and handles "
-            "signals there. Leave it out, or run on one node."
+            f"{', '.join(given)} is not supported with more than one node: torch elastic's agent on each node "
+            "restarts that node's workers on its own, so a filter would judge different failures on different "
+            "nodes (a rank's error on one, the collective errors it causes on the others), and a node that "
+            "refuses or waits looks lost to the others. Leave it out (max_restarts restarts after every failure "
+            "there, at once), or run on one node."
         )
 
 
