@@ -309,15 +309,20 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             process group keep working), the ranks get ``preempt_grace`` seconds to save and return, the rest
             are then stopped, and the call raises :class:`~mplaunch.PreemptedError`, also when every rank
             returned. A second signal ends the grace at once. Handled when the call runs in the main thread;
-            a submitted launch is preempted with ``future.preempt()``. One node only (see the
-            preemption guide); SIGKILL and SIGSTOP cannot be caught and are refused.
+            a submitted launch is preempted with ``future.preempt()``. On a multi-node launch, each node's
+            launching process handles the signals it gets and passes the notice to the other nodes through
+            the rendezvous store; each node counts its own grace and raises ``PreemptedError`` (see the
+            preemption guide). SIGKILL and SIGSTOP cannot be caught and are refused.
         preempt_grace: seconds the ranks get, once preempted, to save and return (default 60).
         restart_on: the failures ``max_restarts`` restarts: exception classes (e.g.
             ``(ConnectionError, WorkerExitedError)``; a worker killed by a signal is a ``WorkerExitedError``),
             or a predicate ``(failure) -> bool`` called in the parent (never pickled); ``None`` (default): every
-            failure. Another failure is raised at once, with the attempts so far in ``earlier_attempts``.
+            failure. Another failure is raised at once, with the attempts so far in ``earlier_attempts``. One
+            node only: ``InvalidOptionError`` with ``nnodes > 1``, where each node's torch elastic agent
+            restarts on its own.
         restart_delay: seconds before the first restart (default 0), doubled for each further one, at most
             60; the wait counts against ``timeout`` and ends at once on ``cancel()``, Ctrl-C or a preemption.
+            One node only: ``InvalidOptionError`` with ``nnodes > 1``.
         post_mortem: the first rank that raises opens pdb at its failing line, on the caller's terminal,
             before the launch stops the others (``q`` or ``c`` ends the session; the failure is then raised
             as usual). Without a terminal (a notebook), a ``RuntimeWarning`` points to :meth:`debug`.

@@ -91,11 +91,14 @@ class ParallelConfig:
             cores), or ``None`` (the parent's affinity).
         env: extra variables for every rank (kept as a ``dict``), or a function of the rank returning them.
         preempt_signals: signals that preempt the launch instead of stopping it (any iterable of signal numbers
-            is accepted and kept as a tuple of :class:`signal.Signals`; ``()``: none).
+            is accepted and kept as a tuple of :class:`signal.Signals`; ``()``: none). Handled by each node
+            of a multi-node launch, which passes the notice on to the others.
         preempt_grace: seconds the ranks get, once preempted, to save and return before they are stopped.
         restart_on: the failures ``max_restarts`` restarts: ``None`` for every failure, exception classes (a
-            class is kept as a one-class tuple), or a predicate ``(failure) -> bool`` run in the parent.
-        restart_delay: seconds before the first restart, doubled for each further one, at most 60.
+            class is kept as a one-class tuple), or a predicate ``(failure) -> bool`` run in the parent. One
+            node only.
+        restart_delay: seconds before the first restart, doubled for each further one, at most 60. One node
+            only.
         post_mortem: open pdb, on the caller's terminal, at the failing frame of the first rank that raises.
 
     Raises:

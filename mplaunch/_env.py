@@ -178,7 +178,7 @@ def preempted() -> bool:
     Cheap enough for every step of a training loop: one read of a byte of shared memory, no system call.
     Nothing signals the rank, so its DataLoader workers and process group keep working. True in every rank
     within moments of the signal, and in processes a rank forks (DataLoader workers); ``False`` outside a
-    launch with a preemption flag (a plain process, ``fn.debug()``, a run under torchrun, a multi-node launch).
+    launch with a preemption flag (a plain process, ``fn.debug()``, a run under torchrun).
 
     Returns:
         ``True`` once the launch was preempted, else ``False``.

@@ -15,12 +15,12 @@ import dataclasses
 import os
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mplaunch._config import ParallelConfig
 from mplaunch._env import NodeSetup
 from mplaunch._errors import LaunchTimeoutError, NodeLostError
-from mplaunch._multinode import watch
+from mplaunch._multinode import notice, watch
 from mplaunch._output.pump import routed, worker_fds
 from mplaunch._platform.environ import environ_kept
 from mplaunch._wire import transport
@@ -37,7 +37,13 @@ from mplaunch._wire.records import (
 )
 from mplaunch._worker.entry import elastic_entry
 
-_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+if TYPE_CHECKING:
+    from mplaunch._parent.preemption import Preemption
+
+#: The signals elastic's agent turns into its own stop (``LaunchConfig.signals_to_handle``'s default).
+_ELASTIC_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+#: The handlers put back after elastic: its own signals, and SIGUSR2 (handed to it when it would get none).
+_HANDLED = (*_ELASTIC_SIGNALS, signal.SIGUSR2)
 
 
 @contextlib.contextmanager
@@ -53,9 +59,22 @@ def _caller_state_kept() -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
-def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> list[Any]:
+def _signals_to_handle(preempt_signals: tuple[int, ...]) -> str:
+    """Elastic's ``signals_to_handle``: its own signals less ``preempt_signals``, which preempt instead of
+    stopping (elastic would replace their handlers at each start of the workers). Never empty, which elastic
+    would warn about: SIGUSR2, which ends a launch anyway, stands in."""
+    names = [signal.Signals(signum).name for signum in _ELASTIC_SIGNALS if signum not in preempt_signals]
+    if not names and signal.SIGUSR2 not in preempt_signals:
+        names = ["SIGUSR2"]
+    return ",".join(names)
+
+
+def launch_nodes(
+    spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig, preemption: Preemption | None = None
+) -> list[Any]:
     """Run this node's share of a multi-node launch; return the values of rank 0 (``return_all=False``) or of
-    this node's ranks, in rank order."""
+    this node's ranks, in rank order. ``preemption``: the launch's notice (see :mod:`mplaunch._multinode.notice`);
+    once noticed, the launch raises :class:`~mplaunch.PreemptedError`."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -63,7 +82,8 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> 
     from torch.distributed.launcher.api import elastic_launch
 
     watch.register()
-    node_watch = watch.NodeWatch(nodes.rdzv_endpoint, nodes.nnodes, config.timeout)
+    told = preemption if preemption is not None and preemption.attached else None
+    node_watch = watch.NodeWatch(nodes.rdzv_endpoint, nodes.nnodes, config.timeout, preemption=told)
     # a worker waits for rank 0's result at most this long (rank 0's node may be gone)
     spec = dataclasses.replace(spec, result_wait=node_watch.remaining() or config.rdzv_timeout)
     elastic_config = ElasticConfig(
@@ -79,17 +99,31 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> 
         monitor_interval=0.1,
         start_method=spec.start_method,
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(spec.directory, "elastic")),
+        signals_to_handle=_signals_to_handle(config.preempt_signals),
     )
     failed: dict[int, Any] = {}
-    with _caller_state_kept(), routed([None] * spec.nprocs, spec) as pump:  # ranks: as the rendezvous assigns
+    exchanged = (
+        notice.notices_exchanged(told, nodes.rdzv_endpoint, nodes.run_id, lambda: node_watch.node_rank)
+        if told is not None
+        else contextlib.nullcontext()
+    )
+    with (
+        _caller_state_kept(),
+        exchanged,
+        routed([None] * spec.nprocs, spec) as pump,
+    ):  # ranks: as the rendezvous assigns
         spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
         if pump is not None:
             pump.start(keep_writers=True)  # elastic may restart workers on the same pipes
         try:
             elastic_launch(elastic_config, elastic_entry)(spec)
+        except notice.Preempted:  # the grace is over: the agent stopped this node's ranks
+            _leave_barrier(node_watch)
         except ChildFailedError as error:
             failed = dict(error.failures)
-            if node_watch.store_lost is not None:  # this node's ranks failed as their peers vanished
+            if told is not None and told.noticed:  # ranks failed while saving: preempted all the same
+                _leave_barrier(node_watch)
+            elif node_watch.store_lost is not None:  # this node's ranks failed as their peers vanished
                 raise node_watch.store_error(node_watch.store_lost) from error
         except RendezvousError as error:
             if node_watch.joined:
@@ -101,6 +135,8 @@ def launch_nodes(spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig) -> 
                 config.rdzv_timeout,
                 (),
             ) from error
+    if told is not None and told.noticed:
+        raise _preempted(spec, told, node_watch.node_rank)
     try:
         return _collect(spec, failed, config)
     except NodeLostError as error:  # rank 0's result never came: name its node if the store says who it was
@@ -138,6 +174,21 @@ def _collect(spec: WorkerSpec, failed: dict[int, Any], config: ParallelConfig) -
     if isinstance(state, BaseException):
         raise state
     return [_value(rank0)]
+
+
+def _leave_barrier(node_watch: watch.NodeWatch) -> None:
+    if node_watch.leave_barrier is not None:
+        node_watch.leave_barrier()
+
+
+def _preempted(spec: WorkerSpec, preemption: Preemption, node_rank: int) -> BaseException:
+    """The :class:`~mplaunch.PreemptedError` of this node: its ranks that returned, were stopped, or failed."""
+    ranks = range(node_rank * spec.nprocs, (node_rank + 1) * spec.nprocs) if node_rank >= 0 else range(0)
+    states = {}
+    for rank in sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None):
+        outcome = transport.load(spec.directory, outcome_name(rank), private=False, remove=True)
+        states[rank] = rank_state(rank, outcome, None, None, stopped=not isinstance(outcome, Raised))
+    return preemption.error(states, spec.nprocs, ranks)
 
 
 def _value(outcome: Outcome) -> Any:

@@ -24,13 +24,17 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as _registry
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousInfo
 
 from mplaunch._errors import LaunchTimeoutError, NodeLostError
+from mplaunch._multinode import notice
+
+if TYPE_CHECKING:
+    from mplaunch._parent.preemption import Preemption
 
 BACKEND = "mplaunch-c10d"
 WATCH_KEY = "mplaunch_watch"
@@ -52,6 +56,10 @@ class NodeWatch:
         store_lost: the error with which the rendezvous store stopped answering, once it did.
         peers: the other nodes of the last round, by node rank: ``(host, pid of the launching process)``.
         lost_peer: once the nodes met, the rendezvous's :meth:`WatchedRendezvous.lost_peer`.
+        preemption: the launch's preemption notice, when its ranks can be told (see
+            :mod:`mplaunch._multinode.notice`), else ``None``.
+        node_rank: this node's rank in the last round, or -1 before the nodes met.
+        leave_barrier: once the nodes met, the rendezvous's :meth:`WatchedRendezvous.leave_barrier`.
     """
 
     endpoint: str
@@ -62,6 +70,9 @@ class NodeWatch:
     store_lost: BaseException | None = None
     peers: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     lost_peer: Callable[[], NodeLostError | None] | None = None
+    preemption: Preemption | None = None
+    node_rank: int = -1
+    leave_barrier: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if self.timeout is not None and self.deadline is None:
@@ -124,18 +135,23 @@ class WatchedRendezvous(RendezvousHandler):
         return str(self._handler.get_run_id())
 
     def next_rendezvous(self) -> RendezvousInfo:
+        preemption = self._watch.preemption
+        if self._round >= 0 and preemption is not None and preemption.noticed:
+            raise notice.Preempted()  # a preempted launch is never restarted
         info: RendezvousInfo = self._handler.next_rendezvous()
         state = self._state()
         if state is not None:
             self._round, self._participants = state.round, dict(state.participants)
             this_node = getattr(self._handler, "_this_node", None)
             self._own = self._participants.get(this_node, -1)
+            self._watch.node_rank = self._own
             self._watch.peers = {
                 rank: (node.addr, node.pid) for node, rank in self._participants.items() if node != this_node
             }
         self._store = info.store
         self._watch.joined = True
         self._watch.lost_peer = self.lost_peer
+        self._watch.leave_barrier = self.leave_barrier
         return info
 
     def is_closed(self) -> bool:
@@ -154,9 +170,11 @@ class WatchedRendezvous(RendezvousHandler):
         return closed
 
     def num_nodes_waiting(self) -> int:
-        """Elastic's count of nodes waiting to join; raises :class:`NodeLostError` for a lost node and
-        :class:`LaunchTimeoutError` past ``timeout`` (see the module's docstring)."""
+        """Elastic's count of nodes waiting to join; raises :class:`NodeLostError` for a lost node,
+        :class:`LaunchTimeoutError` past ``timeout`` (see the module's docstring), and
+        :class:`~mplaunch._multinode.notice.Preempted` at the end of this node's preemption grace."""
         self._watch.check_deadline()
+        notice.check_grace(self._watch.preemption)
         try:
             waiting = int(self._handler.num_nodes_waiting())
         except RendezvousError as error:
@@ -178,6 +196,12 @@ class WatchedRendezvous(RendezvousHandler):
                 self._watch.endpoint,
             )
         return waiting
+
+    def leave_barrier(self) -> None:
+        """Check this node in at elastic's exit barrier, where the other nodes wait once their ranks returned:
+        its launch ends before it gets there (see :mod:`mplaunch._multinode.notice`)."""
+        if self._store is not None:
+            notice.leave_barrier(self._store, len(self._participants) or self._watch.nnodes)
 
     def lost_peer(self) -> NodeLostError | None:
         """After this node's ranks failed: the first other node of the round that neither marked the end of

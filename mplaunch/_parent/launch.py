@@ -199,7 +199,8 @@ def _launch_on(
         if nodes is not None:
             from mplaunch._multinode.elastic import launch_nodes
 
-            results = launch_nodes(spec, nodes, config)
+            with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
+                results = launch_nodes(spec, nodes, config, notice)
         else:
             in_memory = payload if start_method == "fork" else None
             preload = _preload(imports, function)
@@ -246,16 +247,20 @@ def _attempt(
 
 
 def _check_single_node(config: ParallelConfig) -> None:
-    """Refuse the options a multi-node launch does not support (torch elastic restarts and signals there)."""
+    """Refuse the options a multi-node launch does not support: there, each node's torch elastic agent decides
+    its own restarts, and a node whose ranks are healthy restarts them when another node rejoins."""
     given = [
         f"{name}={getattr(config, name)!r}"
-        for name, default in (("preempt_signals", ()), ("restart_on", None), ("restart_delay", 0.0))
+        for name, default in (("restart_on", None), ("restart_delay", 0.0))
         if getattr(config, name) != default
     ]
     if given:
         raise InvalidOptionError(
-            f"{', '.join(given)} is not supported with more than one node: torch elastic restarts and handles "
-            "signals there. Leave it out, or run on one node."
+            f"{', '.join(given)} is not supported with more than one node: torch elastic's agent on each node "
+            "restarts that node's workers on its own, so a filter would judge different failures on different "
+            "nodes (a rank's error on one, the collective errors it causes on the others), and a node that "
+            "refuses or waits looks lost to the others. Leave it out (max_restarts restarts after every failure "
+            "there, at once), or run on one node."
         )
 
 

@@ -39,6 +39,7 @@ class Preemption:
         self.noticed_at: float | None = None
         self.forced = False
         self.reported = False  # a PreemptedError was raised for the notice
+        self.origin: int | None = None  # the node whose launching process got the notice (multi-node), if another
         self._mapping: mmap.mmap | None = None
         self._read, self._write = os.pipe()
         fcntl.fcntl(self._write, fcntl.F_SETFL, os.O_NONBLOCK)
@@ -60,12 +61,21 @@ class Preemption:
         if mapping is not None:
             mapping.close()
 
-    def notify(self, signum: int | None) -> None:
-        """The notice (``signum``: the signal, or ``None`` from ``future.preempt()``); a second one forces the end."""
+    @property
+    def attached(self) -> bool:
+        """Whether the launch has a flag: its ranks can be told."""
+        return self._mapping is not None
+
+    def notify(self, signum: int | None, origin: int | None = None) -> None:
+        """The notice (``signum``: the signal, or ``None`` from ``future.preempt()``); a second one forces the end.
+        ``origin``: the node that got it, for a notice passed on by another node of a multi-node launch (such a
+        notice never forces the end: each node's second signal is its own)."""
         if self.noticed:
-            self.forced = True
+            if origin is None:
+                self.forced = True
         else:
             self.signum = signum
+            self.origin = origin
             self.noticed_at = time.monotonic()
             mapping = self._mapping
             if mapping is not None:
@@ -90,13 +100,17 @@ class Preemption:
             return 0.0
         return max(0.0, self.noticed_at + self.grace - time.monotonic())
 
-    def error(self, states: Mapping[int, RankState], nprocs: int) -> PreemptedError:
-        """The :class:`PreemptedError` for these rank states (rank -> what became of it)."""
+    def error(self, states: Mapping[int, RankState], nprocs: int, ranks: range | None = None) -> PreemptedError:
+        """The :class:`PreemptedError` for these rank states (rank -> what became of it); ``ranks``: the launch's
+        ranks here (default: ``range(nprocs)``; one node's global ranks on a multi-node launch)."""
         self.reported = True
         values = {rank: state.value for rank, state in sorted(states.items()) if isinstance(state, Returned)}
-        stopped = tuple(rank for rank in range(nprocs) if isinstance(states.get(rank), Stopped) or rank not in states)
+        ranks = range(nprocs) if ranks is None else ranks
+        stopped = tuple(rank for rank in ranks if isinstance(states.get(rank), Stopped) or rank not in states)
         failures = tuple(state for _, state in sorted(states.items()) if isinstance(state, BaseException))
         what = notice_name(self.signum)
+        if self.origin is not None:
+            what = f"{what}, received by node {self.origin}"
         if self.forced:
             how = "a second notice ended the grace at once"
         else:
@@ -153,7 +167,12 @@ def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterato
     finally:
         for signum, old in previous.items():
             signal.signal(signum, signal.SIG_DFL if old is None else old)
-        if preemption.noticed and not preemption.reported and preemption.signum in previous:
+        if (
+            preemption.noticed
+            and not preemption.reported
+            and preemption.origin is None
+            and preemption.signum in previous
+        ):
             signal.raise_signal(preemption.signum)
 
 

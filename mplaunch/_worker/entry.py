@@ -398,6 +398,7 @@ def elastic_entry(spec: WorkerSpec) -> int:
         take_fds(spec.output_fds, local_rank, rank)
         os.environ[WORKER_VARIABLE] = "1"
         install_breakpoint_hook(spec, rank)
+        flags.attach(spec.directory)  # this node's preemption flag, if the launch has one: mplaunch.preempted()
         outcome = _execute(rank, local_rank, spec, None)
         if isinstance(outcome, Returned):
             outcome, written = _write_outcome(spec, rank, outcome), True
@@ -440,7 +441,7 @@ def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome)
         if rank == 0:
             store.set(key, transport.to_bytes(outcome))  # type: ignore[arg-type]
             return
-        while _signal_received is None:  # signals no longer raise here: the outcome is decided
+        while _signal_received is None and not flags.is_set():  # stopped or preempted: rank 0's value is moot
             try:
                 store.wait([key], timedelta(seconds=max(0.01, min(1.0, deadline - time.monotonic()))))
                 break
@@ -448,7 +449,7 @@ def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome)
                 if time.monotonic() >= deadline:
                     raise
         else:
-            return  # stopped by the launch: the node's error is the launch's
+            return  # stopped or preempted by the launch: the node's error is the launch's
         shared = transport.from_bytes(store.get(key))
     except RuntimeError as error:  # torch's DistStoreError / DistNetworkError: a store gone or a wait expired
         if rank == 0:

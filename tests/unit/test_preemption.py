@@ -233,8 +233,8 @@ def _nothing() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"preempt_signals": (signal.SIGUSR1,)}, {"restart_on": (ConnectionError,)}, {"restart_delay": 1.0}],
-    ids=["preempt_signals", "restart_on", "restart_delay"],
+    [{"restart_on": (ConnectionError,)}, {"restart_delay": 1.0}],
+    ids=["restart_on", "restart_delay"],
 )
 def test_multi_node_launches_refuse_the_one_node_options(options: dict[str, Any]) -> None:
     decorate: Any = parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint="127.0.0.1:1", timeout=5, **options)

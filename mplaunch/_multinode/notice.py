@@ -1,0 +1,100 @@
+"""Preemption of a multi-node launch: a notice received by one node reaches every node's ranks.
+
+Each node's launching process handles its own ``preempt_signals`` (see :mod:`mplaunch._parent.preemption`).
+A thread of the launching process (:func:`notices_exchanged`) writes this node's notice in the rendezvous
+store the moment it comes, and looks for another node's every tenth of a second, which it passes to this
+node's :class:`~mplaunch._parent.preemption.Preemption`: every rank's ``mplaunch.preempted()`` turns true
+wherever the signal landed. Each node counts its own ``preempt_grace``: between two looks at the workers,
+elastic's agent asks the rendezvous handler for waiting nodes, which raises :class:`Preempted` once the grace
+is over, out of the agent, which stops the node's ranks.
+
+A node that ends that way does not reach elastic's exit barrier, where the other nodes' agents wait for
+every node (up to 300 s) once their ranks returned: :func:`leave_barrier` checks it in there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mplaunch._parent.preemption import Preemption
+
+#: Elastic's exit barrier (``torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID``).
+EXIT_BARRIER = "torchelastic/agent/terminal_state"
+#: Seconds between two looks for another node's notice.
+LOOK_INTERVAL = 0.1
+
+
+class Preempted(Exception):
+    """Raised out of elastic's agent when this node's grace is over (or a second notice came): the agent
+    stops the node's ranks on its way out. An ``Exception``, as elastic's agent expects of its handler."""
+
+
+def check_grace(preemption: Preemption | None) -> None:
+    """Raise :class:`Preempted` once this node's grace is over (or a second notice came)."""
+    if preemption is not None and preemption.noticed and preemption.remaining() == 0.0:
+        raise Preempted()
+
+
+@contextlib.contextmanager
+def notices_exchanged(
+    preemption: Preemption, endpoint: str, run_id: str, node_rank: Callable[[], int]
+) -> Iterator[None]:
+    """While the launch runs, exchange preemption notices with the other nodes through the rendezvous store at
+    ``endpoint`` (``host:port``), once the nodes met (``node_rank()``, this node's rank, is no longer -1; the
+    store is up then): this node's, written the
+    moment it comes, and theirs, looked for every :data:`LOOK_INTERVAL` seconds. A store that does not answer
+    ends the exchange; the node watch reports it."""
+    stop = threading.Event()
+    key = f"mplaunch/{run_id}/preempted"
+
+    def run() -> None:
+        store = None
+        with contextlib.suppress(Exception):  # a store gone: the node watch reports it
+            while not stop.is_set():
+                wait([preemption.fileno()], timeout=LOOK_INTERVAL)
+                preemption.drain()
+                rank = node_rank()
+                if rank < 0:
+                    continue
+                if store is None:
+                    store = _connect(endpoint)
+                if preemption.noticed and preemption.origin is None:
+                    signum = preemption.signum
+                    store.set(key, f"{rank}:{'' if signum is None else signum}")
+                    return  # told: the other nodes look for it
+                if not preemption.noticed and store.check([key]):
+                    origin, _, signum = store.get(key).decode().partition(":")
+                    preemption.notify(int(signum) if signum else None, origin=int(origin))
+                    return
+
+    thread = threading.Thread(target=run, name="mplaunch-preemption", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _connect(endpoint: str) -> Any:
+    """A client of the rendezvous store at ``endpoint``, of this thread's own."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    host, _, port = endpoint.rpartition(":")
+    if not host:  # no port: c10d rendezvous's default
+        host, port = endpoint, "29400"
+    return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+
+
+def leave_barrier(store: Any, nnodes: int) -> None:
+    """Check this node in at elastic's exit barrier without waiting there (its launch ends preempted before
+    reaching it), so that the other nodes' agents do not wait for it."""
+    with contextlib.suppress(Exception):  # a store gone: nobody waits on it
+        if store.add(f"{EXIT_BARRIER}/num_members", 1) == nnodes:
+            store.set(f"{EXIT_BARRIER}/last_member", "<val_ignored>")
