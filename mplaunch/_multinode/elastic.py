@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +49,11 @@ _HANDLED = (*_ELASTIC_SIGNALS, signal.SIGUSR2)
 
 @contextlib.contextmanager
 def _caller_state_kept() -> Iterator[None]:
-    """Put back the signal handlers and environment variables that elastic changes."""
-    handlers = {signum: signal.getsignal(signum) for signum in _HANDLED}
+    """Put back the signal handlers and environment variables that elastic changes. Elastic sets handlers only
+    from the main thread, and only the main thread may set them back: a submitted launch (in a thread of its
+    own) leaves them alone."""
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {signum: signal.getsignal(signum) for signum in _HANDLED} if main else {}
     try:
         with environ_kept():
             yield

@@ -24,13 +24,11 @@ NODE = """
     import mplaunch
     from mplaunch import parallel, worker_info
 
-    @parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint=sys.argv[1], backend="gloo", timeout=120,
-              rdzv_timeout=60, preempt_signals=(signal.SIGTERM,), preempt_grace=float(sys.argv[3]))
-    def work(folder: str, hanging: list[int]) -> int:
+    def work(folder: str, hanging: list[int], node: int) -> int:
         rank = worker_info().rank
         dist.barrier()
         with open(f"{folder}/rank{rank}.tmp", "w") as file:
-            file.write(str(os.getppid()))  # the node's launching process
+            file.write(str(node))  # the node's launching process
         os.rename(f"{folder}/rank{rank}.tmp", f"{folder}/rank{rank}")
         while not mplaunch.preempted() or rank in hanging:
             time.sleep(0.01)
@@ -41,8 +39,18 @@ NODE = """
     if __name__ == "__main__":
         handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)]
         env = dict(os.environ)
+        launch = parallel(nprocs=1, start_method=sys.argv[5], nnodes=2, rdzv_endpoint=sys.argv[1], backend="gloo",
+                          timeout=120, rdzv_timeout=60, preempt_signals=(signal.SIGTERM,),
+                          preempt_grace=float(sys.argv[3]))(work)
+        arguments = (sys.argv[2], [int(r) for r in sys.argv[4].split(",") if r], os.getpid())
         try:
-            print("result", work(sys.argv[2], [int(r) for r in sys.argv[4].split(",") if r]), flush=True)
+            if sys.argv[6] == "submit":  # a submitted launch installs no handler: the caller's own preempts it
+                future = launch.submit(*arguments)
+                signal.signal(signal.SIGTERM, lambda signum, frame: future.preempt())
+                handlers[1] = signal.getsignal(signal.SIGTERM)
+                print("result", future.result(), flush=True)
+            else:
+                print("result", launch(*arguments), flush=True)
         except mplaunch.PreemptedError as error:
             print("preempted", error.signal_name, error.values, error.stopped, error, flush=True)
         except Exception as error:
@@ -55,7 +63,7 @@ NODE = """
 
 @contextlib.contextmanager
 def two_nodes(
-    tmp_path: Path, grace: float, hanging: str = ""
+    tmp_path: Path, grace: float, hanging: str = "", start_method: str = "fork", how: str = "call"
 ) -> Iterator[tuple[dict[int, subprocess.Popen[str]], Path]]:
     """Start two nodes of the NODE script, the first one hosting the rendezvous store; wait until both ranks
     passed their barrier; yield each rank's node and the folder of the ranks' files. Check at the end that
@@ -65,7 +73,7 @@ def two_nodes(
         path.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "MPLAUNCH_SHM_DIR": str(shm), "TMPDIR": str(tmpdir)}
     port = free_port()
-    command = [sys.executable, str(script), f"127.0.0.1:{port}", str(folder), str(grace), hanging]
+    command = [sys.executable, str(script), f"127.0.0.1:{port}", str(folder), str(grace), hanging, start_method, how]
     nodes: list[subprocess.Popen[str]] = []
     try:
         for _ in range(2):
@@ -103,15 +111,20 @@ def outputs(nodes: dict[int, subprocess.Popen[str]], bound: float) -> dict[int, 
     return found
 
 
-def test_sigterm_to_every_node_tells_every_rank_and_each_node_raises(tmp_path: Path) -> None:
-    with two_nodes(tmp_path, grace=60) as (nodes, folder):
+@pytest.mark.parametrize(("start_method", "how"), [("fork", "call"), ("spawn", "call"), ("forkserver", "submit")])
+def test_sigterm_to_every_node_tells_every_rank_and_each_node_raises(
+    tmp_path: Path, start_method: str, how: str
+) -> None:
+    with two_nodes(tmp_path, grace=60, start_method=start_method, how=how) as (nodes, folder):
         for node in nodes.values():
             node.send_signal(signal.SIGTERM)
         start = time.monotonic()
         found = outputs(nodes, bound=60)
         took = time.monotonic() - start
-    assert found[0].startswith("preempted SIGTERM {0: 10} () the launch was preempted by SIGTERM"), found[0]
-    assert found[1].startswith("preempted SIGTERM {1: None} () the launch was preempted by SIGTERM"), found[1]
+    by = "SIGTERM SIGTERM" if how == "call" else "None future.preempt()"  # a submitted launch: the caller's handler
+    signal_name, cause = by.split()
+    assert found[0].startswith(f"preempted {signal_name} {{0: 10}} () the launch was preempted by {cause}"), found[0]
+    assert found[1].startswith(f"preempted {signal_name} {{1: None}} () the launch was preempted by {cause}"), found[1]
     assert (folder / "saved0").exists() and (folder / "saved1").exists()
     assert took < 30  # well inside the grace of 60 s and elastic's exit barrier of 300 s: nobody waited
 
