@@ -26,7 +26,7 @@ from mplaunch._parent import checks, devices, placement, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.in_process import run_in_process
-from mplaunch._parent.limits import open_files_explained
+from mplaunch._parent.limits import open_files_explained, short_socket_directory
 from mplaunch._parent.memory import outcome_files, payload_written
 from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.processes import start_workers
@@ -198,6 +198,9 @@ def _launch_on(
             )
         if nodes is not None:
             from mplaunch._multinode.elastic import launch_nodes
+
+            if start_method == "forkserver":
+                short_socket_directory()  # elastic starts the fork server
 
             with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
                 results = launch_nodes(spec, nodes, config, notice)

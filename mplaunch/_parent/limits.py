@@ -1,6 +1,7 @@
 """The limits of a machine or container that a launch can run into while it starts its workers, and the
 errors that name them and their fix: the process limit (a cgroup's ``pids.max``, ``RLIMIT_NPROC``), the size
-of an environment that ``exec`` accepts (``E2BIG``), and the open-files limit (``RLIMIT_NOFILE``).
+of an environment that ``exec`` accepts (``E2BIG``), the open-files limit (``RLIMIT_NOFILE``), and the
+length of a Unix socket's path, which a long ``TMPDIR`` exceeds for the fork server's socket.
 
 Without them, multiprocessing reports each as something else: a bare ``BlockingIOError: [Errno 11]`` from
 ``fork``, a spawned worker that "exited with code 255" (its ``exec`` failed after the fork, where no error
@@ -12,9 +13,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import mmap
+import multiprocessing.process
+import multiprocessing.util
 import os
 import resource
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping
 
 from mplaunch._errors import LaunchRefusedError, RemoteTraceback
@@ -22,6 +27,13 @@ from mplaunch._platform.cgroup import pids_limit
 
 #: Linux's MAX_ARG_STRLEN: the longest single argument or ``NAME=value`` that ``exec`` accepts.
 MAX_ARG_STRLEN = 32 * mmap.PAGESIZE
+#: The longest path of a Unix socket (``sun_path`` holds 108 bytes, the final NUL included).
+SUN_PATH_MAX = 107
+#: What multiprocessing adds to the temporary directory for the fork server's socket: ``/pymp-XXXXXXXX``
+#: (its own directory) and ``/listener-XXXXXXXX``.
+_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+#: Where a shorter directory for that socket is looked for, in order (CPython 3.13's own list).
+_SHORT_BASES = ("/tmp", "/var/tmp", "/usr/tmp")
 _FORK_FAILED = (errno.EAGAIN, errno.ENOMEM)
 _FILES = (errno.EMFILE, errno.ENFILE)
 
@@ -120,6 +132,31 @@ def _environment_text(problem: str, start_method: str) -> str:
     )
 
 
+def short_socket_directory() -> None:
+    """Before the fork server starts: when ``TMPDIR`` is too long for the path of its Unix socket (e.g. a
+    job's own directory deep in a cluster's scratch space), give ``multiprocessing`` its temporary directory
+    in the first usable one of ``/tmp``, ``/var/tmp`` and ``/usr/tmp``, made and removed at exit as
+    ``multiprocessing.util.get_temp_dir`` does. CPython 3.13 does the same in ``get_temp_dir``; 3.10 to
+    3.12 fail with ``OSError: AF_UNIX path too long``. Nothing changes when ``multiprocessing`` has its
+    directory already, or when ``TMPDIR`` is short enough."""
+    config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
+    if config.get("tempdir") is not None or len(os.fsencode(tempfile.gettempdir())) + _SOCKET_SUFFIX <= SUN_PATH_MAX:
+        return
+    for base in _SHORT_BASES:
+        if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            break
+    else:
+        return  # the bind fails, and start_refused names the cause
+    directory = tempfile.mkdtemp(prefix="pymp-", dir=base)
+    multiprocessing.util.Finalize(
+        None,
+        multiprocessing.util._remove_temp_dir,  # type: ignore[attr-defined]
+        args=(shutil.rmtree, directory),
+        exitpriority=-100,
+    )
+    config["tempdir"] = directory
+
+
 def start_refused(error: BaseException, start_method: str, rank: int, nprocs: int) -> LaunchRefusedError | None:
     """The error to raise instead of ``error``, which starting worker ``rank`` raised, when a limit is the
     cause (or the likely cause: a fork server that died says nothing); ``None`` for any other error."""
@@ -127,6 +164,11 @@ def start_refused(error: BaseException, start_method: str, rank: int, nprocs: in
     code = getattr(error, "errno", None)
     if isinstance(error, OSError) and code in _FILES:
         return LaunchRefusedError(f"{what}. It reached {_files_text()}.")
+    if isinstance(error, OSError) and "AF_UNIX path too long" in str(error):
+        return LaunchRefusedError(
+            f"{what}. The fork server's socket would be in {multiprocessing.util.get_temp_dir()!r}, longer than "
+            f"the {SUN_PATH_MAX} bytes a Unix socket's path may have: set TMPDIR to a shorter directory."
+        )
     if isinstance(error, OSError) and code == errno.E2BIG:
         return LaunchRefusedError(_environment_text("the environment is too large for exec", start_method))
     if isinstance(error, OSError) and code == errno.EAGAIN:

@@ -29,7 +29,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from mplaunch._env import WORKER_VARIABLE
-from mplaunch._parent.limits import check_exec_environment, start_refused
+from mplaunch._parent.limits import check_exec_environment, short_socket_directory, start_refused
 from mplaunch._parent.signals import signals_held
 from mplaunch._platform.environ import environ_kept
 from mplaunch._platform.proctree import descendants, with_environment
@@ -92,6 +92,7 @@ def start_workers(
         with main_prepared():
             if spec.start_method == "forkserver":
                 context.set_forkserver_preload(preload)
+                short_socket_directory()
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
             with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
                 kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]

@@ -4,6 +4,7 @@ larger than it travel through anonymous memory files."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from mplaunch import StartMethod, parallel
 from mplaunch._parent import memory
 from mplaunch._wire import fds
 from tests import workers
+from tests.helpers import run_script, write_script
 
 _TMPFS_MIB = 16
 
@@ -246,3 +248,27 @@ def test_a_forked_worker_holds_no_other_launchs_memory_files() -> None:
     finally:
         fds.close_quietly(other)
     assert [len(files) for files in seen] == [1, 1], seen
+
+
+LONG_TMPDIR = """
+import glob, os, sys
+from mplaunch import parallel
+from tests import workers
+
+if __name__ == "__main__":
+    print("returned", parallel(nprocs=2, start_method="forkserver", timeout=60)(workers.identity)(7), flush=True)
+"""
+
+
+def test_a_fork_server_starts_under_a_tmpdir_too_long_for_a_unix_socket(tmp_path: Path) -> None:
+    """A TMPDIR deep in a cluster's scratch space: multiprocessing put the fork server's socket there and
+    failed with a bare "OSError: AF_UNIX path too long" (Python 3.10 to 3.12). Its socket goes to /tmp, and
+    the directory made for it is gone when the script ends."""
+    deep = tmp_path / ("scratch-" + "x" * 40) / ("job-" + "y" * 40)
+    deep.mkdir(parents=True)
+    before = set(glob.glob("/tmp/pymp-*"))
+    done = run_script(write_script(tmp_path, LONG_TMPDIR), tmpdir=deep)
+    assert done.returncode == 0, done.stderr
+    assert "returned ((7,), {})" in done.stdout, done.stdout + done.stderr
+    assert set(glob.glob("/tmp/pymp-*")) <= before
+    assert list(deep.iterdir()) == []

@@ -31,6 +31,7 @@ def test_many_variables_over_arg_max_are_named() -> None:
         (OSError(errno.EMFILE, "Too many open files"), ["RLIMIT_NOFILE", "ulimit -n"]),
         (OSError(errno.E2BIG, "Argument list too long"), ["E2BIG", "start_method='fork'"]),
         (EOFError("unexpected EOF"), ["fork server", "RLIMIT_NPROC", "RLIMIT_NOFILE"]),
+        (OSError("AF_UNIX path too long"), ["fork server's socket", "107 bytes", "set TMPDIR to a shorter"]),
     ],
 )
 def test_start_errors_name_the_limit_and_the_fix(error: BaseException, words: list[str]) -> None:
