@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: $(VENV)/.installed
 	$(PY) examples/train_digits.py
 
+# two test processes: most tests wait on workers and subprocesses, so even two cores run two files
+# at once; --dist loadfile keeps a file's module fixtures (the entry-point matrix) in one process
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

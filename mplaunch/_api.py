@@ -286,7 +286,9 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
             a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries
             the earlier ones in ``earlier_attempts``. The failure that causes a restart is written to stderr
             with its rank and traceback. Multi-node: passed on to elastic.
-        rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``.
+        rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``; for
+            :class:`~mplaunch.Workers`, seconds their ranks may take to start, apart from the first call's
+            ``timeout``.
         devices: the call's CUDA devices: a list of indices among the visible ones (``[2, 3]``), a count of
             any free ones (``2``), or ``None`` (default): every visible device, not pooled. The ranks see
             exactly these, in order, through ``CUDA_VISIBLE_DEVICES`` (named as this process's own

@@ -84,7 +84,8 @@ class ParallelConfig:
         rdzv_endpoint: ``host[:port]`` of the c10d rendezvous on a multi-node launch.
         max_restarts: how often all workers are restarted after a failure (by mplaunch on one node, by
             torch.distributed.elastic on several), as torchrun's ``--max-restarts``.
-        rdzv_timeout: seconds to wait for every node to join a multi-node launch.
+        rdzv_timeout: seconds to wait for every node to join a multi-node launch, and for the ranks of
+            :class:`~mplaunch.Workers` to start (not counted in their first call's ``timeout``).
         devices: the CUDA devices of each call: a number of free ones, their indices (kept as a tuple), or
             ``None`` for every visible device, not pooled.
         cpu_binding: ``"cores"`` (each rank on its own cores), ``"numa"`` (each rank on one NUMA node's

@@ -30,6 +30,7 @@ from mplaunch._wire.records import (
     CANCEL,
     DONE,
     ITEM,
+    READY,
     Outcome,
     Raised,
     RankState,
@@ -57,11 +58,16 @@ def exchange(
     becoming readable, ``timeout`` seconds passing, or the generator being closed or interrupted (Ctrl-C)
     interrupts every rank still running, then raises (``LaunchStopped``, ``LaunchTimeoutError``,
     ``GeneratorExit``, ``KeyboardInterrupt``)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+    # the ranks' start is not the call's (a spawned rank imports torch): it gets ``team.start_timeout``
+    starting = len(team.ready) < team.spec.nprocs
+    deadline = time.monotonic() + team.start_timeout if starting else None
+    if not starting and timeout is not None:
+        deadline = time.monotonic() + timeout
     team.failed_at = {}
     pending = set(range(team.spec.nprocs))
     states: dict[int, RankState] = {}
     interrupted: set[int] = set()
+    closed: set[int] = set()  # ranks whose pipe reached its end (they died): only their pidfds are watched
     grace: float | None = None  # once interrupted: when the ranks must have answered
     if team.pump is not None:
         team.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
@@ -74,15 +80,18 @@ def exchange(
             if team.closed:
                 raise _closed_error()
             ends = {team.ends[rank]: rank for rank in pending}
-            conns = {team.conns[rank]: rank for rank in pending}
+            conns = {team.conns[rank]: rank for rank in pending - closed}
             listener = team.store.fileno()
             watched: list[Any] = [*conns, *ends, *(fd for fd in (stop, listener) if fd is not None)]
             limit = min((t for t in (deadline, grace) if t is not None), default=None)
             ready = wait(watched, timeout=None if limit is None else max(0.0, limit - time.monotonic()))
-            if not ready:
+            if not ready or (limit is not None and time.monotonic() >= limit):
                 if grace is not None and time.monotonic() >= grace:
                     team.terminate()
                     break
+                if starting:
+                    team.terminate()  # a rank still importing would die of the SIGINT, printing a traceback
+                    raise _start_timeout_error(team.start_timeout, sorted(set(range(team.spec.nprocs)) - team.ready))
                 raise _timeout_error(timeout or 0.0, sorted(pending))
             if stop is not None and stop in ready:
                 raise LaunchStopped()
@@ -93,8 +102,14 @@ def exchange(
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
-                    continue  # it ended: its pidfd says so
-                if message[0] == ITEM and message[1] == number:
+                    closed.add(rank)  # it ended: its pidfd says so
+                    continue
+                if message[0] == READY:
+                    team.ready.add(rank)
+                    if starting and len(team.ready) == team.spec.nprocs:
+                        starting = False  # every rank is set up: the call's own time starts now
+                        deadline = None if timeout is None else time.monotonic() + timeout
+                elif message[0] == ITEM and message[1] == number:
                     name = item_name(number, rank, message[2])
                     value = transport.load(team.spec.directory, name, private=False, remove=True)
                     yield rank, value  # yielded before any interruption reached the rank
@@ -104,8 +119,8 @@ def exchange(
                     states[rank] = _result(team, number, rank, rank in interrupted)
             for end in (e for e in ready if e in ends and ends[e] in pending):
                 rank = ends[end]
-                if team.conns[rank].poll(0):
-                    continue  # its last messages first
+                if rank not in closed and team.conns[rank].poll(0):
+                    continue  # its last messages first (a pipe at its end reads as ready too: then recv says so)
                 pending.discard(rank)
                 states[rank] = _ended(team, rank, rank in interrupted)
                 team.broken = True
@@ -180,10 +195,11 @@ def _interrupt(team: Team, ranks: set[int], number: int, interrupted: set[int]) 
 def _abandon(team: Team, pending: set[int], number: int, interrupted: set[int]) -> None:
     """Interrupt the call in ``pending`` and wait for their answers (discarded); stop the workers if they
     do not answer within ``grace_period`` seconds, or on a second Ctrl-C."""
+    closed: set[int] = set()  # ranks whose pipe reached its end
     try:
         deadline = _interrupt(team, pending, number, interrupted)
         while pending and time.monotonic() < deadline:
-            conns = {team.conns[rank]: rank for rank in pending}
+            conns = {team.conns[rank]: rank for rank in pending - closed}
             ends = {team.ends[rank]: rank for rank in pending}
             watched: list[Any] = [*conns, *ends]
             for ready in wait(watched, timeout=max(0.0, deadline - time.monotonic())):
@@ -192,9 +208,11 @@ def _abandon(team: Team, pending: set[int], number: int, interrupted: set[int]) 
                     team.broken = True
                     continue
                 assert isinstance(ready, Connection)
-                with contextlib.suppress(EOFError, OSError):
+                try:
                     if ready.recv()[:2] == (DONE, number):
                         pending.discard(conns[ready])
+                except (EOFError, OSError):
+                    closed.add(conns[ready])  # it died: its pidfd says so
     finally:
         if pending:
             team.terminate()
@@ -226,6 +244,17 @@ def _timeout_error(timeout: float, running: list[int]) -> LaunchTimeoutError:
         "been interrupted. Raise `timeout`, or look for a rank stuck in a collective.",
         timeout,
         tuple(running),
+    )
+
+
+def _start_timeout_error(timeout: float, starting: list[int]) -> LaunchTimeoutError:
+    """The error of ranks that were not set up within ``timeout`` seconds of their start."""
+    return LaunchTimeoutError(
+        f"ranks {starting} did not finish starting within rdzv_timeout={timeout:g} s; every rank has been "
+        "stopped, and the next call starts them again. Raise `rdzv_timeout`, or look for a rank stuck while "
+        "importing or joining its process group.",
+        timeout,
+        tuple(starting),
     )
 
 

@@ -7,6 +7,7 @@ outlive the call that started them, so they must not be started from a thread th
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -17,6 +18,17 @@ T = TypeVar("T")
 _jobs: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[tuple[bool, Any]]]] = queue.SimpleQueue()
 _starter: threading.Thread | None = None
 _starter_lock = threading.Lock()
+
+
+def _forget_starter() -> None:
+    """In a forked child (a rank of fork-started warm workers runs in the thread that forked it, the
+    starter): no thread serves the jobs there, so the child starts a starter of its own when it needs one."""
+    global _jobs, _starter
+    _jobs, _starter = queue.SimpleQueue(), None
+    _starter_lock._at_fork_reinit()  # type: ignore[attr-defined]
+
+
+os.register_at_fork(after_in_child=_forget_starter)
 
 
 def in_starter(job: Callable[[], T]) -> T:

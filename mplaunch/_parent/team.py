@@ -57,6 +57,8 @@ class Team:
         self.failed_at: dict[int, float] = {}  # in the last call: when each failed rank raised or ended
         self.conns: list[Connection] = []  # by rank: the parent's end of its control pipe
         self.ends: list[int] = []  # by rank: a pidfd (or multiprocessing's sentinel), readable once it ended
+        self.ready: set[int] = set()  # the ranks that said they are set up (their first message)
+        self.start_timeout = config.rdzv_timeout  # seconds the ranks may take to be set up
         self._stack = contextlib.ExitStack()
         self.closed = False
         self.pump: Pump | None = None

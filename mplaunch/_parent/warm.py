@@ -51,10 +51,11 @@ class Workers:
     Args:
         return_all: :meth:`run` returns every rank's value, in a list ordered by rank.
         **options: the launch options of :func:`~mplaunch.parallel` (``nprocs``, ``start_method``, ``backend``,
-            ``timeout`` (seconds per call), ``grace_period``, ``prefix_output``, ``console_ranks``,
-            ``log_dir``, ``post_mortem``); ``nnodes`` > 1, ``max_restarts`` and the options of launches only
-            (``stall_timeout``, ``devices``, ``cpu_binding``, ``env``, ``preempt_signals``, ``restart_on``,
-            ``restart_delay``) are refused.
+            ``timeout`` (seconds per call), ``rdzv_timeout`` (seconds the ranks may take to start and join
+            their process group, apart from the first call's ``timeout``), ``grace_period``,
+            ``prefix_output``, ``console_ranks``, ``log_dir``, ``post_mortem``); ``nnodes`` > 1,
+            ``max_restarts`` and the options of launches only (``stall_timeout``, ``devices``, ``cpu_binding``,
+            ``env``, ``preempt_signals``, ``restart_on``, ``restart_delay``) are refused.
 
     Raises:
         InvalidOptionError: an option is invalid, or refused here.
@@ -135,7 +136,8 @@ class Workers:
                 interrupted; those that died are started again by the next call, with a ``RuntimeWarning``
                 that their state was lost.
             LaunchRefusedError: the function or an argument cannot be sent to the ranks.
-            LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted.
+            LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted. Or the ranks did
+                not finish starting within ``rdzv_timeout`` seconds; they were stopped.
             KeyboardInterrupt: Ctrl-C; the call was interrupted.
             RuntimeError: the workers are closed.
         """

@@ -167,9 +167,10 @@ def item_name(number: int, rank: int, index: int) -> str:
 
 #: Control messages on a warm rank's pipe (small tuples; the objects travel as files, see above).
 #: Parent to rank: ``(CALL, number)`` run call ``number``; ``(CANCEL, number)`` it is no longer wanted (sent
-#: before the SIGINT that interrupts it); ``(EXIT,)`` leave. Rank to parent: ``(ITEM, number, index)`` a value
-#: was yielded; ``(DONE, number)`` the outcome is written.
-CALL, CANCEL, EXIT, ITEM, DONE = "call", "cancel", "exit", "item", "done"
+#: before the SIGINT that interrupts it); ``(EXIT,)`` leave. Rank to parent: ``(READY,)`` the rank is set up
+#: (once, before its first call); ``(ITEM, number, index)`` a value was yielded; ``(DONE, number)`` the
+#: outcome is written.
+CALL, CANCEL, EXIT, ITEM, DONE, READY = "call", "cancel", "exit", "item", "done", "ready"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from mplaunch._wire.records import (
     EXIT,
     ITEM,
     PAYLOAD,
+    READY,
     Call,
     Outcome,
     Payload,
@@ -82,6 +83,7 @@ def serve(rank: int, spec: WorkerSpec, payload: Payload | None, conn: Connection
         payload.state.restore()
         del payload
         with process_group(spec.backend, rank):
+            conn.send((READY,))  # a call's timeout counts from here: the start is not the call's
             _loop(rank, spec, conn)
         outcome = Returned(os.getpid(), None)
     except BaseException:  # noqa: BLE001 - a stop (SIGTERM): reported by _finish
