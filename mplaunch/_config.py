@@ -228,8 +228,10 @@ def _check_nprocs(nprocs: object) -> None:
 def _check_start_method(start_method: object) -> None:
     available = multiprocessing.get_all_start_methods()
     if start_method is not None and start_method not in available:
+        known = ("fork", "spawn", "forkserver")
+        what = "is not available on this platform" if start_method in known else "is no start method"
         raise InvalidOptionError(
-            f"start_method={start_method!r} is not available on this platform: use one of "
+            f"start_method={start_method!r} {what}: use one of "
             f"{', '.join(repr(m) for m in available)}, or None to let mplaunch choose."
         )
 

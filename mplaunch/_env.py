@@ -104,7 +104,8 @@ def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[
         devices: the launch has ``devices=``, which owns ``CUDA_VISIBLE_DEVICES``.
 
     Raises:
-        InvalidOptionError: ``env`` is not a mapping of strings to strings, or sets a variable mplaunch sets
+        InvalidOptionError: ``env`` is not a mapping of strings to strings, holds a name or value that no
+            environment can hold (an empty name, ``=`` in a name, a NUL character), or sets a variable mplaunch sets
             for each rank (:data:`RESERVED_VARIABLES`; ``CUDA_VISIBLE_DEVICES`` with ``devices=``).
     """
     if not isinstance(env, Mapping):
@@ -117,6 +118,12 @@ def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[
     ]
     if wrong:
         raise InvalidOptionError(f"{source} is not valid: names and values must be strings; not {', '.join(wrong)}.")
+    unheld = [f"{key!r}: {value!r}" for key, value in env.items() if not key or "=" in key or "\0" in key + value]
+    if unheld:
+        raise InvalidOptionError(
+            f"{source} is not valid: no environment can hold {', '.join(unheld)}. A name must be non-empty "
+            "without '=' or a NUL character, and a value without a NUL character."
+        )
     for name in env:
         if name in RESERVED_VARIABLES:
             raise InvalidOptionError(

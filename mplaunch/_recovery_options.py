@@ -12,6 +12,18 @@ from mplaunch._errors import InvalidOptionError
 RestartOn = type[BaseException] | tuple[type[BaseException], ...] | Callable[[BaseException], bool] | None
 
 
+#: Signals that a process gets for other reasons than a scheduler's notice: as preemption signals, every
+#: launch would be preempted, or the parent could not go on.
+_NO_NOTICE = {
+    signal.SIGCHLD: "comes to the launching process whenever a worker ends",
+    signal.SIGPIPE: "comes when a write finds a pipe closed (Python ignores it)",
+    signal.SIGSEGV: "reports a crash of the process itself",
+    signal.SIGBUS: "reports a crash of the process itself",
+    signal.SIGFPE: "reports a crash of the process itself",
+    signal.SIGILL: "reports a crash of the process itself",
+}
+
+
 def check_signals(signals: object) -> tuple[signal.Signals, ...]:
     """``preempt_signals`` as a tuple of :class:`signal.Signals` (a single signal is accepted too)."""
     message = (
@@ -32,6 +44,8 @@ def check_signals(signals: object) -> tuple[signal.Signals, ...]:
             raise InvalidOptionError(f"{message} {item!r} is no signal of this platform.") from None
         if signum in (signal.SIGKILL, signal.SIGSTOP):
             raise InvalidOptionError(f"{message} {signum.name} cannot be caught, so no process can be told of it.")
+        if signum in _NO_NOTICE:
+            raise InvalidOptionError(f"{message} {signum.name} {_NO_NOTICE[signum]}, not a notice to stop.")
         if signum not in found:
             found.append(signum)
     return tuple(found)

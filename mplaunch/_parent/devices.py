@@ -55,6 +55,11 @@ def check_request(devices: int | tuple[int, ...] | None) -> None:
     names = visible_names()
     visible = ", ".join(f"{index} ({name})" for index, name in enumerate(names)) or "none"
     if isinstance(devices, int):
+        if devices > 0 and not names:
+            raise InvalidOptionError(
+                f"devices={devices} asks for CUDA devices, and this process sees none (no GPU, a CPU build of "
+                "torch, or CUDA_VISIBLE_DEVICES empty). Leave devices=None to run on the CPU."
+            )
         if devices > len(names):
             raise InvalidOptionError(
                 f"devices={devices} asks for more CUDA devices than this process sees ({len(names)}; visible: "

@@ -33,6 +33,13 @@ def test_requests_that_can_never_be_granted_name_the_visible_devices() -> None:
         devices.check_request(3)
 
 
+def test_a_count_of_devices_without_any_says_there_are_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "device_count", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(InvalidOptionError, match="devices=1 asks for CUDA devices, and this process sees none"):
+        devices.check_request(1)  # it said "Pass at most 0"
+
+
 @pytest.mark.usefixtures("two_devices")
 def test_pool_never_gives_a_device_twice_and_serves_waiters_when_released() -> None:
     pool = devices.DevicePool()
@@ -87,6 +94,11 @@ def test_a_stop_ends_the_wait() -> None:
         ({"env": {"MASTER_PORT": "1"}}, "env sets MASTER_PORT"),
         ({"env": {"A": 1}}, "strings.*'A': 1"),
         ({"env": "A=1"}, "env='A=1'"),
+        # names and values no environment holds: each worker failed with a bare ValueError or OSError
+        ({"env": {"A=B": "1"}}, "no environment can hold 'A=B'"),
+        ({"env": {"": "1"}}, "no environment can hold ''"),
+        ({"env": {"A\0": "1"}}, r"no environment can hold 'A\\x00': '1'"),
+        ({"env": {"A": "x\0y"}}, r"no environment can hold 'A': 'x\\x00y'"),
         ({"env": {"CUDA_VISIBLE_DEVICES": "1"}, "devices": 1}, "devices= only"),
         ({"prefix_output": "{rank}|{host} "}, "Unknown field.*'host'"),
         ({"prefix_output": "{}"}, "prefix_output='{}'"),

@@ -43,6 +43,12 @@ def test_preempt_signals_are_normalised() -> None:
     [
         ((signal.SIGKILL,), "SIGKILL cannot be caught"),
         ((signal.SIGSTOP,), "SIGSTOP cannot be caught"),
+        # every worker's end sends SIGCHLD: each launch was preempted by it
+        ((signal.SIGCHLD,), "SIGCHLD comes to the launching process whenever a worker ends"),
+        ((signal.SIGPIPE,), "SIGPIPE comes when a write finds a pipe closed"),
+        ((signal.SIGSEGV,), "SIGSEGV reports a crash"),
+        ((signal.SIGBUS, signal.SIGFPE), "SIGBUS reports a crash"),
+        ((signal.SIGILL,), "SIGILL reports a crash"),
         (("SIGTERM",), "preempt_signals=.*pass a tuple of signals"),
         ("SIGTERM", "pass a tuple of signals"),
         ((True,), "pass a tuple"),

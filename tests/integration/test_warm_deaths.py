@@ -1,0 +1,98 @@
+"""Warm workers and streams when a rank dies, when they are nested, and while their ranks start.
+
+Kept short: nprocs <= 2, every launch with a ``timeout``, and a wait that ends on its own where a bug was a
+hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mplaunch import LaunchTimeoutError, StartMethod, WorkerExitedError, Workers, worker_info
+from tests import warm_workers
+from tests.helpers import gone, run_script, write_script
+
+TIMEOUT = 30
+
+
+def values_then_exit_on_rank1() -> Iterator[int]:
+    """Every rank yields 1; then rank 1 exits with code 3 and rank 0 yields 2 after a short sleep."""
+    yield 1
+    if worker_info().rank == 1:
+        os._exit(3)
+    time.sleep(1)
+    yield 2
+
+
+def nested_warm_workers() -> tuple[int, int]:
+    """Inside a warm rank: make warm workers of its own and return their rank 0's (rank, pid)."""
+    with Workers(nprocs=1, start_method="fork", timeout=10) as inner:
+        return inner.run(warm_workers.rank_and_pid)  # type: ignore[no-any-return]
+
+
+# Under spawn and forkserver, a warm rank that dies during a call makes the parent spin at 100% CPU in
+# _parent/exchange.py: the dead rank's pipe reads as ready at EOF, so `conns[rank].poll(0)` is true, the
+# `continue` skips its end, `recv()` raises EOFError, and the loop goes round forever. `timeout` never
+# fires (it is checked only when `wait` returns nothing). The call never returns.
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_warm_rank_that_dies_fails_the_call(start_method: StartMethod) -> None:
+    with Workers(nprocs=2, start_method=start_method, timeout=TIMEOUT, grace_period=1.0) as workers:
+        future = workers.submit(warm_workers.exit_in_rank, 1, 3)
+        with pytest.raises(WorkerExitedError) as caught:
+            future.result(timeout=TIMEOUT)  # it was a TimeoutError: the call spun on
+        assert caught.value.rank == 1
+
+
+# The same loop behind a decorated generator function (started as warm workers): the stream hangs. Run in
+# a script of its own, which its own faulthandler ends if it hangs.
+def test_a_stream_whose_rank_dies_raises(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path,
+        """
+        import faulthandler
+        from mplaunch import WorkerExitedError, parallel
+        from tests.integration.test_warm_deaths import values_then_exit_on_rank1
+
+        if __name__ == "__main__":
+            faulthandler.dump_traceback_later(40, exit=True)
+            try:
+                list(parallel(nprocs=2, start_method="spawn", timeout=20)(values_then_exit_on_rank1)())
+            except WorkerExitedError as error:
+                print("raised", error.rank)
+        """,
+    )
+    result = run_script(script, timeout=90)
+    assert result.stdout.strip() == "raised 1", result.stderr[-2000:]  # it hung until faulthandler ended it
+
+
+# A warm rank started with fork runs in a copy of the parent's "mplaunch-starter" thread, and that thread
+# is the child's only one: starter.in_starter() found `_starter.is_alive()` true (it is the current thread),
+# queued the start and waited for an answer that only it could give. Warm workers made inside such a rank
+# never started; the outer call hung until its own timeout.
+def test_warm_workers_inside_a_fork_started_warm_rank_start() -> None:
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT, grace_period=1.0) as outer:
+        rank, pid = outer.run(nested_warm_workers)  # it hung until the outer timeout
+    assert rank == 0
+    assert pid not in outer.pids
+
+
+# The first call of spawn-started warm workers counted the ranks' start against its `timeout`. `Workers()`
+# returns before the ranks have imported torch; a call made at once with a short timeout "interrupted" them
+# while they still imported (each printed a KeyboardInterrupt traceback from an import), the ranks died, and
+# the next call started new ones and could time out again the same way. The start has its own bound.
+def test_a_warm_calls_timeout_does_not_count_the_ranks_start() -> None:
+    with Workers(nprocs=2, start_method="spawn", timeout=0.5) as workers:
+        assert workers.run(warm_workers.rank_and_pid)[0] == 0  # it was a LaunchTimeoutError
+
+
+def test_ranks_that_do_not_start_within_rdzv_timeout_are_stopped() -> None:
+    with Workers(nprocs=2, start_method="spawn", timeout=TIMEOUT, rdzv_timeout=0.05) as workers:
+        with pytest.raises(LaunchTimeoutError, match=r"did not finish starting within rdzv_timeout=0.05 s"):
+            workers.run(warm_workers.rank_and_pid)  # a spawned rank imports torch: far longer than 0.05 s
+        pids = workers.pids
+    assert gone(pids)
