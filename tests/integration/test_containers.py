@@ -4,7 +4,6 @@ larger than it travel through anonymous memory files."""
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import subprocess
@@ -251,12 +250,13 @@ def test_a_forked_worker_holds_no_other_launchs_memory_files() -> None:
 
 
 LONG_TMPDIR = """
-import glob, os, sys
+import multiprocessing.util
 from mplaunch import parallel
 from tests import workers
 
 if __name__ == "__main__":
     print("returned", parallel(nprocs=2, start_method="forkserver", timeout=60)(workers.identity)(7), flush=True)
+    print("socket directory", multiprocessing.util.get_temp_dir(), flush=True)
 """
 
 
@@ -266,9 +266,10 @@ def test_a_fork_server_starts_under_a_tmpdir_too_long_for_a_unix_socket(tmp_path
     the directory made for it is gone when the script ends."""
     deep = tmp_path / ("scratch-" + "x" * 40) / ("job-" + "y" * 40)
     deep.mkdir(parents=True)
-    before = set(glob.glob("/tmp/pymp-*"))
     done = run_script(write_script(tmp_path, LONG_TMPDIR), tmpdir=deep)
     assert done.returncode == 0, done.stderr
     assert "returned ((7,), {})" in done.stdout, done.stdout + done.stderr
-    assert set(glob.glob("/tmp/pymp-*")) <= before
+    used = done.stdout.split("socket directory ", 1)[1].strip()
+    assert used.startswith("/tmp/pymp-"), used
+    assert not os.path.exists(used)  # removed at exit, as multiprocessing removes its own
     assert list(deep.iterdir()) == []
