@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -92,3 +94,26 @@ def gone(pids: list[int], within: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+@contextlib.contextmanager
+def started_nodes(command: list[str], env: dict[str, str], port: int) -> Iterator[list[subprocess.Popen[str]]]:
+    """Start two "nodes" of a multi-node launch on this machine, each running ``command`` with ``env``; the
+    first hosts the rendezvous store on ``port``, and the second starts once it listens. Yield them; kill
+    what is left at the end."""
+    nodes: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(2):
+            nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            deadline = time.monotonic() + 60
+            while len(nodes) == 1 and time.monotonic() < deadline:  # the store of the first node is listening
+                with socket.socket() as sock, contextlib.suppress(OSError):
+                    sock.connect(("127.0.0.1", port))
+                    break
+                time.sleep(0.1)
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+            node.communicate()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, free_port, write_script
+from tests.helpers import REPO, free_port, started_nodes, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -186,22 +185,8 @@ def lost_nodes(tmp_path: Path, timeout: float, hanging: str) -> Iterator[tuple[l
     env = {**os.environ, "PYTHONPATH": str(REPO), "MPLAUNCH_SHM_DIR": str(shm)}  # a killed node leaves its own
     port = free_port()
     command = [sys.executable, str(script), f"127.0.0.1:{port}", str(ready), str(timeout), hanging]
-    nodes: list[subprocess.Popen[str]] = []
-    try:
-        for _ in range(2):
-            nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-            deadline = time.monotonic() + 60
-            while len(nodes) == 1 and time.monotonic() < deadline:  # the store of the first node is listening
-                with socket.socket() as sock, contextlib.suppress(OSError):
-                    sock.connect(("127.0.0.1", port))
-                    break
-                time.sleep(0.1)
+    with started_nodes(command, env, port) as nodes:
         yield nodes, ready
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-            node.communicate()
 
 
 def wait_ready(nodes: list[subprocess.Popen[str]], ready: Path) -> dict[int, subprocess.Popen[str]]:

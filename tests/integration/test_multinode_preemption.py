@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, free_port, gone, write_script
+from tests.helpers import REPO, free_port, gone, started_nodes, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -74,16 +73,7 @@ def two_nodes(
     env = {**os.environ, "PYTHONPATH": str(REPO), "MPLAUNCH_SHM_DIR": str(shm), "TMPDIR": str(tmpdir)}
     port = free_port()
     command = [sys.executable, str(script), f"127.0.0.1:{port}", str(folder), str(grace), hanging, start_method, how]
-    nodes: list[subprocess.Popen[str]] = []
-    try:
-        for _ in range(2):
-            nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-            deadline = time.monotonic() + 60
-            while len(nodes) == 1 and time.monotonic() < deadline:  # the store of the first node is listening
-                with socket.socket() as sock, contextlib.suppress(OSError):
-                    sock.connect(("127.0.0.1", port))
-                    break
-                time.sleep(0.1)
+    with started_nodes(command, env, port) as nodes:
         deadline = time.monotonic() + 90
         while not all((folder / f"rank{rank}").exists() for rank in (0, 1)):
             ended = [node.communicate() for node in nodes if node.poll() is not None]
@@ -91,11 +81,6 @@ def two_nodes(
             time.sleep(0.1)
         by_pid = {node.pid: node for node in nodes}
         yield {rank: by_pid[int((folder / f"rank{rank}").read_text())] for rank in (0, 1)}, folder
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-            node.communicate()
     workers = [int((folder / f"saved{rank}").read_text()) for rank in (0, 1) if (folder / f"saved{rank}").exists()]
     assert gone(workers)
     assert os.listdir(shm) == []  # every launch directory removed
