@@ -21,7 +21,7 @@ from typing import Any
 
 from mplaunch._errors import LaunchTimeoutError
 from mplaunch._parent.control import LaunchStopped
-from mplaunch._parent.processes import signal_worker
+from mplaunch._parent.signalling import signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.team import Team
 from mplaunch._wire import transport

@@ -16,8 +16,8 @@ from typing import Any
 from mplaunch._errors import LaunchTimeoutError, StallError
 from mplaunch._parent import stacks
 from mplaunch._parent.control import LaunchControl, LaunchStopped
-from mplaunch._parent.processes import kill_leftovers, kill_tree, send_signal, signal_worker
 from mplaunch._parent.report import RankRecords, RankReport
+from mplaunch._parent.signalling import kill_leftovers, kill_tree, send_signal, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.store import Rendezvous
 from mplaunch._wire import transport
@@ -294,7 +294,7 @@ class Supervisor:
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Send ``signum`` (SIGTERM, or the signal the parent got and forwards) to every live worker (each then
         stops what it started); SIGKILL a worker still alive after ``grace_period`` seconds with everything it
-        started (:func:`~mplaunch._parent.processes.kill_tree`); reap all."""
+        started (:func:`~mplaunch._parent.signalling.kill_tree`); reap all."""
         alive = [(rank, p) for rank, p in enumerate(self.processes) if not _ended(self._end(rank))]
         try:
             for rank, process in alive:

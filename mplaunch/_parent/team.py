@@ -27,7 +27,8 @@ from mplaunch._config import ParallelConfig
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import policy
 from mplaunch._parent.directory import launch_directory
-from mplaunch._parent.processes import kill_tree, signal_worker, start_workers
+from mplaunch._parent.processes import start_workers
+from mplaunch._parent.signalling import kill_tree, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.starter import in_starter
 from mplaunch._parent.store import rendezvous
