@@ -18,7 +18,7 @@ import torch
 
 from mplaunch._errors import LaunchRefusedError
 from mplaunch._parent import policy
-from mplaunch._wire import start_objects, transport
+from mplaunch._wire import pickling, start_objects
 from mplaunch._wire.importable import WorkerImports, rerun_main_file, script_source
 
 
@@ -187,11 +187,11 @@ def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], imports:
     """Name the first argument that cannot be pickled for workers that can import ``imports``, and why;
     ``"the function"`` if every argument can."""
     for index, value in enumerate(args):
-        error = transport.pickle_error(value, imports=imports, start_objects=True)
+        error = pickling.pickle_error(value, imports=imports, start_objects=True)
         if error is not None:
             return f"positional argument {index} ({type(value).__qualname__}): {error}"
     for name, value in kwargs.items():
-        error = transport.pickle_error(value, imports=imports, start_objects=True)
+        error = pickling.pickle_error(value, imports=imports, start_objects=True)
         if error is not None:
             return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
     return "the function or the captured global state"

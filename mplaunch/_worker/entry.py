@@ -31,7 +31,7 @@ from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds, terminal_stdin
 from mplaunch._platform.proctree import become_subreaper
 from mplaunch._state.sharing import unshare
-from mplaunch._wire import flags, transport
+from mplaunch._wire import flags, pickling, transport
 from mplaunch._wire.fds import close_memory_files, close_quietly
 from mplaunch._wire.records import (
     PAYLOAD,
@@ -439,7 +439,7 @@ def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome)
             timeout=timedelta(seconds=min(_CONNECT_WAIT, spec.result_wait)),
         )
         if rank == 0:
-            store.set(key, transport.to_bytes(outcome))  # type: ignore[arg-type]
+            store.set(key, pickling.to_bytes(outcome))  # type: ignore[arg-type]
             return
         while _signal_received is None and not flags.is_set():  # stopped or preempted: rank 0's value is moot
             try:
@@ -450,7 +450,7 @@ def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome)
                     raise
         else:
             return  # stopped or preempted by the launch: the node's error is the launch's
-        shared = transport.from_bytes(store.get(key))
+        shared = pickling.from_bytes(store.get(key))
     except RuntimeError as error:  # torch's DistStoreError / DistNetworkError: a store gone or a wait expired
         if rank == 0:
             raise

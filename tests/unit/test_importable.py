@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mplaunch._wire import importable, transport
+from mplaunch._wire import importable, pickling
 from mplaunch._wire.importable import WorkerImports
 from tests import workers
 
@@ -108,7 +108,7 @@ def test_main_objects_follow_how_multiprocessing_prepares_main(tmp_path: Path, m
 
 
 def test_pickled_by_value_even_where_the_parent_finds_it(loaded: types.ModuleType) -> None:
-    data, _ = transport._pickle((loaded.twice, loaded.Box(21)), False, _imports())
+    data, _ = pickling.pickle_object((loaded.twice, loaded.Box(21)), False, _imports())
     del sys.modules["exp"]  # as in a worker, where no "exp" can be imported
     function, box = pickle.loads(data)
     assert function(box).value == 42
@@ -118,9 +118,9 @@ def test_a_list_of_ints_stays_a_plain_pickle(monkeypatch: pytest.MonkeyPatch) ->
     def refuse(file: io.BytesIO, imports: object = None) -> None:
         raise AssertionError("cloudpickle used for plain data")
 
-    monkeypatch.setattr(transport, "_CloudPickler", refuse)
+    monkeypatch.setattr(pickling, "_CloudPickler", refuse)
     value = list(range(10**6))
-    data, pickler = transport._pickle(value, False, _imports())
+    data, pickler = pickling.pickle_object(value, False, _imports())
     assert not pickler.storages
     assert not pickler.buffers
     assert pickle.loads(data) == value

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mplaunch._wire import fds, mappings, transport
+from mplaunch._wire import fds, mappings, pickling, transport
 
 
 def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
@@ -40,7 +40,7 @@ def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
 
 
 def test_small_storages_travel_inline_and_large_ones_in_files(tmp_path: Path) -> None:
-    transport.dump([torch.zeros(10), torch.zeros(transport.INLINE_BYTES // 4)], str(tmp_path), "x")
+    transport.dump([torch.zeros(10), torch.zeros(pickling.INLINE_BYTES // 4)], str(tmp_path), "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin", "x.pkl"]
     assert (tmp_path / "x.pkl").stat().st_size < 1024  # the large storage is not in the pickle
 
@@ -63,7 +63,7 @@ def test_private_maps_do_not_see_each_other(tmp_path: Path) -> None:
 
 
 def test_mapped_storages_hold_no_file_descriptors(tmp_path: Path) -> None:
-    tensors = [torch.zeros(transport.INLINE_BYTES) for _ in range(300)]
+    tensors = [torch.zeros(pickling.INLINE_BYTES) for _ in range(300)]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     transport.dump(tensors, str(tmp_path), "many")
     before = len(os.listdir("/proc/self/fd"))
