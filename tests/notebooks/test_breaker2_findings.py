@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
 
 from tests.notebooks.kernels import _assert_no_launch_directories, _kernel_env, _workers_of
-
-from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402  (after kernels' importorskip)
-from jupyter_client.manager import KernelManager  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +180,8 @@ def test_b2_n4_a_spawn_launch_in_a_kernel_does_not_warn_about_the_kernels_own_ha
     to <_io.TextIOWrapper name=44> on logger 'IPKernelApp'": ipykernel's own handler, which the user never set
     and needs in no rank. Expected: no warning for the kernel's own logging."""
     kernel.run(IMPORTS)
-    cell = kernel.run('print("RESULT", parallel(nprocs=1, timeout=60, start_method="spawn")(os.getpid)() != os.getpid())')
+    cell = kernel.run(
+        'print("RESULT", parallel(nprocs=1, timeout=60, start_method="spawn")(os.getpid)() != os.getpid())'
+    )
     assert "RESULT True" in cell["stdout"], cell
     assert "IPKernelApp" not in cell["stderr"], cell
-
