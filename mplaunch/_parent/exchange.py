@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Generator
 from multiprocessing.connection import Connection, wait
@@ -71,9 +72,10 @@ def exchange(
     grace: float | None = None  # once interrupted: when the ranks must have answered
     if team.pump is not None:
         team.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
+    takes_ctrl_c = threading.current_thread() is threading.main_thread()  # else only our own CANCEL stops it
     for conn in team.conns:
         with contextlib.suppress(OSError):  # a rank that died: its pidfd tells
-            conn.send((CALL, number))
+            conn.send((CALL, number, takes_ctrl_c))
     try:
         yield STARTED  # the caller takes this at once: the ranks run the call whether or not it is read
         while pending:

@@ -35,6 +35,7 @@ from mplaunch._parent.restarts import run_attempts
 from mplaunch._parent.signals import ParentSignalled, ignored_signals, parent_signals
 from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.supervise import Supervisor
+from mplaunch._parent.terminal import terminal_kept
 from mplaunch._state.python import warn_not_carried
 from mplaunch._state.sharing import unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
@@ -70,7 +71,8 @@ def launch(
     control = control or LaunchControl()
     started = time.monotonic()
     try:
-        with parent_signals(), open_files_explained():  # outermost: a SIGTERM unwinds through the clean-ups
+        # outermost: a SIGTERM unwinds through the clean-ups; the terminal is put back after them
+        with terminal_kept(), parent_signals(), open_files_explained():
             return _launch(function, args, kwargs, config, frame, control)
     except BaseException as error:
         set_attribute(error, "report", _report(control, started))

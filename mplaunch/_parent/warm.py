@@ -28,6 +28,7 @@ from mplaunch._parent.directory import space_hint
 from mplaunch._parent.exchange import start
 from mplaunch._parent.stream import Queued, Stream, ours
 from mplaunch._parent.team import Busy, Held, Team
+from mplaunch._parent.terminal import terminal_kept
 from mplaunch._wire import transport
 from mplaunch._wire.importable import worker_imports
 from mplaunch._wire.records import Call, RankState, Returned, Stopped, call_name, set_attribute
@@ -257,7 +258,7 @@ class Workers:
         return number
 
     def _call(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: LaunchControl | None) -> Any:
-        with self._busy():
+        with self._busy(), terminal_kept():
             team = self._team()
             number = self._send(team, function, args, kwargs)
             calling = start(team, number, None if control is None else control.fileno(), self.config.timeout)

@@ -72,7 +72,7 @@ class LoggingState:
         for name, logger in [(None, logging.root), *list(logging.Logger.manager.loggerDict.items())]:
             if not isinstance(logger, logging.Logger):  # a PlaceHolder
                 continue
-            if name is not None and _is_default(logger):
+            if name is not None and (_is_default(logger) or name.split(".")[0] in _KERNEL_LOGGERS):
                 continue
             label = "the root logger" if name is None else f"logger {name!r}"
             handlers = tuple(_describe(handler, keys, label, not_carried) for handler in list(logger.handlers))
@@ -116,6 +116,11 @@ class LoggingState:
             logging.disable(self.disable)
         if self.capture_warnings != (warnings.showwarning is getattr(logging, "_showwarning", None)):
             logging.captureWarnings(self.capture_warnings)
+
+
+#: Loggers of a Jupyter kernel's own machinery, which it sets up for itself: no rank needs them, and they
+#: are neither carried to spawned ranks nor warned about.
+_KERNEL_LOGGERS = ("IPKernelApp", "ipykernel", "traitlets", "jupyter_client", "tornado")
 
 
 def _where(what: str, labels: list[str]) -> str:

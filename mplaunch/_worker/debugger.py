@@ -17,6 +17,7 @@ import os
 import pdb
 import signal
 import sys
+from typing import Any
 
 from mplaunch._wire.records import WorkerSpec
 
@@ -102,13 +103,17 @@ def install_breakpoint_hook(spec: WorkerSpec, rank: int) -> None:
     """Make ``breakpoint()`` in this rank open pdb on the caller's terminal, one rank at a time, the prompt
     naming the rank (:class:`_RankPdb`). Without a terminal (a notebook's rank, input from a pipe) it says
     so on stderr, points to ``fn.debug()``, and the rank goes on, rather than pdb reading an empty stdin and
-    raising ``BdbQuit``. A hook the user set (``sys.breakpointhook``, ``PYTHONBREAKPOINT``) is left alone.
+    raising ``BdbQuit``. A hook the user set (``sys.breakpointhook``, ``PYTHONBREAKPOINT``) is left alone; a
+    Jupyter kernel's (its debugger's, inherited by a forked rank) is not the user's. In a rank forked from a
+    kernel, ``input()`` raises ``EOFError`` at once instead of waiting for the kernel's input box.
 
     Args:
         spec: the launch's spec (its directory holds the lock that lets one rank debug at a time).
         rank: this worker's global rank, for the prompt.
     """
-    if sys.breakpointhook is not sys.__breakpointhook__ or os.environ.get("PYTHONBREAKPOINT"):
+    _forget_kernel_input()
+    own = sys.breakpointhook is not sys.__breakpointhook__ and not _from_a_kernel(sys.breakpointhook)
+    if own or os.environ.get("PYTHONBREAKPOINT"):
         return
     path = os.path.join(spec.directory, _BREAKPOINT_LOCK)
 
@@ -130,6 +135,37 @@ def install_breakpoint_hook(spec: WorkerSpec, rank: int) -> None:
         _RankPdb(rank, lock).set_trace(sys._getframe(1))
 
     sys.breakpointhook = hook
+
+
+#: Modules whose hooks a Jupyter kernel installs (its debugger, its input box): in a rank forked from the
+#: kernel they would talk to the kernel's front end over the kernel's own connection, which is not the rank's.
+_KERNEL_MODULES = ("ipykernel", "debugpy", "pydevd", "_pydevd", "IPython")
+
+
+def _from_a_kernel(function: object) -> bool:
+    """Whether ``function`` belongs to a Jupyter kernel (see :data:`_KERNEL_MODULES`), not to the user."""
+    module = getattr(function, "__module__", None) or getattr(getattr(function, "__func__", None), "__module__", "")
+    return str(module).split(".")[0] in _KERNEL_MODULES
+
+
+def _no_input(*args: object, **kwargs: object) -> str:
+    raise EOFError(
+        "input() in a rank: a rank of a notebook's launch has no input box (the kernel's is the notebook's). "
+        "Pass the value as an argument, or debug the function in this process with fn.debug(...)."
+    )
+
+
+def _forget_kernel_input() -> None:
+    """In a rank forked from a Jupyter kernel: ``input()`` and ``getpass.getpass()`` are the kernel's, which
+    ask the notebook for an input box over the kernel's connection; in the rank they would wait forever (pdb
+    too, which reads with ``input()``). They raise ``EOFError`` at once instead, as a spawned rank's do."""
+    import builtins
+
+    if _from_a_kernel(builtins.input):
+        builtins.input = _no_input
+    getpass: Any = sys.modules.get("getpass")
+    if getpass is not None and _from_a_kernel(getpass.getpass):
+        getpass.getpass = _no_input
 
 
 def _reads_a_terminal() -> bool:

@@ -52,6 +52,8 @@ from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.process_group import process_group
 
 _in_call = False  # SIGINT raises KeyboardInterrupt only while a call runs
+_takes_ctrl_c = True  # the call runs in the caller's main thread: a Ctrl-C to the caller's group stops it
+_current: tuple[Connection, int] | None = None  # the pipe and number of the call that runs
 
 
 class _Cancelled(KeyboardInterrupt):
@@ -59,7 +61,11 @@ class _Cancelled(KeyboardInterrupt):
 
 
 def _on_interrupt(signum: int, frame: object) -> None:
-    if _in_call:
+    """SIGINT in a warm rank: interrupt the call that runs, if the parent cancelled it (it sends CANCEL
+    before its SIGINT) or if the call takes a Ctrl-C (made from the caller's main thread). A submitted call
+    runs on when a terminal's Ctrl-C, or a notebook's interrupt of an idle kernel, reaches the whole group,
+    as a submitted launch's workers do."""
+    if _in_call and (_takes_ctrl_c or (_current is not None and _current[0].poll(0) and _cancelled(*_current))):
         raise KeyboardInterrupt()
 
 
@@ -102,16 +108,17 @@ def _loop(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         if message[0] == EXIT:
             return
         if message[0] == CALL:
-            _serve_call(rank, spec, conn, message[1])
+            _serve_call(rank, spec, conn, message[1], message[2] if len(message) > 2 else True)
         # a CANCEL of a call already done is stale: ignored
 
 
 _early: list[tuple[Any, ...]] = []  # a message read ahead while looking for a CANCEL (an EXIT)
 
 
-def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int) -> None:
+def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int, takes_ctrl_c: bool = True) -> None:
     """Run call ``number``, write its outcome, and say so."""
-    global _in_call
+    global _in_call, _takes_ctrl_c, _current
+    _takes_ctrl_c, _current = takes_ctrl_c, (conn, number)
     raised_at = None
     try:
         try:

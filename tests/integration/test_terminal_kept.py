@@ -1,6 +1,6 @@
-"""Break-it findings (session breaker2) in a real pseudo-terminal (pexpect). Each test names its finding;
-each fails on main at the time of writing. The script prints the terminal's local modes before and after the
-call: a call that ends must give the user's terminal back as it found it (echo, canonical input, signals)."""
+"""The caller's terminal after a launch that stopped its ranks, in a real pseudo-terminal (pexpect). The
+script prints the terminal's local modes before and after the call: a call that ends with an error gives the
+user's terminal back as it found it (echo, canonical input, signals)."""
 
 from __future__ import annotations
 
@@ -75,30 +75,29 @@ def _modes(child: pexpect.spawn, tag: str) -> str:
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_b2_t1_ctrl_c_at_a_ranks_pdb_prompt_gives_the_terminal_back_with_echo(
+def test_ctrl_c_at_a_ranks_pdb_prompt_gives_the_terminal_back_with_echo(
     terminal: list[pexpect.spawn], tmp_path: Path, start_method: str
 ) -> None:
-    """Finding T1: both ranks call breakpoint(); Ctrl-C at the first ``(Pdb rank N)`` prompt. The call ends
-    (KeyboardInterrupt), but the terminal is left as pdb's readline set it while prompting: no echo, no
-    canonical input (``-echo -icanon`` after the program; a shell keeps it so). Expected: the modes found."""
+    """Both ranks call breakpoint(); Ctrl-C at the first ``(Pdb rank N)`` prompt. The call ends
+    (KeyboardInterrupt); the terminal was left as pdb's readline set it while prompting: no echo, no
+    canonical input (``-echo -icanon`` after the program; a shell keeps it so)."""
     child = _start(terminal, tmp_path, "both_stop", start_method, "60")
     before = _modes(child, "BEFORE")
     child.expect(r"\(Pdb rank \d\) ")
     child.sendintr()
     child.expect_exact("RAISED KeyboardInterrupt")
-    assert _modes(child, "AFTER") == before  # main: ECHO=0 ICANON=0 ISIG=1
+    assert _modes(child, "AFTER") == before  # it was ECHO=0 ICANON=0 ISIG=1
     child.expect(pexpect.EOF)
 
 
-def test_b2_t2_a_rank_that_set_raw_mode_and_is_stopped_leaves_the_terminal_raw(
+def test_a_rank_stopped_after_it_set_raw_mode_leaves_the_terminal_as_found(
     terminal: list[pexpect.spawn], tmp_path: Path
 ) -> None:
-    """Finding T2: rank 0 calls ``tty.setraw(0)`` and the launch times out; mplaunch stops it (SIGTERM, then
-    SIGKILL), and the terminal stays raw after the call: no echo, and Ctrl-C no longer interrupts. A shell
-    restores the modes of a job that a signal killed, not of one that exits normally, as the launching
-    program does here. Expected: the launch that stopped the rank gives the terminal back as it found it."""
+    """Rank 0 calls ``tty.setraw(0)`` and the launch times out; mplaunch stops it (SIGTERM, then SIGKILL). The
+    terminal stayed raw after the call: no echo, and Ctrl-C no longer interrupted. A shell restores the modes
+    of a job that a signal killed, not of one that exits normally, as the launching program does here."""
     child = _start(terminal, tmp_path, "raw_then_hang", "fork", "5")
     before = _modes(child, "BEFORE")
     child.expect_exact("RAISED LaunchTimeoutError", timeout=60)
-    assert _modes(child, "AFTER") == before  # main: ECHO=0 ICANON=0 ISIG=0
+    assert _modes(child, "AFTER") == before  # it was ECHO=0 ICANON=0 ISIG=0
     child.expect(pexpect.EOF)

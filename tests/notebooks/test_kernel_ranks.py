@@ -1,7 +1,6 @@
-"""Break-it findings (session breaker2) in a real Jupyter kernel. Each test names its finding; each fails on
-main at the time of writing. The kernel is driven with jupyter_client directly (not nbclient), because
-Jupyter's own front ends allow stdin (``allow_stdin=True``) and interrupt an idle kernel, which nbclient
-never does."""
+"""Ranks of a launch in a real Jupyter kernel driven as JupyterLab drives it: with jupyter_client directly
+(not nbclient), because Jupyter's own front ends allow stdin (``allow_stdin=True``) and interrupt an idle
+kernel, which nbclient never does."""
 
 from __future__ import annotations
 
@@ -84,9 +83,9 @@ def _wait_for(paths: list[Path], timeout: float = 60) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_b2_n1_breakpoint_in_a_fork_rank_of_a_kernel_prints_guidance(kernel: Kernel) -> None:
-    """Finding N1: ipykernel sets ``sys.breakpointhook`` (debugpy's); a fork rank inherits it, mplaunch takes it
-    for the user's own hook and leaves it, and ``breakpoint()`` does nothing, silently. Under spawn the rank
+def test_breakpoint_in_a_fork_rank_of_a_kernel_prints_guidance(kernel: Kernel) -> None:
+    """ipykernel sets ``sys.breakpointhook`` (debugpy's); a fork rank inherits it. mplaunch took it for the
+    user's own hook and left it, and ``breakpoint()`` did nothing, silently. Under spawn the rank
     prints the promised guidance ("breakpoint() in rank N skipped ... fn.debug(...)")."""
     kernel.run(IMPORTS)
     cell = kernel.run(
@@ -100,14 +99,14 @@ print("RESULT", stop_here())
 """
     )
     assert "RESULT 1" in cell["stdout"], cell
-    assert "breakpoint() in rank 0 skipped" in cell["stderr"], cell  # main: no message at all
+    assert "breakpoint() in rank 0 skipped" in cell["stderr"], cell  # it printed nothing
 
 
 @pytest.mark.timeout(180)
-def test_b2_n2_input_in_a_fork_rank_does_not_hang_a_kernel_that_allows_stdin(kernel: Kernel) -> None:
-    """Finding N2: JupyterLab allows stdin. ``input()`` in a fork rank calls ipykernel's ``raw_input`` copied
+def test_input_in_a_fork_rank_does_not_hang_a_kernel_that_allows_stdin(kernel: Kernel) -> None:
+    """JupyterLab allows stdin. ``input()`` in a fork rank calls ipykernel's ``raw_input`` copied
     into the child: no input box reaches the front end, and the call hangs until ``timeout`` (forever without
-    one). Under spawn the rank gets EOFError at once. Expected: an error at once, under fork too (here: well
+    one). Under spawn the rank gets EOFError at once. The fix: an error at once, under fork too (here: well
     before the timeout)."""
     kernel.run(IMPORTS)
     started = time.monotonic()
@@ -128,18 +127,16 @@ except BaseException as error:
         kernel.client.input("typed")
         raise AssertionError(f"an input box was shown and answered: {request['content']}")
     cell = kernel.outputs(msg_id)
-    assert "LaunchTimeoutError" not in cell["stdout"], cell  # main: RAISED LaunchTimeoutError after 40 s
+    assert "LaunchTimeoutError" not in cell["stdout"], cell  # it was RAISED LaunchTimeoutError after 40 s
     assert time.monotonic() - started < 30, cell
 
 
 @pytest.mark.timeout(240)
-def test_b2_n3_interrupting_an_idle_kernel_does_not_fail_a_workers_submit_as_an_exit(
-    kernel: Kernel, tmp_path: Path
-) -> None:
-    """Finding N3: interrupt an idle kernel (Jupyter's button sends SIGINT to its process group) while
-    ``workers.submit()`` runs. ``fn.submit()`` keeps running there, but the warm call fails with
+def test_interrupting_an_idle_kernel_does_not_fail_a_workers_submit_as_an_exit(kernel: Kernel, tmp_path: Path) -> None:
+    """Interrupt an idle kernel (Jupyter's button sends SIGINT to its process group) while
+    ``workers.submit()`` runs. ``fn.submit()`` keeps running there, but the warm call failed with
     ``WorkerExitedError: rank 1 (pid N) raised KeyboardInterrupt() before returning, so it has no result
-    (exit code 130)``: the rank did not exit (the same pids serve the next call). Expected: as ``fn.submit()``
+    (exit code 130)``: the rank did not exit (the same pids serve the next call). The fix: as ``fn.submit()``
     (the call goes on), or a cancelled call; never an exit that did not happen."""
     kernel.run(IMPORTS)
     kernel.run(
@@ -170,15 +167,15 @@ cold.cancel(); warm.cancel(); workers.close()
     )
     assert "COLD True" in cell["stdout"], cell
     assert "SAME True" in cell["stdout"], cell
-    assert "WorkerExitedError" not in cell["stdout"], cell  # main: WARM WorkerExitedError ... (exit code 130)
+    assert "WorkerExitedError" not in cell["stdout"], cell  # it was WARM WorkerExitedError ... (exit code 130)
     assert _workers_of(kernel.pid) == [], "workers left"
 
 
 @pytest.mark.timeout(120)
-def test_b2_n4_a_spawn_launch_in_a_kernel_does_not_warn_about_the_kernels_own_handler(kernel: Kernel) -> None:
-    """Finding N4 (message): the first spawn launch of each cell warns that workers do not get "logging.StreamHandler
+def test_a_spawn_launch_in_a_kernel_does_not_warn_about_the_kernels_own_handler(kernel: Kernel) -> None:
+    """the first spawn launch of each cell warns that workers do not get "logging.StreamHandler
     to <_io.TextIOWrapper name=44> on logger 'IPKernelApp'": ipykernel's own handler, which the user never set
-    and needs in no rank. Expected: no warning for the kernel's own logging."""
+    and needs in no rank. The fix: no warning for the kernel's own logging."""
     kernel.run(IMPORTS)
     cell = kernel.run(
         'print("RESULT", parallel(nprocs=1, timeout=60, start_method="spawn")(os.getpid)() != os.getpid())'
