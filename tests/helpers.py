@@ -117,3 +117,15 @@ def started_nodes(command: list[str], env: dict[str, str], port: int) -> Iterato
             if node.poll() is None:
                 node.kill()
             node.communicate()
+
+
+def outputs_of(nodes: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Each of ``nodes``' standard output once it ended, waiting at most ``timeout`` seconds for each; kill
+    those still running if waiting fails."""
+    try:
+        return [node.communicate(timeout=timeout)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()

@@ -117,12 +117,11 @@ class RankRecords:
             process.join()
             return
         popen, pid = getattr(process, "_popen", None), process.pid
-        unreaped = self.children and popen is not None and popen.returncode is None and pid is not None
-        if popen is None or pid is None or not unreaped or _killed(pid):
-            counters, before = self._counters.get(rank, ((), None))
-            after = oom_kills(counters)  # before reaping: the cgroup is the one it died in
-            self._oom_kills[rank] = None if before is None or after is None else after - before
-        if unreaped and popen is not None and pid is not None:
+        if not self.children or popen is None or popen.returncode is not None or pid is None:
+            self._count_oom_kills(rank)  # not this process's to reap, or reaped already
+        else:
+            if _killed(pid):  # only a SIGKILL can be the killer's
+                self._count_oom_kills(rank)
             try:
                 found, status, usage = os.wait4(pid, 0)
             except ChildProcessError:
@@ -133,6 +132,13 @@ class RankRecords:
                     self._usage[rank] = (usage.ru_maxrss * 1024, usage.ru_utime, usage.ru_stime)
         process.join()
         self._ended[rank] = time.monotonic()
+
+    def _count_oom_kills(self, rank: int) -> None:
+        """Note how many kills ``rank``'s cgroup counted since it started; read before it is reaped (the
+        cgroup is the one it died in)."""
+        counters, before = self._counters.get(rank, ((), None))
+        after = oom_kills(counters)
+        self._oom_kills[rank] = None if before is None or after is None else after - before
 
     def oom_kills(self, rank: int) -> int | None:
         """How many processes the out-of-memory killer ended in ``rank``'s cgroup while it ran, or ``None``."""

@@ -18,7 +18,7 @@ import torch.multiprocessing
 
 from mplaunch import LaunchRefusedError, StartMethod, parallel
 from tests import workers
-from tests.helpers import REPO, free_port, write_script
+from tests.helpers import REPO, free_port, outputs_of, write_script
 
 ALL_METHODS = ["fork", "forkserver", "spawn"]
 TIMEOUT = 90  # only a deadlock reaches it
@@ -104,11 +104,5 @@ def test_each_node_sends_its_objects_to_its_own_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [sys.executable, str(script), endpoint]
     nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
-    try:
-        outputs = [node.communicate(timeout=150)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.communicate()
+    outputs = outputs_of(nodes, timeout=150)
     assert sorted(outputs) == ["got 0 0 0\n", "got 0 1 1\n"], outputs  # rank 0's value; the node's own rank

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, free_port, started_nodes, write_script
+from tests.helpers import REPO, free_port, outputs_of, started_nodes, write_script
 
 pytestmark = pytest.mark.slow
 
@@ -63,13 +63,7 @@ def run_nodes(tmp_path: Path, count: int, fail_rank: int, rdzv_timeout: float = 
         )
         for _ in range(count)
     ]
-    try:
-        outputs = [node.communicate(timeout=150)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.communicate()
+    outputs = outputs_of(nodes, timeout=150)
     leftovers = [p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_")]  # torch's own cache
     assert leftovers == []  # no log or error files left behind
     for output in outputs:
