@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,10 +34,20 @@ def main_thread_in(function_name: str, path_end: str = "") -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous endpoint)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that was free a moment ago (for a rendezvous endpoint the test names itself), drawn below the
+    kernel's ephemeral range: a port that a store of another test running meanwhile (pytest-xdist) binds as
+    port 0 is never it. A port 0 picked and released here could be given to that store before the test used it."""
+    low = 20000
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            low = min(low, int(ranges.read().split()[0]) - 2000)
+    generator = random.SystemRandom()
+    for _ in range(100):
+        port = generator.randrange(max(1024, low - 10000), low)
+        with socket.socket() as sock, contextlib.suppress(OSError):
+            sock.bind(("", port))
+            return port
+    raise RuntimeError("no free TCP port found below the ephemeral range")
 
 
 def write_script(tmp_path: Path, body: str) -> Path:

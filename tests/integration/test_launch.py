@@ -10,6 +10,7 @@ import torch
 
 from mplaunch import StartMethod, parallel
 from tests import workers
+from tests.helpers import free_port
 
 ALL_METHODS = ["fork", "forkserver", "spawn"]
 TIMEOUT = 90  # only a deadlock reaches it
@@ -101,11 +102,7 @@ def test_an_address_not_of_this_machine_is_refused_at_once(monkeypatch: pytest.M
 
 
 def test_user_master_addr_and_port_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "localhost")
     monkeypatch.setenv("MASTER_PORT", str(port))
     result = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.rank_and_env)()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import Future
 from datetime import timedelta
 
@@ -12,17 +11,12 @@ import pytest
 import mplaunch
 from mplaunch import InvalidOptionError, StartMethod, parallel
 from tests import compat_workers
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.helpers import free_port
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_the_ddp_tutorial_runs_under_spawn_compat(start_method: StartMethod) -> None:
-    port = _free_port()
+    port = free_port()
     total = mplaunch.spawn(
         compat_workers.tutorial_main, args=(2, port), nprocs=2, start_method=start_method, timeout=100
     )
@@ -31,7 +25,7 @@ def test_the_ddp_tutorial_runs_under_spawn_compat(start_method: StartMethod) -> 
 
 @pytest.mark.parametrize("init_method", [None, "tcp"])
 def test_a_rank_that_sets_its_own_rendezvous_gets_it(init_method: str | None) -> None:
-    port = _free_port()
+    port = free_port()
     url = None if init_method is None else f"tcp://localhost:{port}"
     fn = parallel(nprocs=2, start_method="fork", timeout=60, return_all=True)(compat_workers.tutorial_in_rank)
     assert fn(port, url) == [3.0, 3.0]
@@ -39,7 +33,7 @@ def test_a_rank_that_sets_its_own_rendezvous_gets_it(init_method: str | None) ->
 
 def test_a_debugged_call_that_sets_its_own_rendezvous_gets_it() -> None:
     fn = parallel(nprocs=2, start_method="fork", timeout=60)(compat_workers.tutorial_in_rank)
-    assert fn.debug(_free_port(), timeout=timedelta(seconds=20)) == 1.0
+    assert fn.debug(free_port(), timeout=timedelta(seconds=20)) == 1.0
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

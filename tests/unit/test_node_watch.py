@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +20,7 @@ from mplaunch._multinode.watch import NodeWatch, WatchedRendezvous
 from mplaunch._wire import transport
 from mplaunch._wire.records import REMOTE_RANK0, Raised, Returned, WorkerSpec
 from mplaunch._worker.entry import _share_rank0
+from tests.helpers import free_port
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -127,9 +127,7 @@ def test_timeout_ends_this_node() -> None:
 
 def test_the_wait_for_rank_0s_result_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's node never publishes (it is gone, the store lives on): node 1 stops waiting after result_wait."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GROUP_RANK": "1"}.items():
         monkeypatch.setenv(name, value)
