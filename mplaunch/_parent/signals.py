@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+from mplaunch._platform.signals import SIG_IGN, getsignal, pthread_sigmask, set_handler
+
 #: Signals that end a launch, the workers being stopped with the same signal (SIGTERM is how a launch stops
 #: its workers anyway).
 ENDING = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -47,7 +49,7 @@ def ignored_signals() -> frozenset[int]:
     launch is stopped when an interrupted notebook cell ends, when ``result()`` is interrupted, or at exit.
     The workers of such a launch, in the terminal's foreground job too, leave the terminal's Ctrl-C to it.
     """
-    ignored = {signum for signum in HELD if signal.getsignal(signum) is signal.SIG_IGN}
+    ignored = {signum for signum in HELD if getsignal(signum) == SIG_IGN}
     if threading.current_thread() is not threading.main_thread():
         ignored.add(signal.SIGINT)
     return frozenset(ignored)
@@ -68,8 +70,8 @@ def parent_signals() -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous: dict[int, Any] = {signum: signal.getsignal(signum) for signum in ENDING}
-        handled: list[int] = [signum for signum, handler in previous.items() if handler not in (signal.SIG_IGN, None)]
+        previous: dict[int, Any] = {signum: getsignal(signum) for signum in ENDING}
+        handled: list[int] = [signum for signum, handler in previous.items() if handler not in (SIG_IGN, None)]
         owner = os.getpid()
         received: list[int] = []
 
@@ -81,7 +83,7 @@ def parent_signals() -> Iterator[None]:
                 raise ParentSignalled(signum)
 
         for signum in handled:
-            signal.signal(signum, handler)
+            set_handler(signum, handler)
         try:
             yield
         except ParentSignalled as stop:
@@ -93,7 +95,7 @@ def parent_signals() -> Iterator[None]:
 
 def _restore(previous: dict[int, Any], handled: list[int]) -> None:
     for signum in handled:
-        signal.signal(signum, previous[signum])
+        set_handler(signum, previous[signum])
 
 
 def _end_as(signum: int, previous: Any) -> None:
@@ -121,7 +123,7 @@ def exit_statuses_kept() -> Iterator[None]:
     global _children_users
     setter = _libc_signal()
     with _children_lock:
-        reset = _children_users > 0 or (setter is not None and signal.getsignal(signal.SIGCHLD) is signal.SIG_IGN)
+        reset = _children_users > 0 or (setter is not None and getsignal(signal.SIGCHLD) == SIG_IGN)
         if reset:
             if _children_users == 0:
                 setter(signal.SIGCHLD, 0)  # SIG_DFL
@@ -132,7 +134,7 @@ def exit_statuses_kept() -> Iterator[None]:
         if reset:
             with _children_lock:
                 _children_users -= 1
-                if _children_users == 0 and signal.getsignal(signal.SIGCHLD) is signal.SIG_IGN:
+                if _children_users == 0 and getsignal(signal.SIGCHLD) == SIG_IGN:
                     setter(signal.SIGCHLD, 1)  # SIG_IGN, as found
                     _reap_ended()
 
@@ -169,21 +171,24 @@ def signals_held() -> Iterator[None]:
     the main thread the Python handlers meanwhile only note what came, and it is raised again, to the real
     handlers, on exit.
     """
-    blocked = set(HELD)
     noted: list[int] = []
     replaced: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for signum in sorted(blocked):
-            handler = signal.getsignal(signum)
+
+        def note(number: int, frame: FrameType | None) -> None:
+            noted.append(number)
+
+        for signum in HELD:
+            handler = getsignal(signum)
             if callable(handler):
                 replaced[signum] = handler
-                signal.signal(signum, lambda number, frame: noted.append(number))
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+                set_handler(signum, note)
+    previous = pthread_sigmask(signal.SIG_BLOCK, HELD)
     try:
         yield
     finally:
         for number, handler in replaced.items():
-            signal.signal(number, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            set_handler(number, handler)
+        pthread_sigmask(signal.SIG_SETMASK, previous)
         for number in dict.fromkeys(noted):
             signal.raise_signal(number)

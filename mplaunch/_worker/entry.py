@@ -30,6 +30,7 @@ from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
 from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds, terminal_stdin
 from mplaunch._platform.proctree import become_subreaper
+from mplaunch._platform.signals import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, pickling, transport
 from mplaunch._wire.fds import close_memory_files, close_quietly
@@ -318,11 +319,11 @@ def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = N
     _worker_pid = os.getpid()
     for signum in _STOP_SIGNALS:  # one the caller ignores (nohup: SIGHUP) is ignored here too
         ignored = signum in spec.ignored_signals and signum != signal.SIGTERM  # SIGTERM: how a launch stops it
-        signal.signal(signum, signal.SIG_IGN if ignored else _on_signal)
+        set_handler(signum, SIG_IGN if ignored else _on_signal)
     if on_interrupt is not None:
-        signal.signal(signal.SIGINT, on_interrupt)
-    if signal.getsignal(signal.SIGCHLD) is signal.SIG_IGN:  # inherited: the rank's children's codes would be lost
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        set_handler(signal.SIGINT, on_interrupt)
+    if getsignal(signal.SIGCHLD) == SIG_IGN:  # inherited: the rank's children's codes would be lost
+        set_handler(signal.SIGCHLD, SIG_DFL)
     os.register_at_fork(after_in_child=_default_signals)  # the worker's children (DataLoader's...) get Python's
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
@@ -338,7 +339,7 @@ def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = N
     # rank may read and configure the terminal; orphans stay in the worker's tree, which stops it all
     become_subreaper()
     terminal_stdin()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
+    pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
 
 
 def set_up(rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None) -> None:
