@@ -30,11 +30,16 @@ class InheritedFd:
 
 
 def _rebuild(dup: Any) -> InheritedFd:
-    return InheritedFd(dup.detach())
+    fd = dup.detach()
+    _MADE.add(fd)  # a memory file or not: close_memory_files looks before it closes
+    return InheritedFd(fd)
 
 
 #: The start of the name of every memory file mplaunch makes.
 PREFIX = "mplaunch-"
+#: The descriptors of memory files made or received in this process that may still be open: where
+#: :func:`close_memory_files` looks, instead of listing every descriptor of the process.
+_MADE: set[int] = set()
 
 
 def memory_file(name: str) -> int | None:
@@ -52,25 +57,22 @@ def memory_file(name: str) -> int | None:
     if create is None:
         return None
     try:
-        return int(create(PREFIX + name, os.MFD_CLOEXEC))
+        fd = int(create(PREFIX + name, os.MFD_CLOEXEC))
     except OSError:
         return None
+    _MADE.add(fd)
+    return fd
 
 
 def close_memory_files(keep: set[int]) -> None:
     """Close every descriptor of a memory file of mplaunch's in this process but those in ``keep``: a forked
     worker inherits those of every launch its parent runs at the time (``submit()``), and would hold their
-    memory until it exits."""
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return
-    for name in names:
-        fd = int(name)
-        if fd in keep:
-            continue
+    memory until it exits. A noted number that now names something else (closed elsewhere, then reused) is
+    left open."""
+    for fd in [fd for fd in _MADE if fd not in keep]:
+        _MADE.discard(fd)
         try:
-            target = os.readlink(f"/proc/self/fd/{name}")
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
         if target.startswith(f"/memfd:{PREFIX}"):
@@ -81,6 +83,7 @@ def close_quietly(*fds: int | None) -> None:
     """Close each descriptor that is not ``None``, ignoring one already closed."""
     for fd in fds:
         if fd is not None:
+            _MADE.discard(fd)
             try:
                 os.close(fd)
             except OSError:
