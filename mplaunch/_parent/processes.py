@@ -16,6 +16,7 @@ import multiprocessing.popen_fork
 import multiprocessing.process
 import multiprocessing.util
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -89,13 +90,30 @@ def start_workers(
                 context.set_forkserver_preload(preload)
                 short_socket_directory()
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-            with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
-                kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]
-                for rank in range(spec.nprocs):
-                    worker = (rank, _for_rank(spec, rank), payload, *(rank_args[rank] if rank_args else ()))
-                    process = kind(target=target, args=worker, name=f"mplaunch-rank{rank}", daemon=False)
-                    process.start()
-                    started(process)
+            kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]
+            processes = [
+                kind(
+                    target=target,
+                    args=(rank, _for_rank(spec, rank), payload, *(rank_args[rank] if rank_args else ())),
+                    name=f"mplaunch-rank{rank}",
+                    daemon=False,
+                )
+                for rank in range(spec.nprocs)
+            ]
+            parent = os.pidfd_open(os.getpid()) if spec.start_method == "fork" and _pidfds_work() else None
+            try:
+                with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
+                    if parent is not None:
+                        multiprocessing.util._flush_std_streams()  # type: ignore[attr-defined] # once: none between
+                    for rank, process in enumerate(processes):  # noqa: B007 - the rank that failed is reported
+                        if parent is not None:
+                            _fork(process, parent)
+                        else:
+                            process.start()
+                        started(process)
+            finally:
+                if parent is not None:
+                    os.close(parent)  # each worker has its own copy
     except (OSError, EOFError) as error:
         if spec.start_method == "forkserver":
             _forget_dead_forkserver()
@@ -104,6 +122,55 @@ def start_workers(
             raise
         traceback.clear_frames(error.__traceback__)  # multiprocessing's half-made Popen: its finalizer closes its pipes
         raise refused from error
+
+
+def _fork(process: BaseProcess, parent: int) -> None:
+    """Fork ``process``, as ``multiprocessing`` does (the child runs its ``_bootstrap``, so it is
+    ``current_process()`` there), without what ``multiprocessing`` adds for a child that nobody else waits on:
+    two pipes, a finalizer, and a poll of every earlier child, per start. The worker is waited on through a
+    pidfd, and sees its parent through ``parent``, a pidfd of this process (``parent_process()``). It is not
+    one of ``multiprocessing``'s children: starting another process (a fork from another thread) never reaps
+    it before the launch does."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = process._bootstrap(parent_sentinel=parent)  # type: ignore[attr-defined]
+        finally:
+            os._exit(code)
+    try:
+        popen = process._popen = _Forked(pid)  # type: ignore[attr-defined]
+    except BaseException:  # no descriptor left for its pidfd: the worker must not outlive the refusal
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    process._sentinel = popen.sentinel  # type: ignore[attr-defined]
+
+
+class _Forked(multiprocessing.popen_fork.Popen):
+    """``multiprocessing``'s handle of a child that :func:`_fork` forked (poll, wait, terminate, kill); its
+    ``sentinel`` is a pidfd, closed with it."""
+
+    def __init__(self, pid: int) -> None:  # (not super().__init__: that forks)
+        self.pid = pid
+        self.returncode = None
+        self.finalizer = None
+        self.sentinel = os.pidfd_open(pid)
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1
+
+
+@functools.lru_cache(maxsize=1)
+def _pidfds_work() -> bool:
+    """Whether this kernel gives pidfds (Linux 5.3+), which :func:`_fork` needs."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 class _ForkPopen(multiprocessing.popen_fork.Popen):

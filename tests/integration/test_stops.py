@@ -152,22 +152,23 @@ def test_a_ctrl_c_that_another_thread_receives_while_workers_fork_is_delivered_a
     Python then ran the handler in the main thread mid-fork, e.g. inside logging's fork hook, where CPython
     prints "Exception ignored" and drops the KeyboardInterrupt. Now it is noted and raised once every worker
     has started, and the launch stops them."""
-    import multiprocessing.process
     import threading
 
     started: list[int] = []
-    start = multiprocessing.process.BaseProcess.start
+    fork = os.fork
 
-    def start_with_ctrl_c_from_a_thread(process: Any) -> None:
+    def fork_with_ctrl_c_from_a_thread() -> int:  # every way of forking a worker forks through it
         if not started:
             sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
             sender.start()
             sender.join()  # delivered to the sender thread: the main thread blocks SIGINT here
             time.sleep(0.01)
-        start(process)
-        started.append(process.pid)
+        pid = fork()
+        if pid:
+            started.append(pid)
+        return pid
 
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start_with_ctrl_c_from_a_thread)
+    monkeypatch.setattr(os, "fork", fork_with_ctrl_c_from_a_thread)
     with pytest.raises(KeyboardInterrupt):
         launch(workers.sleep)(30)
     assert len(started) == 2  # the signal waited for the last fork
