@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import signal
 import sys
@@ -893,3 +894,15 @@ def handlers_in_a_forked_child() -> str:
     os.close(read_end)
     os.waitpid(pid, 0)
     return seen
+
+
+def multiprocessing_view() -> tuple[str, int | None, bool, bool]:
+    """What ``multiprocessing`` says in this rank: its process name, its parent's pid, whether the parent is
+    alive, and whether this rank is listed among the children of the process that launched it (never)."""
+    parent = multiprocessing.parent_process()
+    return (
+        multiprocessing.current_process().name,
+        None if parent is None else parent.pid,
+        parent is not None and parent.is_alive(),
+        bool(multiprocessing.active_children()),
+    )

@@ -113,3 +113,13 @@ def test_large_fork_arguments_are_walked_only_when_the_parent_says_so(
     run = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(len)
     assert run(list(range(10**6))) == [10**6, 10**6]
     assert len(walks.read_text().split()) == 2 if shared else not walks.exists()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_multiprocessing_sees_the_rank_and_its_live_parent(start_method: StartMethod) -> None:
+    """Forked workers are started without multiprocessing's Popen (no pipes, no finalizer per worker), yet
+    each is ``current_process()`` with its rank's name and sees the launching process as its live
+    ``parent_process()``, as a spawned worker does."""
+    fn = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT, return_all=True)(workers.multiprocessing_view)
+    assert fn() == [("mplaunch-rank0", os.getpid(), True, False), ("mplaunch-rank1", os.getpid(), True, False)]
+    assert multiprocessing.active_children() == []
