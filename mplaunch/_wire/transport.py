@@ -45,6 +45,7 @@ _HEADER = struct.Struct("<Q")  # number of out-of-band buffers
 _EXTENT = struct.Struct("<QQ")  # offset, size of one out-of-band buffer in the data file
 _TRAILER = struct.Struct("<QQ")  # where the pickle starts in a memory file, _MAGIC
 _MAGIC = 0x6D706C61756E6368  # "mplaunch": written last, so a memory file that ends with it is complete
+_PLAIN_HEADER = _HEADER.pack(0) + _HEADER.pack(len(_EMPTY := pickle.dumps({}, protocol=5))) + _EMPTY  # no data
 
 
 def _write_at(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -151,24 +152,35 @@ def dump_fd(
     imports: WorkerImports | None = None,
     start_objects: bool = False,
     keep_shared: bool = False,
+    plain: bool = False,
 ) -> list[Any]:
     """Write ``obj`` into the memory file ``fd`` (see :func:`mplaunch._wire.fds.memory_file`), replacing what
     it held: the storages and buffers of 64 KiB or more, then the header and the pickle, then the trailer,
     last, so a reader that finds the trailer finds a complete object. Arguments and the return value as for
-    :func:`dump`.
+    :func:`dump`; ``plain``: the caller knows that ``obj`` holds no storage, buffer, function or class of its
+    own, only importable records of built-in scalars (a rank's ``None``), so the standard pickler writes it.
 
     Raises:
         pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
         RuntimeError: as for :func:`dump`.
         OSError: no memory for it.
     """
-    pieces, end, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
+    pieces: list[tuple[int, memoryview]] = []
+    objects: list[Any] = []
+    if plain:
+        end, header, data = 0, _PLAIN_HEADER, memoryview(pickle.dumps(obj, protocol=5))
+    else:
+        pieces, end, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
     os.ftruncate(fd, 0)
     for offset, piece in pieces:
         _write_at(fd, piece, offset)
-    _write_at(fd, header, end)
-    _write_at(fd, data, end + len(header))
-    _write_at(fd, _TRAILER.pack(end, _MAGIC), end + len(header) + len(data))
+    trailer = _TRAILER.pack(end, _MAGIC)
+    if len(data) < INLINE_BYTES:  # one write: the pickle is small enough to copy
+        _write_at(fd, b"".join((header, data, trailer)), end)
+    else:
+        _write_at(fd, header, end)
+        _write_at(fd, data, end + len(header))
+        _write_at(fd, trailer, end + len(header) + len(data))
     return objects
 
 

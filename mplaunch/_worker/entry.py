@@ -202,12 +202,17 @@ def _keep_own_outcome_fd(spec: WorkerSpec) -> None:
         close_memory_files(set() if spec.outcome_fd is None else {spec.outcome_fd.fd})
 
 
+#: Values that the standard pickler writes as they are: no storage, buffer or function can be in them.
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
 def _dump_outcome(spec: WorkerSpec, name: str, outcome: Outcome) -> None:
     """Write the outcome into this rank's memory file, else as ``name`` in the launch directory."""
     if spec.outcome_fd is None:
         transport.dump(outcome, spec.directory, name)
-    else:
-        transport.dump_fd(outcome, spec.outcome_fd.fd)
+    else:  # a rank that does not report returns None
+        plain = type(outcome) is Returned and type(outcome.value) in _SCALARS
+        transport.dump_fd(outcome, spec.outcome_fd.fd, plain=plain)
 
 
 def _must_unshare(spec: WorkerSpec) -> bool:

@@ -232,3 +232,34 @@ def test_an_incomplete_memory_file_holds_no_object() -> None:
         assert transport.load_fd(fd, private=False) == 7
     finally:
         os.close(fd)
+
+
+def test_a_plain_record_written_by_the_standard_pickler_reads_back_whole() -> None:
+    """``plain=True`` (a rank's scalar or ``None``) skips mplaunch's pickler; the reader is the same, and a
+    value written after it in the same file replaces it."""
+    fd = _memory_file()
+    try:
+        for value in (None, True, 7, 2.5, 3 + 4j, "text", b"bytes", "x" * (1 << 17)):
+            transport.dump_fd(value, fd, plain=True)
+            assert transport.load_fd(fd, private=True) == value
+        transport.dump_fd({"t": torch.ones(1 << 15)}, fd)  # replaces the plain one: data first, then the pickle
+        assert transport.load_fd(fd, private=False)["t"].sum().item() == 1 << 15
+    finally:
+        os.close(fd)
+
+
+def test_closing_other_memory_files_spares_a_number_reused_by_another_file(tmp_path: Path) -> None:
+    """A forked worker closes the memory files it inherited from the descriptors noted when they were made;
+    a noted number that now names another file (closed behind mplaunch's back, then reused) stays open, and a
+    number in ``keep`` stays open too."""
+    kept, stale = _memory_file(), _memory_file()
+    other = _memory_file()
+    os.close(stale)  # not through close_quietly: still noted
+    with open(tmp_path / "file", "w") as file:
+        assert file.fileno() == stale  # the lowest free number
+        fds.close_memory_files({kept})
+        os.fstat(file.fileno())  # still open
+    os.fstat(kept)
+    with pytest.raises(OSError):
+        os.fstat(other)
+    fds.close_quietly(kept)
