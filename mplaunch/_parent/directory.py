@@ -104,8 +104,22 @@ def launch_directory() -> Iterator[str]:
     """Create this launch's directory, yield its path, and remove it (with whatever is left in it) after."""
     root = shm_root()
     _ensure_reaper(root)
-    with tempfile.TemporaryDirectory(prefix=own_prefix(), dir=root, ignore_cleanup_errors=True) as directory:
+    directory = tempfile.mkdtemp(prefix=own_prefix(), dir=root)
+    try:
         yield directory
+    finally:
+        _remove(directory)
+
+
+def _remove(directory: str) -> None:
+    """Remove a launch directory: its files (a board, stacks, a flag, outcomes), then itself; what that
+    cannot remove (a directory inside, a file already gone), ``shutil.rmtree`` removes, errors ignored."""
+    try:
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+    except OSError:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def space_hint(directory: str) -> str:

@@ -162,13 +162,14 @@ def _launch_on(
     payload = Payload(_function_reference(function, imports), args, kwargs, state)
     if isinstance(state, GlobalState) and state.python is not None and not inherited:
         warn_not_carried(state.python)
-    num_threads = policy.worker_threads(nprocs, start_method)
+    wanted_threads = policy.wanted_threads(nprocs)  # read once: the cgroup's CPU quota is four files
+    num_threads = policy.worker_threads(nprocs, start_method, wanted_threads)
     placements = placement.plan(
         config,
         nprocs,
         names,
         multinode=nodes is not None,
-        threads_kept="OMP_NUM_THREADS" not in os.environ and num_threads >= policy.wanted_threads(nprocs),
+        threads_kept="OMP_NUM_THREADS" not in os.environ and num_threads >= wanted_threads,
     )
     env_function = placement.env_function(config, start_method) if nodes is not None else None
     with launch_directory() as directory, contextlib.ExitStack() as held:

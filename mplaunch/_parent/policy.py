@@ -69,14 +69,14 @@ def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.
     return max(1, usable_cpu_count() // nprocs)
 
 
-def worker_threads(nprocs: int, start_method: str) -> int:
-    """Intra-op threads for each worker of a launch.
+def worker_threads(nprocs: int, start_method: str, wanted: int | None = None) -> int:
+    """Intra-op threads for each worker of a launch: ``wanted`` (by default :func:`wanted_threads`).
 
     Under ``fork`` the parent's OpenMP pools are released first (see the module docstring); if that fails,
     forked workers get one thread and a one-time ``RuntimeWarning`` pointing at the caller's line says so.
     """
     global _warned
-    wanted = wanted_threads(nprocs)
+    wanted = wanted_threads(nprocs) if wanted is None else wanted
     if start_method != "fork" or wanted == 1 or openmp.release_pools():
         return wanted
     if not _warned:
