@@ -100,20 +100,15 @@ def start_workers(
                 )
                 for rank in range(spec.nprocs)
             ]
-            parent = os.pidfd_open(os.getpid()) if spec.start_method == "fork" and _pidfds_work() else None
-            try:
-                with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
-                    if parent is not None:
-                        multiprocessing.util._flush_std_streams()  # type: ignore[attr-defined] # once: none between
-                    for rank, process in enumerate(processes):  # noqa: B007 - the rank that failed is reported
-                        if parent is not None:
-                            _fork(process, parent)
-                        else:
-                            process.start()
-                        started(process)
-            finally:
-                if parent is not None:
-                    os.close(parent)  # each worker has its own copy
+            with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
+                if spec.start_method == "fork" and _pidfds_work():
+                    rank, failure = _fork_all(processes, started)
+                    if failure is not None:
+                        raise failure
+                    return
+                for rank, process in enumerate(processes):  # noqa: B007 - the rank that failed is reported
+                    process.start()
+                    started(process)
     except (OSError, EOFError) as error:
         if spec.start_method == "forkserver":
             _forget_dead_forkserver()
@@ -124,27 +119,48 @@ def start_workers(
         raise refused from error
 
 
-def _fork(process: BaseProcess, parent: int) -> None:
-    """Fork ``process``, as ``multiprocessing`` does (the child runs its ``_bootstrap``, so it is
-    ``current_process()`` there), without what ``multiprocessing`` adds for a child that nobody else waits on:
-    two pipes, a finalizer, and a poll of every earlier child, per start. The worker is waited on through a
-    pidfd, and sees its parent through ``parent``, a pidfd of this process (``parent_process()``). It is not
-    one of ``multiprocessing``'s children: starting another process (a fork from another thread) never reaps
-    it before the launch does."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = process._bootstrap(parent_sentinel=parent)  # type: ignore[attr-defined]
-        finally:
-            os._exit(code)
+def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], None]) -> tuple[int, OSError | None]:
+    """Fork every one of ``processes``, one right after the other, then hand each to ``started``. Returns
+    ``(len(processes), None)``, else the first rank that failed and why: a fork refused (the workers forked
+    before it are handed over all the same), or a pidfd that could not be opened (that worker is killed and
+    reaped, the others handed over).
+
+    Each worker is forked as ``multiprocessing`` would (the child runs the process's ``_bootstrap``, so it is
+    ``current_process()`` there), without what it adds for a child that nobody else waits on: two pipes, a
+    finalizer, and a poll of every earlier child, per start. The parent's bookkeeping of the workers comes
+    after the last fork: after each fork, each page the parent writes is copied, so bookkeeping between
+    forks copied the same pages once per worker. Each worker is waited on through a pidfd, and sees its
+    parent through one (``parent_process()``). The workers are not ``multiprocessing``'s children: starting
+    another process (a fork from another thread) never reaps them before the launch does."""
+    multiprocessing.util._flush_std_streams()  # type: ignore[attr-defined] # once: nothing is written between
+    parent = os.pidfd_open(os.getpid())
+    pids: list[int] = []
+    failed: tuple[int, OSError] | None = None
     try:
-        popen = process._popen = _Forked(pid)  # type: ignore[attr-defined]
-    except BaseException:  # no descriptor left for its pidfd: the worker must not outlive the refusal
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    process._sentinel = popen.sentinel  # type: ignore[attr-defined]
+        for process in processes:
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = process._bootstrap(parent_sentinel=parent)  # type: ignore[attr-defined]
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+    except OSError as error:  # the process limit, memory
+        failed = (len(pids), error)
+    finally:
+        os.close(parent)  # each worker has its own copy
+    for rank, (process, pid) in enumerate(zip(processes, pids, strict=False)):
+        try:
+            popen = process._popen = _Forked(pid)  # type: ignore[attr-defined]
+        except OSError as error:  # no descriptor left for its pidfd: it must not outlive the refusal
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            failed = failed or (rank, error)
+            continue
+        process._sentinel = popen.sentinel  # type: ignore[attr-defined]
+        started(process)
+    return failed or (len(pids), None)
 
 
 class _Forked(multiprocessing.popen_fork.Popen):
