@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 from typing import Any
 
 from mplaunch._env import OWN_PORT_VARIABLE
@@ -36,6 +37,13 @@ def follow_own_rendezvous() -> None:
     original = getattr(rendezvous, "_create_c10d_store", None)
     if original is None or getattr(original, "_mplaunch", False):
         return
+    made = _MADE.get(id(original))
+    wrapper = made[1] if made is not None and made[0] is original else _wrap(original)
+    setattr(rendezvous, "_create_c10d_store", wrapper)  # noqa: B010 - a private name mypy does not know
+
+
+def _wrap(original: Any) -> Any:
+    """The wrapper of torch's ``_create_c10d_store`` that :func:`follow_own_rendezvous` installs."""
 
     @functools.wraps(original)
     def create_store(hostname: str, port: int, *args: Any, **kwargs: Any) -> Any:
@@ -45,4 +53,17 @@ def follow_own_rendezvous() -> None:
         return original(hostname, port, *args, **kwargs)
 
     create_store._mplaunch = True  # type: ignore[attr-defined]
-    setattr(rendezvous, "_create_c10d_store", create_store)  # noqa: B010 - a private name mypy does not know
+    return create_store
+
+
+def _made_on_import() -> dict[int, tuple[Any, Any]]:
+    """The wrapper, made once where this module is imported (a launching process) for torch's function as it
+    is then: a forked worker only installs it (each worker making its own cost a tenth of a millisecond)."""
+    rendezvous = sys.modules.get("torch.distributed.rendezvous")
+    original = getattr(rendezvous, "_create_c10d_store", None)
+    if original is None or getattr(original, "_mplaunch", False):
+        return {}
+    return {id(original): (original, _wrap(original))}
+
+
+_MADE = _made_on_import()
