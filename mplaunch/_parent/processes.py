@@ -1,5 +1,5 @@
-"""The only code that starts processes: a launch's workers (through ``torch.multiprocessing``), the fork
-server, the launch-directory reaper. Signalling and killing them is :mod:`mplaunch._parent.signalling`.
+"""The only code that starts processes: a launch's workers (forked here where pidfds exist, else through
+``torch.multiprocessing``), the fork server, the launch-directory reaper. Signalling and killing them is :mod:`mplaunch._parent.signalling`.
 
 While workers start, the parent holds: a ``__main__`` that multiprocessing can describe to a spawned child,
 one string-hashing seed for spawned workers, the signals of ``signals.HELD``, and a lock against concurrent
