@@ -106,18 +106,24 @@ class Pump:
         self._context: contextvars.Context | None = None  # where text goes from now on (see retarget)
         self._syncs: list[threading.Event] = []  # callers of sync() waiting
         self._open_logs([rank for rank in ranks if rank is not None])
-        self._wake_r, self._wake_w = os.pipe()
-        for local_rank, rank in enumerate(ranks):
-            ends = []
-            for err in (False, True):
-                read, write = os.pipe()
-                with contextlib.suppress(OSError):
-                    fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
-                os.set_blocking(read, False)
-                self.sources.append(_Source(read, rank, local_rank, err))
-                self.writers.append(write)
-                ends.append(InheritedFd(write))
-            self.fds.append(RankFds(ends[0], ends[1], routed=True, announce=rank is None))
+        self._wake_r = self._wake_w = -1
+        try:
+            self._wake_r, self._wake_w = os.pipe()
+            for local_rank, rank in enumerate(ranks):
+                ends = []
+                for err in (False, True):
+                    read, write = os.pipe()
+                    self.sources.append(_Source(read, rank, local_rank, err))
+                    self.writers.append(write)
+                    with contextlib.suppress(OSError):
+                        fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
+                    os.set_blocking(read, False)
+                    ends.append(InheritedFd(write))
+                self.fds.append(RankFds(ends[0], ends[1], routed=True, announce=rank is None))
+        except BaseException:  # the open-files limit, at any pipe: none of them is left open
+            self._close_writers()
+            self._release()
+            raise
 
     def _open_logs(self, ranks: list[int]) -> None:
         """Create ``log_dir`` and the known ranks' files, before any worker starts."""
@@ -178,8 +184,9 @@ class Pump:
 
     def _release(self) -> None:
         for fd in (self._wake_r, self._wake_w, *(s.fd for s in self.sources)):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         for file, _ in self.logs.values():
             with contextlib.suppress(OSError):
                 file.close()
