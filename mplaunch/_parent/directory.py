@@ -19,6 +19,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
+from mplaunch._errors import LaunchRefusedError
 from mplaunch._parent.processes import forget_reaper, start_reaper
 
 _DIR_PREFIX = "mplaunch-"
@@ -103,17 +104,35 @@ def _start_reaper(root: str) -> None:
 def launch_directory() -> Iterator[str]:
     """Create this launch's directory, yield its path, and remove it (with whatever is left in it) after."""
     root = shm_root()
-    _ensure_reaper(root)
-    directory = tempfile.mkdtemp(prefix=own_prefix(), dir=root)
     try:
+        directory = tempfile.mkdtemp(prefix=own_prefix(), dir=root)
+    except OSError as error:
+        configured = os.environ.get("MPLAUNCH_SHM_DIR")
+        where = f"MPLAUNCH_SHM_DIR={configured!r}" if configured else repr(root)
+        raise LaunchRefusedError(
+            f"cannot make the launch's directory in {where}: {error}. "
+            + (
+                "Set MPLAUNCH_SHM_DIR to a directory this process can write to, or unset it."
+                if configured
+                else "Make room there or set MPLAUNCH_SHM_DIR to a directory this process can write to."
+            )
+        ) from error
+    try:
+        _ensure_reaper(root)
         yield directory
     finally:
         _remove(directory)
 
 
 def _remove(directory: str) -> None:
-    """Remove a launch directory: its files (a board, stacks, a flag, outcomes), then itself; what that
-    cannot remove (a directory inside, a file already gone), ``shutil.rmtree`` removes, errors ignored."""
+    """Remove a launch directory: itself if empty (which needs no descriptor: a launch refused at the
+    open-files limit), else its files (a board, stacks, a flag, outcomes) then itself; what that cannot
+    remove (a directory inside), ``shutil.rmtree`` removes, errors ignored."""
+    try:
+        os.rmdir(directory)
+        return
+    except OSError:
+        pass
     try:
         for name in os.listdir(directory):
             os.unlink(os.path.join(directory, name))
