@@ -29,7 +29,7 @@ from mplaunch._parent.in_process import run_in_process
 from mplaunch._parent.limits import open_files_explained, short_socket_directory
 from mplaunch._parent.memory import outcome_files, payload_written
 from mplaunch._parent.preemption import Preemption, preemption_notice
-from mplaunch._parent.processes import start_workers
+from mplaunch._parent.processes import release, start_workers
 from mplaunch._parent.report import RunReport
 from mplaunch._parent.restarts import run_attempts
 from mplaunch._parent.signals import ParentSignalled, ignored_signals, parent_signals
@@ -330,10 +330,7 @@ def _run_workers(
             if board is not None:
                 board.close()
             for process in processes:
-                # a Ctrl-C landing just after multiprocessing reaped a worker, before it noted the exit code,
-                # leaves it "running" to multiprocessing: its descriptors are closed when it is collected
-                with contextlib.suppress(ValueError):
-                    process.close()
+                release(process)
 
 
 def _noting_pids(started: Callable[[BaseProcess], None], pump: Pump | None) -> Callable[[BaseProcess], None]:

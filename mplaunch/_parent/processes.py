@@ -1,5 +1,6 @@
 """The only code that starts processes: a launch's workers (forked here where pidfds exist, else through
-``torch.multiprocessing``), the fork server, the launch-directory reaper. Signalling and killing them is :mod:`mplaunch._parent.signalling`.
+``torch.multiprocessing``), the fork server, the launch-directory reaper. Signalling and killing them is
+:mod:`mplaunch._parent.signalling`.
 
 While workers start, the parent holds: a ``__main__`` that multiprocessing can describe to a spawned child,
 one string-hashing seed for spawned workers, the signals of ``signals.HELD``, and a lock against concurrent
@@ -29,13 +30,15 @@ import torch.multiprocessing as mp
 from mplaunch._parent.limits import check_exec_environment, short_socket_directory, start_refused
 from mplaunch._parent.signals import signals_held
 from mplaunch._platform.environ import environ_kept
+from mplaunch._wire.fds import MAKING
 from mplaunch._wire.records import Payload, WorkerSpec
 from mplaunch._worker.entry import run
 
-#: Held while a launch starts its workers. multiprocessing makes a worker's sentinel pipe, forks, then closes
-#: the pipe's write end here: a fork from another thread (a concurrent ``submit()``) in between would give
-#: that end to the other launch's worker, and this launch would never see its own worker end. A forked child
-#: gets it as its parent held it, so it is made new there (CPython's own re-initialisation, as logging's).
+#: Held while a launch starts its workers: one launch forks at a time. Where multiprocessing starts them, it
+#: makes a worker's sentinel pipe, forks, then closes the pipe's write end here: a fork from another thread
+#: (a concurrent ``submit()``) in between would give that end to the other launch's worker, and this launch
+#: would never see its own worker end. A forked child gets the lock as its parent held it, so it is made new
+#: there (CPython's own re-initialisation, as logging's).
 _STARTING = threading.Lock()
 os.register_at_fork(after_in_child=_STARTING._at_fork_reinit)  # type: ignore[attr-defined]
 
@@ -100,7 +103,7 @@ def start_workers(
                 )
                 for rank in range(spec.nprocs)
             ]
-            with _STARTING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
+            with _STARTING, MAKING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
                 if spec.start_method == "fork" and _pidfds_work():
                     rank, failure = _fork_all(processes, started)
                     if failure is not None:
@@ -152,6 +155,8 @@ def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], Non
         os.close(parent)  # each worker has its own copy
     for rank, (process, pid) in enumerate(zip(processes, pids, strict=False)):
         try:
+            if failed is not None and failed[0] <= rank:
+                raise failed[1]  # a worker after the one that failed: never handed over, so not kept
             popen = process._popen = _Forked(pid)  # type: ignore[attr-defined]
         except OSError as error:  # no descriptor left for its pidfd: it must not outlive the refusal
             os.kill(pid, signal.SIGKILL)
@@ -159,18 +164,20 @@ def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], Non
             failed = failed or (rank, error)
             continue
         process._sentinel = popen.sentinel  # type: ignore[attr-defined]
+        del process._target, process._args, process._kwargs  # type: ignore[attr-defined] # as start() does
         started(process)
     return failed or (len(pids), None)
 
 
 class _Forked(multiprocessing.popen_fork.Popen):
-    """``multiprocessing``'s handle of a child that :func:`_fork` forked (poll, wait, terminate, kill); its
+    """``multiprocessing``'s handle of a child that :func:`_fork_all` forked (poll, wait, terminate, kill); its
     ``sentinel`` is a pidfd, closed with it."""
 
     def __init__(self, pid: int) -> None:  # (not super().__init__: that forks)
         self.pid = pid
         self.returncode = None
         self.finalizer = None
+        self.sentinel = -1  # (for close(), should the pidfd not open)
         self.sentinel = os.pidfd_open(pid)
 
     def close(self) -> None:
@@ -178,10 +185,25 @@ class _Forked(multiprocessing.popen_fork.Popen):
             os.close(self.sentinel)
             self.sentinel = -1
 
+    def __del__(self) -> None:  # a worker reaped by someone else (a SIGCHLD handler) stays "running"
+        self.close()
+
+
+def release(process: BaseProcess) -> None:
+    """Close ``process``'s descriptors once the launch is done with it: ``Process.close()``, and where
+    ``multiprocessing`` still takes it for running (someone else reaped it: a caller's SIGCHLD handler, or a
+    Ctrl-C landed between its reaping and the noting of its exit code), its pidfd."""
+    try:
+        process.close()
+    except ValueError:
+        popen = getattr(process, "_popen", None)
+        if isinstance(popen, _Forked):
+            popen.close()
+
 
 @functools.lru_cache(maxsize=1)
 def _pidfds_work() -> bool:
-    """Whether this kernel gives pidfds (Linux 5.3+), which :func:`_fork` needs."""
+    """Whether this kernel gives pidfds (Linux 5.3+), which :func:`_fork_all` needs."""
     try:
         os.close(os.pidfd_open(os.getpid()))
     except (AttributeError, OSError):

@@ -27,7 +27,7 @@ from mplaunch._config import ParallelConfig
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import policy
 from mplaunch._parent.directory import launch_directory
-from mplaunch._parent.processes import start_workers
+from mplaunch._parent.processes import release, start_workers
 from mplaunch._parent.signalling import kill_tree, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.starter import in_starter
@@ -174,8 +174,7 @@ class Team:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             for process in self.processes:
-                with contextlib.suppress(ValueError):
-                    process.close()
+                release(process)
             self._stack.close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing.context
 import os
+import threading
 from typing import Any
 
 
@@ -40,6 +41,10 @@ PREFIX = "mplaunch-"
 #: The descriptors of memory files made or received in this process that may still be open: where
 #: :func:`close_memory_files` looks, instead of listing every descriptor of the process.
 _MADE: set[int] = set()
+#: Held while a memory file is made and noted (``memfd_create`` lets other threads run): whoever forks
+#: workers holds it too, so a worker never inherits a memory file that is not noted yet.
+MAKING = threading.Lock()
+os.register_at_fork(after_in_child=MAKING._at_fork_reinit)  # type: ignore[attr-defined]
 
 
 def memory_file(name: str) -> int | None:
@@ -56,11 +61,12 @@ def memory_file(name: str) -> int | None:
     create = getattr(os, "memfd_create", None)
     if create is None:
         return None
-    try:
-        fd = int(create(PREFIX + name, os.MFD_CLOEXEC))
-    except OSError:
-        return None
-    _MADE.add(fd)
+    with MAKING:
+        try:
+            fd = int(create(PREFIX + name, os.MFD_CLOEXEC))
+        except OSError:
+            return None
+        _MADE.add(fd)
     return fd
 
 
