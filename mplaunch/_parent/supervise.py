@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import signal
@@ -166,6 +167,8 @@ class Supervisor:
             try:
                 outcome = self._load(rank)
             except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
+                if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+                    raise  # this process's open-files limit, not the result's fault: the launch names the limit
                 failure = unreadable_result(rank, process.pid, error)
                 self.states[rank] = failure
                 return failure

@@ -191,7 +191,7 @@ def remove(directory: str, name: str) -> None:
             os.unlink(os.path.join(directory, entry))
 
 
-def _read(view: mmap.mmap, start: int, fd: int, how: str, start_objects: Sequence[Any] = ()) -> Any:
+def _read(view: mmap.mmap | bytes, start: int, fd: int, how: str, start_objects: Sequence[Any] = ()) -> Any:
     """Unpickle the object whose header begins at ``start`` of ``view``, its data in ``fd``."""
     (count,) = _HEADER.unpack_from(view, start)
     extents = [_EXTENT.unpack_from(view, start + _HEADER.size + i * _EXTENT.size) for i in range(count)]
@@ -281,8 +281,12 @@ def load_fd(fd: int, *, private: bool, missing_ok: bool = False, start_objects: 
         if missing_ok:
             return None
         raise FileNotFoundError("the memory file holds no complete object")
-    with mmap.mmap(fd, size - start, offset=start, access=mmap.ACCESS_READ) as view:
-        value = _read(view, 0, fd, "private" if private else "shared", start_objects)
+    how = "private" if private else "shared"
+    if size - start <= INLINE_BYTES:  # a small pickle is read: a mapping would need one more descriptor
+        value = _read(os.pread(fd, size - start, start), 0, fd, how, start_objects)
+    else:
+        with mmap.mmap(fd, size - start, offset=start, access=mmap.ACCESS_READ) as view:
+            value = _read(view, 0, fd, how, start_objects)
     if not private:
         os.ftruncate(fd, start)  # the header and pickle: only the data is kept
     return value
