@@ -1,5 +1,6 @@
-"""Cases found while trying to break the direct-fork launch path (a break-it pass). Each test names its
-finding; each failed before its fix."""
+"""Starting workers at the edges: the open-files limit hit at each step, another thread making a memory file
+while workers fork, a caller's SIGCHLD handler that reaps every child, an unusable ``MPLAUNCH_SHM_DIR``.
+Each case was found by a break-it pass on the fork launch path, and failed before its fix."""
 
 from __future__ import annotations
 
