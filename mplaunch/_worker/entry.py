@@ -58,6 +58,8 @@ from mplaunch._worker.watch import record_usage, watch
 #: handler the function installs for one of them replaces this one.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _signal_received: int | None = None  # the first stop signal this worker got
+_signal_at = 0.0  # when (time.monotonic()) it came
+_raised: tuple[BaseException, float] | None = None  # what the function raised, and when: its outcome, whatever follows
 _outcome_decided = False  # after this, signals are noted and ignored
 _worker_pid = -1  # this worker's pid, set at start (a process the function forks is not the worker)
 
@@ -104,10 +106,10 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _on_signal(signum: int, frame: object) -> None:
-    global _signal_received
+    global _signal_received, _signal_at
     first = _signal_received is None
     if first:
-        _signal_received = signum
+        _signal_received, _signal_at = signum, time.monotonic()
     if first and not _outcome_decided:
         # before unwinding: e.g. DataLoader workers would print about a vanished rank
         stop_children(0.25, kill=False)
@@ -151,12 +153,15 @@ def _decide(outcome: Outcome) -> Outcome:
     global _outcome_decided
     _outcome_decided = True
     if _signal_received is not None and not isinstance(outcome, Returned):
+        if isinstance(outcome, Raised) and 0.0 < outcome.when < _signal_at:
+            return outcome  # the function raised before the signal came (it stopped the process group's teardown)
         return Signalled(os.getpid(), _signal_received)
     return outcome
 
 
 def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Outcome:
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
+    global _raised
     raised_at = None  # when the function raised: before the process group's teardown makes peers fail too
     try:
         placement.apply(spec, local_rank, rank)  # devices, CPUs, env=: before anything reads them
@@ -171,11 +176,14 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         with process_group(spec.backend, local_rank):
             try:
                 value = function(*args, **kwargs)
-            except BaseException:
+            except BaseException as error:
                 raised_at = time.monotonic()
+                _raised = (error, raised_at)
                 raise
         return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
+        if _raised is not None and isinstance(error, (Terminated, Interrupted)):
+            error = _raised[0]  # the stop landed while the process group was torn down: the function's error first
         if spec.post_mortem and _signal_received is None:
             post_mortem(error, spec, rank)
         return _decide(Raised.of(error, when=raised_at))
@@ -279,6 +287,9 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
     """Write the outcome, stop the worker's children, run exit handlers, and leave with the exit status."""
     global _outcome_decided
     _outcome_decided = True
+    if outcome is None and _raised is not None and (_signal_received is None or _raised[1] < _signal_at):
+        # a stop landed after the function raised, while its error was recorded: the error came first
+        outcome = Raised.of(_raised[0], when=_raised[1])
     if outcome is None and _signal_received is not None:  # stopped before the function started
         outcome = Signalled(os.getpid(), _signal_received)
     try:

@@ -3,16 +3,18 @@ are CPython's. Races are repeated in one loop of launches, not run once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mplaunch import InvalidOptionError, LaunchTimeoutError, StartMethod, WorkerExitedError, parallel
+from mplaunch._worker import entry
 from tests import workers
 from tests.helpers import gone
 
@@ -131,6 +133,67 @@ def test_a_log_dir_that_is_a_file_is_refused_before_launching(tmp_path: Path) ->
     made = tmp_path / "new" / "logs"
     launch(workers.sleep, log_dir=made)(0.0)
     assert sorted(p.name for p in made.iterdir()) == ["rank0.log", "rank1.log"]
+
+
+def _raise_by_rank() -> None:
+    """Rank 1 raises at once; rank 0 a moment later, as a peer failing in a collective would."""
+    if int(os.environ["RANK"]) == 1:
+        raise ValueError("the root cause")
+    time.sleep(0.5)
+    raise RuntimeError("a consequence")
+
+
+@contextlib.contextmanager
+def _slow_teardown(backend: str | None, local_rank: int) -> Iterator[None]:
+    """A process group whose teardown takes long in rank 1 (gloo's, waiting on a peer): the launch's stop
+    lands there."""
+    try:
+        yield
+    finally:
+        if int(os.environ["RANK"]) == 1:
+            time.sleep(30)
+
+
+def test_a_stop_landing_in_the_teardown_after_the_function_raised_keeps_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI finding: rank 1 raised, then tore its process group down slowly; rank 0 failed meanwhile and ended
+    first, so the launch stopped rank 1 while it tore down, and rank 1's outcome became "stopped": its error,
+    the root cause, was lost and rank 0's consequence raised. An error the function raised before the stop
+    came stays its outcome. (Fork: the workers inherit the slow teardown.)"""
+    monkeypatch.setattr(entry, "process_group", _slow_teardown)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="the root cause") as caught:
+        launch(_raise_by_rank, grace_period=10)()
+    assert caught.value.rank == 1  # type: ignore[attr-defined]
+    assert time.monotonic() - started < 20  # stopped, not waited for
+
+
+_TEST_PROCESS = os.getpid()
+
+
+class _SlowToRecord(ValueError):
+    """An error whose text takes long to make in a worker (a big tensor in its message, say)."""
+
+    def __str__(self) -> str:
+        if os.getpid() != _TEST_PROCESS:
+            time.sleep(3)
+        return "the root cause, slow to record"
+
+
+def _raise_slow_to_record() -> None:
+    if int(os.environ["RANK"]) == 1:
+        raise _SlowToRecord()
+    time.sleep(0.5)
+    raise RuntimeError("a consequence")
+
+
+def test_a_stop_landing_while_the_error_is_recorded_keeps_the_error() -> None:
+    """CI finding, the same race one step later: the stop landed while rank 1 recorded the error it raised
+    (its text, its traceback), and the error was lost to "stopped"."""
+    with pytest.raises(_SlowToRecord) as caught:
+        launch(_raise_slow_to_record, grace_period=10)()
+    assert caught.value.rank == 1  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
