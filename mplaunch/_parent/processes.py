@@ -107,7 +107,7 @@ def start_workers(
                 if spec.start_method == "fork" and _pidfds_work():
                     rank, failure = _fork_all(processes, started)
                     if failure is not None:
-                        raise failure
+                        raise failure  # (rank: the first that did not start, for the message)
                     return
                 for rank, process in enumerate(processes):  # noqa: B007 - the rank that failed is reported
                     process.start()
@@ -124,21 +124,21 @@ def start_workers(
 
 def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], None]) -> tuple[int, OSError | None]:
     """Fork every one of ``processes``, one right after the other, then hand each to ``started``. Returns
-    ``(len(processes), None)``, else the first rank that failed and why: a fork refused (the workers forked
-    before it are handed over all the same), or a pidfd that could not be opened (that worker is killed and
-    reaped, the others handed over).
+    ``(len(processes), None)``, else the rank that could not start and why: a fork refused, or a pidfd that
+    could not be opened (that worker is killed and reaped); the workers forked before it are handed over.
 
     Each worker is forked as ``multiprocessing`` would (the child runs the process's ``_bootstrap``, so it is
     ``current_process()`` there), without what it adds for a child that nobody else waits on: two pipes, a
-    finalizer, and a poll of every earlier child, per start. The parent's bookkeeping of the workers comes
-    after the last fork: after each fork, each page the parent writes is copied, so bookkeeping between
-    forks copied the same pages once per worker. Each worker is waited on through a pidfd, and sees its
-    parent through one (``parent_process()``). The workers are not ``multiprocessing``'s children: starting
-    another process (a fork from another thread) never reaps them before the launch does."""
+    finalizer, and a poll of every earlier child, per start. Each worker's pidfd is opened right after its
+    fork, before it can end (and be reaped by someone else: a caller's SIGCHLD handler); the rest of the
+    parent's bookkeeping comes after the last fork: after each fork, each page the parent writes is copied,
+    so bookkeeping between forks copied the same pages once per worker. Each worker sees its parent through
+    a pidfd too (``parent_process()``). The workers are not ``multiprocessing``'s children: starting another
+    process (a fork from another thread) never reaps them before the launch does."""
     multiprocessing.util._flush_std_streams()  # type: ignore[attr-defined] # once: nothing is written between
     parent = os.pidfd_open(os.getpid())
-    pids: list[int] = []
-    failed: tuple[int, OSError] | None = None
+    forked: list[BaseProcess] = []
+    failed: OSError | None = None
     try:
         for process in processes:
             pid = os.fork()
@@ -148,25 +148,22 @@ def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], Non
                     code = process._bootstrap(parent_sentinel=parent)  # type: ignore[attr-defined]
                 finally:
                     os._exit(code)
-            pids.append(pid)
-    except OSError as error:  # the process limit, memory
-        failed = (len(pids), error)
+            try:
+                process._popen = _Forked(pid)  # type: ignore[attr-defined]
+            except OSError:  # no descriptor left for its pidfd: it must not outlive the refusal
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise
+            forked.append(process)
+    except OSError as error:  # the process limit, memory, the open-files limit
+        failed = error
     finally:
         os.close(parent)  # each worker has its own copy
-    for rank, (process, pid) in enumerate(zip(processes, pids, strict=False)):
-        try:
-            if failed is not None and failed[0] <= rank:
-                raise failed[1]  # a worker after the one that failed: never handed over, so not kept
-            popen = process._popen = _Forked(pid)  # type: ignore[attr-defined]
-        except OSError as error:  # no descriptor left for its pidfd: it must not outlive the refusal
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            failed = failed or (rank, error)
-            continue
-        process._sentinel = popen.sentinel  # type: ignore[attr-defined]
+    for process in forked:
+        process._sentinel = process._popen.sentinel  # type: ignore[attr-defined]
         del process._target, process._args, process._kwargs  # type: ignore[attr-defined] # as start() does
         started(process)
-    return failed or (len(pids), None)
+    return len(forked), failed
 
 
 class _Forked(multiprocessing.popen_fork.Popen):

@@ -10,6 +10,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,3 +186,44 @@ def test_a_launch_refused_while_making_output_pipes_leaves_no_descriptor() -> No
             same(free)
         left = {fd: target for fd, target in _descriptors().items() if fd not in before}
         assert not left, f"{free} free descriptors: left {left}"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# Found by a full CI run, on the fork path that opened every pidfd after the last fork: rank 0 ended, and
+# the caller's SIGCHLD handler reaped it, while rank 1 was still being forked; its pidfd could not be
+# opened ("No such process"), the launch crashed and left rank 1 unreaped. Each pidfd is opened right after
+# its fork, before the worker can end. The second fork here waits until rank 0 is gone, which makes it certain.
+def test_a_worker_reaped_by_the_caller_while_the_next_one_forks_is_still_waited_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    same = parallel(nprocs=2, start_method="fork", timeout=60)(_same)
+    same(0)
+    before = _descriptors()
+    fork, pids = os.fork, []
+
+    def fork_after_the_first_is_gone() -> int:
+        deadline = time.monotonic() + 10
+        while pids and not _gone(pids[0]) and time.monotonic() < deadline:  # the handler reaps it meanwhile
+            time.sleep(0.01)
+        pid = fork()
+        if pid:
+            pids.append(pid)
+        return pid
+
+    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
+    monkeypatch.setattr(os, "fork", fork_after_the_first_is_gone)
+    try:
+        assert same(1) == 1
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGCHLD, previous)
+    assert all(_gone(pid) for pid in pids)
+    left = {fd: target for fd, target in _descriptors().items() if fd not in before}
+    assert not left, f"descriptors left: {left}"
