@@ -206,7 +206,7 @@ def test_a_worker_reaped_by_the_caller_while_the_next_one_forks_is_still_waited_
     same = parallel(nprocs=2, start_method="fork", timeout=60)(_same)
     same(0)
     before = _descriptors()
-    fork, pids = os.fork, []
+    fork, pids = os.fork, list[int]()
 
     def fork_after_the_first_is_gone() -> int:
         deadline = time.monotonic() + 10
