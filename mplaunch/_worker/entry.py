@@ -162,7 +162,6 @@ def _decide(outcome: Outcome) -> Outcome:
 def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Outcome:
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
     global _raised
-    raised_at = None  # when the function raised: before the process group's teardown makes peers fail too
     try:
         placement.apply(spec, local_rank, rank)  # devices, CPUs, env=: before anything reads them
         _set_threads(placement.thread_count(spec, local_rank))
@@ -176,9 +175,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         with process_group(spec.backend, local_rank):
             try:
                 value = function(*args, **kwargs)
-            except BaseException as error:
-                raised_at = time.monotonic()
-                _raised = (error, raised_at)
+            except BaseException as error:  # when: before the process group's teardown makes peers fail too
+                _raised = (error, time.monotonic())
                 raise
         return _decide(Returned(os.getpid(), value if rank in spec.reporting_ranks else None))
     except BaseException as error:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
@@ -186,7 +184,7 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
             error = _raised[0]  # the stop landed while the process group was torn down: the function's error first
         if spec.post_mortem and _signal_received is None:
             post_mortem(error, spec, rank)
-        return _decide(Raised.of(error, when=raised_at))
+        return _decide(Raised.of(error, when=None if _raised is None else _raised[1]))
 
 
 def _read_payload(spec: WorkerSpec) -> Payload:
@@ -287,9 +285,8 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
     """Write the outcome, stop the worker's children, run exit handlers, and leave with the exit status."""
     global _outcome_decided
     _outcome_decided = True
-    if outcome is None and _raised is not None and (_signal_received is None or _raised[1] < _signal_at):
-        # a stop landed after the function raised, while its error was recorded: the error came first
-        outcome = Raised.of(_raised[0], when=_raised[1])
+    if outcome is None and _raised is not None:  # a stop landed while the function's error was recorded
+        outcome = _decide(Raised.of(_raised[0], when=_raised[1]))  # the error, if it came before the stop
     if outcome is None and _signal_received is not None:  # stopped before the function started
         outcome = Signalled(os.getpid(), _signal_received)
     try:
