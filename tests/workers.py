@@ -700,6 +700,14 @@ def waiting_here(ready: str, seconds: float) -> int:
     return worker_info().rank
 
 
+def catches(signum: int) -> bool:
+    """Whether this process has a handler for ``signum`` (the kernel's ``SigCgt`` mask, which also shows a
+    handler that C code, such as faulthandler's, installed)."""
+    with open("/proc/self/status") as status:
+        mask = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+    return bool(mask >> (signum - 1) & 1)
+
+
 def silent_here(seconds: float) -> None:
     time.sleep(seconds)
 

@@ -35,6 +35,8 @@ class LaunchControl:
         queued: the launch waits for its devices (``devices=``): its future is not running yet.
         stacks_source: while workers run, the function that collects their stacks (the supervisor's), else
             ``None``.
+        stacks_wanted: someone may ask for the workers' stacks at any time (a future's ``stacks()``), so
+            they install their dump handler even without a ``timeout`` or ``stall_timeout``.
         restarts: the number of the attempt under way (0: the first).
         ranks: the :class:`~mplaunch.RankReport` of each rank of the last attempt that started workers.
         report: the launch's :class:`~mplaunch.RunReport`, once it has ended.
@@ -48,6 +50,7 @@ class LaunchControl:
         self.in_process = False
         self.queued = False
         self.stacks_source: Callable[[], dict[int, str]] | None = None
+        self.stacks_wanted = False
         self.restarts = 0
         self.ranks: tuple[RankReport, ...] = ()
         self.report: RunReport | None = None

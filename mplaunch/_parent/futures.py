@@ -154,6 +154,7 @@ def failed(error: BaseException) -> LaunchFuture[Any]:
 def submit(run: Callable[[LaunchControl], T], control: LaunchControl, name: str) -> LaunchFuture[T]:
     """Start ``run(control)`` in a daemon thread named ``mplaunch-<name>`` and return its future."""
     _install_hooks()
+    control.stacks_wanted = True  # future.stacks()
     future: LaunchFuture[T] = LaunchFuture(control)
     thread = threading.Thread(target=_run, args=(future, run), name=f"mplaunch-{name}", daemon=True)
     future._thread = thread

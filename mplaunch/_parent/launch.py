@@ -192,6 +192,9 @@ def _launch_on(
             placements=placements,
             env_function=env_function,
             ignored_signals=ignored_signals(),
+            # a cost only some launches need: a plain call without a timeout never asks for stacks
+            stacks=config.timeout is not None or config.stall_timeout is not None or control.stacks_wanted,
+            board=config.stall_timeout is not None or start_method == "forkserver",
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
@@ -297,10 +300,12 @@ def _run_workers(
     store: Rendezvous,
 ) -> list[Any]:
     processes: list[BaseProcess] = []
-    try:
-        board: Board | None = Board(spec.directory, spec.nprocs, create=True)  # heartbeats, usage; zeroed
-    except (OSError, ValueError):
-        board = None  # no heartbeats: the launch runs unwatched
+    board: Board | None = None
+    if spec.board:
+        try:
+            board = Board(spec.directory, spec.nprocs, create=True)  # heartbeats, usage; zeroed
+        except (OSError, ValueError):
+            spec = dataclasses.replace(spec, board=False)  # no heartbeats: the launch runs unwatched
     supervisor = Supervisor(
         spec, processes, config.timeout, config.grace_period, control, store, config.stall_timeout, board
     )

@@ -93,6 +93,10 @@ class WorkerSpec:
         outcome_fd: the worker's own entry of ``outcome_fds``.
         post_mortem: the first rank that raises opens pdb on the terminal (see
             :mod:`mplaunch._worker.debugger`).
+        stacks: the parent may ask the ranks for their stacks (a ``timeout``, a ``stall_timeout``, a future's
+            ``stacks()``): each installs its dump handler. Without, none does, and none is asked.
+        board: the launch has a board (``stall_timeout``'s heartbeats; the usage of fork-server workers,
+            which the parent cannot reap) that each rank opens.
     """
 
     directory: str
@@ -124,6 +128,8 @@ class WorkerSpec:
     placements: tuple[RankPlacement, ...] | None = None
     env_function: Callable[[int], Any] | None = None
     post_mortem: bool = False
+    stacks: bool = True
+    board: bool = True
     result_wait: float = 600.0
 
 

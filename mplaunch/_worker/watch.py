@@ -62,17 +62,21 @@ def heartbeat() -> None:
 
 
 def watch(spec: WorkerSpec, rank: int) -> None:
-    """Set up this worker (local rank ``rank``) to dump its stacks on request and to beat (one-node launches,
-    whose parent made the board); point NCCL's flight recorder at ``log_dir``."""
+    """Set up this worker (local rank ``rank``) to dump its stacks on request (where the parent may ask,
+    ``spec.stacks``) and to beat (one-node launches whose parent made a board, ``spec.board``); point NCCL's
+    flight recorder at ``log_dir``."""
     global _board, _rank, _slots, _index
     _flight_recorder(spec)
-    pending = os.path.join(spec.directory, stacks_pending_name(rank))
-    with contextlib.suppress(OSError, ValueError, RuntimeError):
-        if STACKS_SIGNAL is None:
-            raise ValueError("no real-time signals here")
-        fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
-        os.rename(pending, os.path.join(spec.directory, stacks_name(rank)))  # the parent may signal from now on
+    if spec.stacks:
+        pending = os.path.join(spec.directory, stacks_pending_name(rank))
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            if STACKS_SIGNAL is None:
+                raise ValueError("no real-time signals here")
+            fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+            os.rename(pending, os.path.join(spec.directory, stacks_name(rank)))  # the parent may signal from now on
+    if not spec.board:
+        return
     try:
         _board = Board(spec.directory, spec.nprocs, create=False)
     except (OSError, ValueError):

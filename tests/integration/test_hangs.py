@@ -15,6 +15,7 @@ import pytest
 
 from mplaunch import LaunchTimeoutError, StallError, WorkerExitedError, parallel
 from mplaunch._platform.memory import oom_counters
+from mplaunch._wire.watch import STACKS_SIGNAL
 from tests import workers
 
 #: spawn workers import torch each: on a busy two-core machine that takes many seconds, so the clock of a
@@ -118,6 +119,28 @@ def test_future_stacks_while_it_runs(tmp_path: Path) -> None:
     finally:
         assert future.cancel()
     assert future.stacks() == {}
+
+
+@pytest.mark.skipif(STACKS_SIGNAL is None or not os.path.exists("/proc/self/status"), reason="Linux")
+def test_only_launches_that_may_ask_for_stacks_install_the_dump_handler(tmp_path: Path) -> None:
+    """A plain call without a timeout never asks for stacks, so its ranks do not pay for the handler (issue 26),
+    and its report still has each rank's usage; a timeout, a stall_timeout or a future does ask."""
+    signum = int(STACKS_SIGNAL or 0)
+    plain = parallel(nprocs=2, start_method="fork", return_all=True)(workers.catches)
+    assert plain(signum) == [False, False]
+    report = plain.last_report
+    assert report is not None
+    assert all(rank.max_rss and rank.user_time is not None for rank in report.ranks)
+    assert plain.options(timeout=60)(signum) == [True, True]
+    assert plain.options(stall_timeout=60)(signum) == [True, True]
+    ready = str(tmp_path / "ready")
+    future = parallel(nprocs=2, start_method="fork")(workers.waiting_here).submit(ready, 60)  # no timeout
+    try:
+        _wait_for([f"{ready}.0", f"{ready}.1"])
+        assert all("waiting_here" in text for text in future.stacks().values())
+        assert set(future.stacks()) == {0, 1}
+    finally:
+        assert future.cancel()
 
 
 def test_report_after_a_call() -> None:
