@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from mplaunch._errors import InvalidOptionError
 from mplaunch._parent.control import LaunchControl
+from mplaunch._platform import forks
 
 #: Seconds between checks for a stop request while a launch waits for devices.
 _POLL = 0.05
@@ -139,9 +140,18 @@ class DevicePool:
             self._condition.notify_all()
 
 
-#: This process's pool.
-POOL = DevicePool()
-os.register_at_fork(after_in_child=lambda: globals().__setitem__("POOL", DevicePool()))
+_POOL_LOCK = forks.new_lock()
+_pool: tuple[int, DevicePool] | None = None  # (the pid that made it, the pool)
+
+
+def pool() -> DevicePool:
+    """This process's pool, made on first use in each process: a forked child (a rank that launches in
+    turn) starts with none busy, since its parent's launches are not its own."""
+    global _pool
+    with _POOL_LOCK:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), DevicePool())
+        return _pool[1]
 
 
 @contextlib.contextmanager
@@ -151,12 +161,13 @@ def held(request: int | tuple[int, ...] | None, control: LaunchControl | None = 
     if request is None:
         yield None
         return
-    granted = POOL.acquire(request, control)
+    devices = pool()
+    granted = devices.acquire(request, control)
     try:
         names = visible_names()
         yield [names[index] for index in granted]
     finally:
-        POOL.release(granted)
+        devices.release(granted)
 
 
 def bus_ids(names: list[str]) -> list[str | None]:

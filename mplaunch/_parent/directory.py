@@ -16,15 +16,14 @@ import contextlib
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator
 
 from mplaunch._errors import LaunchRefusedError
 from mplaunch._parent.processes import forget_reaper, start_reaper
+from mplaunch._platform import forks
 
 _DIR_PREFIX = "mplaunch-"
-_ENSURING = threading.Lock()
-os.register_at_fork(after_in_child=_ENSURING._at_fork_reinit)  # type: ignore[attr-defined] # maybe held by a thread
+_ENSURING = forks.new_lock()  # maybe held by a thread at a fork
 _reapers: dict[tuple[int, str], int] = {}  # (pid, root) -> pid of this process's reaper for root
 
 

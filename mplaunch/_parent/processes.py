@@ -19,7 +19,6 @@ import multiprocessing.util
 import os
 import signal
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 
 from mplaunch._parent.limits import check_exec_environment, short_socket_directory, start_refused
 from mplaunch._parent.signals import signals_held
+from mplaunch._platform import forks
 from mplaunch._platform.environ import environ_kept
 from mplaunch._wire.fds import MAKING
 from mplaunch._wire.records import Payload, WorkerSpec
@@ -39,10 +39,10 @@ from mplaunch._worker.entry import run
 #: (a concurrent ``submit()``) in between would give that end to the other launch's worker, and this launch
 #: would never see its own worker end. A forked child gets the lock as its parent held it, so it is made new
 #: there (CPython's own re-initialisation, as logging's).
-_STARTING = threading.Lock()
-os.register_at_fork(after_in_child=_STARTING._at_fork_reinit)  # type: ignore[attr-defined]
+_STARTING = forks.new_lock()
 
 
+@forks.in_child
 def _forget_fork_server() -> None:
     """In a child forked from this process (a fork-launched rank, a ``multiprocessing.Pool`` worker): the fork
     server this process started is not the child's own (``ensure_running`` would fail in ``waitpid`` with a
@@ -55,9 +55,6 @@ def _forget_fork_server() -> None:
     if alive is not None:
         with contextlib.suppress(OSError):  # the parent's server ends when the parent lets it go, not this child
             os.close(alive)
-
-
-os.register_at_fork(after_in_child=_forget_fork_server)
 
 
 def start_workers(
@@ -410,11 +407,9 @@ def forget_reaper(reaper: int) -> None:
 _reaper_pipes: dict[int, int] = {}
 
 
+@forks.in_child
 def _close_reaper_pipes() -> None:
     for fd in _reaper_pipes.values():
         with contextlib.suppress(OSError):
             os.close(fd)
     _reaper_pipes.clear()
-
-
-os.register_at_fork(after_in_child=_close_reaper_pipes)

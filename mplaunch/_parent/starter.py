@@ -13,22 +13,16 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from mplaunch._platform import forks
+
 T = TypeVar("T")
 
-_jobs: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[tuple[bool, Any]]]] = queue.SimpleQueue()
+_Jobs = queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[tuple[bool, Any]]]]
+_jobs: _Jobs | None = None
 _starter: threading.Thread | None = None
-_starter_lock = threading.Lock()
-
-
-def _forget_starter() -> None:
-    """In a forked child (a rank of fork-started warm workers runs in the thread that forked it, the
-    starter): no thread serves the jobs there, so the child starts a starter of its own when it needs one."""
-    global _jobs, _starter
-    _jobs, _starter = queue.SimpleQueue(), None
-    _starter_lock._at_fork_reinit()  # type: ignore[attr-defined]
-
-
-os.register_at_fork(after_in_child=_forget_starter)
+_owner = -1  # the pid of the process whose starter this is: a forked child (a rank of fork-started warm
+# workers runs in the thread that forked it, the starter) has none serving its jobs, so it starts its own
+_starter_lock = forks.new_lock()
 
 
 def in_starter(job: Callable[[], T]) -> T:
@@ -36,13 +30,16 @@ def in_starter(job: Callable[[], T]) -> T:
 
     A worker's ``PR_SET_PDEATHSIG`` fires when the *thread* that forked it ends, so warm workers must not be
     started from a thread that ends before them (a ``submit()``'s)."""
-    global _starter
+    global _jobs, _starter, _owner
     with _starter_lock:
+        if _owner != os.getpid() or _jobs is None:
+            _jobs, _starter, _owner = queue.SimpleQueue(), None, os.getpid()
         if _starter is None or not _starter.is_alive():
-            _starter = threading.Thread(target=_serve_jobs, name="mplaunch-starter", daemon=True)
+            _starter = threading.Thread(target=_serve_jobs, args=(_jobs,), name="mplaunch-starter", daemon=True)
             _starter.start()
+        jobs = _jobs
     answer: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-    _jobs.put((job, answer))
+    jobs.put((job, answer))
     try:
         ok, value = answer.get()
     except KeyboardInterrupt:  # the start goes on in the starter: wait for it, so it can be undone
@@ -53,9 +50,9 @@ def in_starter(job: Callable[[], T]) -> T:
     return value  # type: ignore[no-any-return]
 
 
-def _serve_jobs() -> None:
+def _serve_jobs(jobs: _Jobs) -> None:
     while True:
-        job, answer = _jobs.get()
+        job, answer = jobs.get()
         try:
             answer.put((True, job()))
         except BaseException as error:  # noqa: BLE001 - handed to the caller

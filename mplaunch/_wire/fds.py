@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import multiprocessing.context
 import os
-import threading
 from typing import Any
+
+from mplaunch._platform import forks
 
 
 class InheritedFd:
@@ -43,8 +44,7 @@ PREFIX = "mplaunch-"
 _MADE: set[int] = set()
 #: Held while a memory file is made and noted (``memfd_create`` lets other threads run): whoever forks
 #: workers holds it too, so a worker never inherits a memory file that is not noted yet.
-MAKING = threading.Lock()
-os.register_at_fork(after_in_child=MAKING._at_fork_reinit)  # type: ignore[attr-defined]
+MAKING = forks.new_lock()
 
 
 def memory_file(name: str) -> int | None:

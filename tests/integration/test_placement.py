@@ -37,7 +37,7 @@ def test_one_device_trials_share_two_devices_at_most_two_at_once(tmp_path: Path)
     assert len(queued) == 2
     assert not any(f.running() or f.done() for f in queued)
     assert {p.read_text().split()[1] for p in started} == {"0", "1"}
-    assert devices.POOL.busy() == {0, 1}
+    assert devices.pool().busy() == {0, 1}
     (tmp_path / "release").touch()
     results = [f.result(timeout=120) for f in futures]
     assert sorted(results) == ["0", "0", "1", "1"]
@@ -49,7 +49,7 @@ def test_one_device_trials_share_two_devices_at_most_two_at_once(tmp_path: Path)
         running = [d for b, e, d in spans if b <= begin <= e]
         assert len(running) <= 2
         assert len(set(running)) == len(running)
-    assert devices.POOL.busy() == set()
+    assert devices.pool().busy() == set()
 
 
 @pytest.mark.usefixtures("two_devices")
@@ -61,7 +61,7 @@ def test_bad_device_indices_are_refused_before_any_worker_starts(tmp_path: Path)
     future = touch.options(devices=3).submit(marker)
     assert isinstance(future.exception(timeout=10), InvalidOptionError)
     assert not os.path.exists(marker)
-    assert devices.POOL.busy() == set()
+    assert devices.pool().busy() == set()
 
 
 def test_devices_are_named_as_the_parent_names_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,7 +84,7 @@ def test_a_queued_launch_can_be_cancelled_and_devices_come_back(tmp_path: Path) 
     (tmp_path / "release").touch()
     assert holder.result(timeout=120) == "0,1"
     assert not (tmp_path / "queued.start").exists()
-    assert devices.POOL.busy() == set()
+    assert devices.pool().busy() == set()
 
 
 def test_cpu_binding_cores_gives_each_rank_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,11 +182,11 @@ def test_devices_come_back_when_a_launch_fails_or_times_out(tmp_path: Path) -> N
     failing = parallel(nprocs=1, start_method="fork", timeout=60, devices=[1])(workers.raise_value_error)
     with pytest.raises(ValueError):
         failing.options(nprocs=2)()
-    assert devices.POOL.busy() == set()
+    assert devices.pool().busy() == set()
     stuck = parallel(start_method="fork", timeout=1, devices=2)(workers.device_trial)  # never released
     with pytest.raises(LaunchTimeoutError):
         stuck(str(tmp_path), "stuck")
-    assert devices.POOL.busy() == set()
+    assert devices.pool().busy() == set()
 
 
 @pytest.mark.cuda
