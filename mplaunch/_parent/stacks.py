@@ -142,11 +142,19 @@ def _runs_function(frame: Frame) -> bool:
 
 
 def summary(stacks: Mapping[int, str]) -> str:
-    """One clause per rank, e.g. ``rank 0 in stuck_here (train.py:12); rank 1 in step (train.py:30)``."""
+    """One clause per rank, e.g. ``rank 0 in stuck_here (train.py:12); rank 1 in step (train.py:30)``; a rank
+    with no frame of the user's code or of another library on its stack (stuck in torch's code, or after the
+    function returned, in a destructor) is ``outside your code``, so that mplaunch's or torch's frame is not
+    read as the user's."""
     parts = []
     for rank in sorted(stacks):
         frame = innermost_user_frame(stacks[rank])
-        parts.append(f"rank {rank} in {frame}" if frame is not None else f"rank {rank}: no Python frame")
+        if frame is None:
+            parts.append(f"rank {rank}: no Python frame")
+        elif _tier(frame.file) == 2:
+            parts.append(f"rank {rank} outside your code, in {frame}")
+        else:
+            parts.append(f"rank {rank} in {frame}")
     return "; ".join(parts)
 
 

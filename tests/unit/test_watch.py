@@ -91,6 +91,14 @@ def test_summary_names_each_rank() -> None:
     assert text.startswith("rank 0: no Python frame; rank 1 in step (/home/me/project/train.py:30)")
 
 
+def test_summary_says_when_no_frame_of_the_users_code_is_on_the_stack() -> None:
+    """A rank stuck after its function returned (a destructor joining threads) showed mplaunch's own frame as
+    if it were the user's: ``rank 1 in __call__ (mplaunch/_spawn_compat.py:26)``."""
+    wrapper = (f"{PACKAGE}/_spawn_compat.py", 26, "__call__")
+    text = stacks.summary({1: _dump([wrapper, (ENTRY, 177, "_execute"), ("/p/launch.py", 1, "<module>")])})
+    assert text == f"rank 1 outside your code, in {stacks.Frame(*wrapper)}"
+
+
 def test_collect_skips_ranks_that_cannot_dump(tmp_path: Path) -> None:
     def gone() -> None:
         raise ProcessLookupError
