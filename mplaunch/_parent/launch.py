@@ -22,7 +22,7 @@ from mplaunch._config import ParallelConfig
 from mplaunch._env import node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._output.pump import Pump, routed, worker_fds
-from mplaunch._parent import checks, devices, placement, policy
+from mplaunch._parent import checks, devices, placement, policy, stacks
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.in_process import run_in_process
@@ -240,6 +240,7 @@ def _attempt(
         raise notice.error({}, 0)
     for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
         transport.remove(spec.directory, outcome_name(rank))
+        stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
     within = config.timeout if control.deadline is None else control.remaining()
     with rendezvous(resolve_within=within) as store:
         spec = dataclasses.replace(

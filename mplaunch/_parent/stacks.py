@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from mplaunch._wire.watch import stacks_name
+from mplaunch._wire.watch import stacks_name, stacks_pending_name
 
 #: Seconds the parent waits for the dumps (all ranks together): stacks never delay a stop by more.
 DUMP_BOUND = 1.0
@@ -87,6 +87,14 @@ def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: fl
             if text:
                 found[rank] = text
     return found
+
+
+def forget(directory: str, rank: int) -> None:
+    """Remove the dump file of ``rank``'s worker of an earlier attempt: the next attempt's worker cannot dump
+    until it has made its own, and a signal before that would end it (its default action)."""
+    for name in (stacks_name(rank), stacks_pending_name(rank)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
 
 
 def threads(text: str) -> list[list[Frame]]:

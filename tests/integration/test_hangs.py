@@ -121,6 +121,47 @@ def test_future_stacks_while_it_runs(tmp_path: Path) -> None:
     assert future.stacks() == {}
 
 
+RESTARTED_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from mplaunch import parallel
+    from tests import workers
+
+    if __name__ == "__main__":
+        directory = sys.argv[1]
+        os.register_at_fork(after_in_child=lambda: workers.hold_restarted_forks(directory))
+        run = parallel(nprocs=1, start_method="fork", timeout=60, max_restarts=1)(workers.fail_first_attempt)
+        future = run.submit(directory)
+        control = future._control
+        while not (os.path.exists(os.path.join(directory, "held")) and control.restarts == 1):
+            time.sleep(0.01)
+        while control.stacks_source is None:  # the second attempt's worker is started, and held
+            time.sleep(0.01)
+        print("STACKS", future.stacks())
+        open(os.path.join(directory, "go"), "w").close()
+        try:
+            print("RESULT", future.result(60))
+        except Exception as error:
+            print("FAILED", error)
+    """
+)
+
+
+@pytest.mark.skipif(STACKS_SIGNAL is None, reason="no real-time signals")
+def test_stacks_asked_while_a_restarted_worker_starts_do_not_end_it(tmp_path: Path) -> None:
+    """The first attempt's dump file stayed in the launch directory: the restarted worker was signalled
+    before it could dump, and died by the signal."""
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", RESTARTED_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[2]),
+    )
+    assert "STACKS {}" in result.stdout, result.stdout + result.stderr
+    assert "RESULT second attempt" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.skipif(STACKS_SIGNAL is None or not os.path.exists("/proc/self/status"), reason="Linux")
 def test_only_launches_that_may_ask_for_stacks_install_the_dump_handler(tmp_path: Path) -> None:
     """A plain call without a timeout never asks for stacks, so its ranks do not pay for the handler (issue 26),
