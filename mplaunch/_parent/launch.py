@@ -194,7 +194,9 @@ def _launch_on(
             ignored_signals=ignored_signals(),
             # a cost only some launches need: a plain call without a timeout never asks for stacks
             stacks=config.timeout is not None or config.stall_timeout is not None or control.stacks_wanted,
-            board=config.stall_timeout is not None or start_method == "forkserver",
+            # the workers' own usage, for the report: a fork server's are not this process's children, and
+            # another thread that starts a process may reap a spawned one first (forked ones are not listed)
+            board=config.stall_timeout is not None or start_method != "fork",
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -209,6 +211,30 @@ def test_report_of_a_forkserver_launch_comes_from_the_workers() -> None:
     report = future.report
     assert report is not None
     assert all(r.max_rss and r.exitcode == 0 for r in report.ranks)
+
+
+@pytest.mark.slow
+def test_report_of_a_spawn_launch_keeps_the_usage_when_multiprocessing_reaps_first() -> None:
+    """A spawn worker is ``multiprocessing``'s child: another thread that starts a process (or calls
+    ``active_children()``) may reap it before the launch, and the kernel's account of it is then lost. Without
+    ``stall_timeout`` the launch made no board, where the worker leaves its own."""
+    done = threading.Event()
+
+    def reap_children() -> None:
+        while not done.is_set():
+            multiprocessing.active_children()
+
+    thread = threading.Thread(target=reap_children)
+    thread.start()
+    try:
+        future = parallel(nprocs=1, start_method="spawn", timeout=120)(workers.sleep).submit(0.1)
+        assert future.result() == 0
+    finally:
+        done.set()
+        thread.join()
+    report = future.report
+    assert report is not None
+    assert all(r.max_rss and r.user_time is not None and r.exitcode == 0 for r in report.ranks), report
 
 
 def test_kill_9_is_not_the_oom_killer() -> None:
