@@ -186,6 +186,16 @@ def test_only_launches_that_may_ask_for_stacks_install_the_dump_handler(tmp_path
         assert future.cancel()
 
 
+@pytest.mark.skipif(STACKS_SIGNAL is None or not os.path.exists("/proc/self/status"), reason="Linux")
+def test_a_process_a_rank_forks_has_no_dump_handler() -> None:
+    """A process the rank forks (a DataLoader worker) is not the rank: it drops the dump handler it inherits,
+    also in a launch without a board (a timeout, no stall_timeout)."""
+    signum = int(STACKS_SIGNAL or 0)
+    run = parallel(nprocs=1, start_method="fork", timeout=60)(workers.forked_child_catches)
+    assert run.options(stall_timeout=60)(signum) is False
+    assert run(signum) is False
+
+
 def test_report_after_a_call() -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=60)(workers.sleep)
     assert run.last_report is None
