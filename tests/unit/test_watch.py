@@ -106,7 +106,7 @@ def test_code_typed_at_a_prompt_or_run_with_exec_is_the_users(file: str) -> None
     user = (file, 3, "waiting")
     dump = _dump([(f"{STDLIB}/threading.py", 320, "wait"), user, (ENTRY, 177, "_execute")])
     assert stacks.summary({0: dump}) == f"rank 0 in {stacks.Frame(*user)}"
-    frozen = (f"<frozen importlib._bootstrap>", 241, "_call_with_frames_removed")
+    frozen = ("<frozen importlib._bootstrap>", 241, "_call_with_frames_removed")
     assert stacks.summary({0: _dump([frozen, (ENTRY, 177, "_execute")])}).startswith("rank 0 outside your code")
 
 
