@@ -914,3 +914,29 @@ def multiprocessing_view() -> tuple[str, int | None, bool, bool]:
         parent is not None and parent.is_alive(),
         bool(multiprocessing.active_children()),
     )
+
+
+def fail_first_attempt(directory: str) -> str:
+    """Raise in the first attempt (after leaving ``directory/failed``); return in the next."""
+    if worker_info().restart_count == 0:
+        open(os.path.join(directory, "failed"), "w").close()
+        raise ValueError("first attempt")
+    return "second attempt"
+
+
+def hold_restarted_forks(directory: str) -> None:
+    """An at-fork hook: a child forked once ``directory/failed`` exists (a restarted rank, before its set-up)
+    leaves ``directory/held`` and waits for ``directory/go``."""
+    if os.path.exists(os.path.join(directory, "failed")) and not os.path.exists(os.path.join(directory, "go")):
+        open(os.path.join(directory, "held"), "w").close()
+        while not os.path.exists(os.path.join(directory, "go")):
+            time.sleep(0.01)
+
+
+def forked_child_catches(signum: int) -> bool:
+    """Whether a process this rank forks has a handler for ``signum`` (see :func:`catches`)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if catches(signum) else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 1

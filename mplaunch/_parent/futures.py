@@ -18,15 +18,24 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mplaunch._parent.control import LaunchControl, LaunchStopped
+from mplaunch._platform import forks
 
 if TYPE_CHECKING:
     from mplaunch._parent.report import RunReport
 
 T = TypeVar("T")
 
-_lock = threading.Lock()
+_lock = forks.new_lock()
 _running: set[LaunchFuture[Any]] = set()
 _hooks_installed = False
+
+
+@forks.in_child
+def _forget_running() -> None:
+    """In a forked child: the running launches are the parent's. The child's exit (``stop_all``, inherited
+    with ``atexit``) must not stop them through their stop pipes, which it shares."""
+    if _running:
+        _running.clear()
 
 
 class LaunchFuture(Future[T]):

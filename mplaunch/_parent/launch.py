@@ -22,7 +22,7 @@ from mplaunch._config import ParallelConfig
 from mplaunch._env import node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._output.pump import Pump, routed, worker_fds
-from mplaunch._parent import checks, devices, placement, policy
+from mplaunch._parent import checks, devices, placement, policy, stacks
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.in_process import run_in_process
@@ -194,7 +194,9 @@ def _launch_on(
             ignored_signals=ignored_signals(),
             # a cost only some launches need: a plain call without a timeout never asks for stacks
             stacks=config.timeout is not None or config.stall_timeout is not None or control.stacks_wanted,
-            board=config.stall_timeout is not None or start_method == "forkserver",
+            # the workers' own usage, for the report: a fork server's are not this process's children, and
+            # another thread that starts a process may reap a spawned one first (forked ones are not listed)
+            board=config.stall_timeout is not None or start_method != "fork",
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
@@ -240,6 +242,7 @@ def _attempt(
         raise notice.error({}, 0)
     for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
         transport.remove(spec.directory, outcome_name(rank))
+        stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
     within = config.timeout if control.deadline is None else control.remaining()
     with rendezvous(resolve_within=within) as store:
         spec = dataclasses.replace(

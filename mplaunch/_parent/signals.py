@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+from mplaunch._platform import forks
 from mplaunch._platform.signals import SIG_IGN, getsignal, pthread_sigmask, set_handler
 
 #: Signals that end a launch, the workers being stopped with the same signal (SIGTERM is how a launch stops
@@ -108,7 +109,7 @@ def _end_as(signum: int, previous: Any) -> None:
     raise KeyboardInterrupt(f"{name} received during a launch") from None
 
 
-_children_lock = threading.Lock()
+_children_lock = forks.new_lock()  # maybe held by another thread at a fork
 _children_users = 0
 
 

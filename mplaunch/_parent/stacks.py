@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from mplaunch._wire.watch import stacks_name
+from mplaunch._wire.watch import stacks_name, stacks_pending_name
 
 #: Seconds the parent waits for the dumps (all ranks together): stacks never delay a stop by more.
 DUMP_BOUND = 1.0
@@ -89,6 +89,14 @@ def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: fl
     return found
 
 
+def forget(directory: str, rank: int) -> None:
+    """Remove the dump file of ``rank``'s worker of an earlier attempt: the next attempt's worker cannot dump
+    until it has made its own, and a signal before that would end it (its default action)."""
+    for name in (stacks_name(rank), stacks_pending_name(rank)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+
+
 def threads(text: str) -> list[list[Frame]]:
     """The frames of each thread in a faulthandler dump, innermost first, in the dump's order."""
     found: list[list[Frame]] = []
@@ -104,8 +112,10 @@ def threads(text: str) -> list[list[Frame]]:
 
 
 def _tier(file: str) -> int:
-    """0: the user's code; 1: another installed library; 2: mplaunch, torch, the standard library, frozen."""
-    if file.startswith("<") or file.startswith(_PACKAGE + os.sep) or file.startswith(_TORCH + os.sep):
+    """0: the user's code, also code without a file (typed at a prompt, ``python -c``, ``exec``: ``<stdin>``,
+    ``<string>``, ``<ipython-input-...>``); 1: another installed library; 2: mplaunch, torch, the standard
+    library (also its frozen modules, ``<frozen ...>``)."""
+    if file.startswith("<frozen ") or file.startswith(_PACKAGE + os.sep) or file.startswith(_TORCH + os.sep):
         return 2
     if any(f"{os.sep}{name}{os.sep}" in file for name in _LIBRARIES):
         return 1
@@ -127,8 +137,8 @@ def innermost_user_frame(text: str) -> Frame | None:
     if not stacks:
         return None
     stack = next((s for s in stacks if any(_runs_function(f) for f in s)), stacks[0])
-    entry = next((i for i, f in enumerate(stack) if _runs_function(f)), len(stack))
-    stack = stack[:entry] or stack  # below the entry: the parent's frames a forked worker inherited
+    entry = next((i for i, f in enumerate(stack) if _runs_function(f)), len(stack) - 1)
+    stack = stack[: entry + 1]  # below the entry: the parent's frames a forked worker inherited (never where it is)
     for tier in (0, 1):
         frame = next((f for f in stack if _tier(f.file) == tier), None)
         if frame is not None:

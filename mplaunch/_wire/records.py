@@ -95,8 +95,9 @@ class WorkerSpec:
             :mod:`mplaunch._worker.debugger`).
         stacks: the parent may ask the ranks for their stacks (a ``timeout``, a ``stall_timeout``, a future's
             ``stacks()``): each installs its dump handler. Without, none does, and none is asked.
-        board: the launch has a board (``stall_timeout``'s heartbeats; the usage of fork-server workers,
-            which the parent cannot reap) that each rank opens.
+        board: the launch has a board that each rank opens: ``stall_timeout``'s heartbeats, and the usage of
+            workers the parent may not reap itself (a fork server's, which are not its children; spawned ones,
+            which ``multiprocessing`` reaps when another thread starts a process).
     """
 
     directory: str

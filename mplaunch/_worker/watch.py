@@ -75,6 +75,8 @@ def watch(spec: WorkerSpec, rank: int) -> None:
             fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
             os.rename(pending, os.path.join(spec.directory, stacks_name(rank)))  # the parent may signal from now on
+    if spec.stacks or spec.board:
+        os.register_at_fork(after_in_child=_forget)
     if not spec.board:
         return
     try:
@@ -82,7 +84,6 @@ def watch(spec: WorkerSpec, rank: int) -> None:
     except (OSError, ValueError):
         return  # a multi-node launch (elastic's agent watches those workers), or the launch is ending
     _rank, _index, _slots = rank, rank * FIELDS + BEAT, _board.slots
-    os.register_at_fork(after_in_child=_forget)
 
 
 def record_usage() -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +123,47 @@ def test_future_stacks_while_it_runs(tmp_path: Path) -> None:
     assert future.stacks() == {}
 
 
+RESTARTED_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from mplaunch import parallel
+    from tests import workers
+
+    if __name__ == "__main__":
+        directory = sys.argv[1]
+        os.register_at_fork(after_in_child=lambda: workers.hold_restarted_forks(directory))
+        run = parallel(nprocs=1, start_method="fork", timeout=60, max_restarts=1)(workers.fail_first_attempt)
+        future = run.submit(directory)
+        control = future._control
+        while not (os.path.exists(os.path.join(directory, "held")) and control.restarts == 1):
+            time.sleep(0.01)
+        while control.stacks_source is None:  # the second attempt's worker is started, and held
+            time.sleep(0.01)
+        print("STACKS", future.stacks())
+        open(os.path.join(directory, "go"), "w").close()
+        try:
+            print("RESULT", future.result(60))
+        except Exception as error:
+            print("FAILED", error)
+    """
+)
+
+
+@pytest.mark.skipif(STACKS_SIGNAL is None, reason="no real-time signals")
+def test_stacks_asked_while_a_restarted_worker_starts_do_not_end_it(tmp_path: Path) -> None:
+    """The first attempt's dump file stayed in the launch directory: the restarted worker was signalled
+    before it could dump, and died by the signal."""
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", RESTARTED_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[2]),
+    )
+    assert "STACKS {}" in result.stdout, result.stdout + result.stderr
+    assert "RESULT second attempt" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.skipif(STACKS_SIGNAL is None or not os.path.exists("/proc/self/status"), reason="Linux")
 def test_only_launches_that_may_ask_for_stacks_install_the_dump_handler(tmp_path: Path) -> None:
     """A plain call without a timeout never asks for stacks, so its ranks do not pay for the handler (issue 26),
@@ -141,6 +184,16 @@ def test_only_launches_that_may_ask_for_stacks_install_the_dump_handler(tmp_path
         assert set(future.stacks()) == {0, 1}
     finally:
         assert future.cancel()
+
+
+@pytest.mark.skipif(STACKS_SIGNAL is None or not os.path.exists("/proc/self/status"), reason="Linux")
+def test_a_process_a_rank_forks_has_no_dump_handler() -> None:
+    """A process the rank forks (a DataLoader worker) is not the rank: it drops the dump handler it inherits,
+    also in a launch without a board (a timeout, no stall_timeout)."""
+    signum = int(STACKS_SIGNAL or 0)
+    run = parallel(nprocs=1, start_method="fork", timeout=60)(workers.forked_child_catches)
+    assert run.options(stall_timeout=60)(signum) is False
+    assert run(signum) is False
 
 
 def test_report_after_a_call() -> None:
@@ -168,6 +221,30 @@ def test_report_of_a_forkserver_launch_comes_from_the_workers() -> None:
     report = future.report
     assert report is not None
     assert all(r.max_rss and r.exitcode == 0 for r in report.ranks)
+
+
+@pytest.mark.slow
+def test_report_of_a_spawn_launch_keeps_the_usage_when_multiprocessing_reaps_first() -> None:
+    """A spawn worker is ``multiprocessing``'s child: another thread that starts a process (or calls
+    ``active_children()``) may reap it before the launch, and the kernel's account of it is then lost. Without
+    ``stall_timeout`` the launch made no board, where the worker leaves its own."""
+    done = threading.Event()
+
+    def reap_children() -> None:
+        while not done.is_set():
+            multiprocessing.active_children()
+
+    thread = threading.Thread(target=reap_children)
+    thread.start()
+    try:
+        future = parallel(nprocs=1, start_method="spawn", timeout=120)(workers.sleep).submit(0.1)
+        assert future.result() == 0
+    finally:
+        done.set()
+        thread.join()
+    report = future.report
+    assert report is not None
+    assert all(r.max_rss and r.user_time is not None and r.exitcode == 0 for r in report.ranks), report
 
 
 def test_kill_9_is_not_the_oom_killer() -> None:

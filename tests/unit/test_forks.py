@@ -4,7 +4,11 @@ makes anew only when it needs it (the device pool)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 from mplaunch._parent import devices
 from mplaunch._platform import forks
@@ -64,3 +68,54 @@ def test_a_forked_child_has_a_device_pool_of_its_own() -> None:
     finally:
         with parents._condition:
             parents._busy.discard(0)
+
+
+def test_every_lock_of_mplaunchs_modules_is_free_in_a_forked_child() -> None:
+    """A module's lock that a thread holds at a fork stays held in the child for good: a child that then
+    launches (a ``multiprocessing.Pool`` worker) would wait forever. Each is made new there (``new_lock``);
+    ``lines._WRITING`` is taken around every fork by its own hooks instead."""
+    import mplaunch  # noqa: F401 - every module a launch uses
+
+    lock_type = type(threading.Lock())
+    found = sorted(
+        f"{name}.{attribute}"
+        for name, module in list(sys.modules.items())
+        if name == "mplaunch" or name.startswith("mplaunch.")
+        for attribute, value in vars(module).items()
+        if isinstance(value, lock_type) and not any(value is lock for lock in forks._LOCKS)
+    )
+    assert found == ["mplaunch._output.lines._WRITING"]
+
+
+def test_a_forked_child_does_not_stop_its_parents_launches_when_it_exits(tmp_path: Path) -> None:
+    """A child that ends with a normal exit runs the ``atexit`` handlers it inherited, among them the one that
+    stops the running submitted launches: the parent's, whose stop requests it still could write."""
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        from mplaunch import parallel
+        from tests import workers
+
+        if __name__ == "__main__":
+            ready = sys.argv[1]
+            future = parallel(nprocs=1, start_method="fork", timeout=60)(workers.waiting_here).submit(ready, 3)
+            while not os.path.exists(f"{ready}.0"):
+                time.sleep(0.01)
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)  # atexit runs here
+            os.waitpid(pid, 0)
+            try:
+                print("RESULT", future.result(20))
+            except BaseException as error:
+                print("FAILED", type(error).__name__, error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ready")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[2]),
+    )
+    assert "RESULT" in result.stdout, result.stdout + result.stderr

@@ -99,6 +99,25 @@ def test_summary_says_when_no_frame_of_the_users_code_is_on_the_stack() -> None:
     assert text == f"rank 1 outside your code, in {stacks.Frame(*wrapper)}"
 
 
+@pytest.mark.parametrize("file", ["<stdin>", "<string>", "<ipython-input-3-0123abcd>", "<python-input-0>"])
+def test_code_typed_at_a_prompt_or_run_with_exec_is_the_users(file: str) -> None:
+    """A function defined at the Python or IPython prompt, in ``python -c`` or with ``exec`` (forked ranks
+    run it) has no file: it was named ``outside your code``, and a library frame it called won over it."""
+    user = (file, 3, "waiting")
+    dump = _dump([(f"{STDLIB}/threading.py", 320, "wait"), user, (ENTRY, 177, "_execute")])
+    assert stacks.summary({0: dump}) == f"rank 0 in {stacks.Frame(*user)}"
+    frozen = ("<frozen importlib._bootstrap>", 241, "_call_with_frames_removed")
+    assert stacks.summary({0: _dump([frozen, (ENTRY, 177, "_execute")])}).startswith("rank 0 outside your code")
+
+
+def test_a_function_without_python_frames_is_never_placed_in_the_parents_frames() -> None:
+    """A rank running a C function (``parallel()(time.sleep)``) has the entry as its innermost frame; below it
+    are the parent's frames that a forked worker inherited, and the launch named the parent's line that made
+    the call as where the rank was."""
+    dump = _dump([(ENTRY, 177, "_execute"), (ENTRY, 394, "run"), ("/home/me/project/launch.py", 10, "<module>")])
+    assert stacks.summary({0: dump}) == f"rank 0 outside your code, in {stacks.Frame(ENTRY, 177, '_execute')}"
+
+
 def test_collect_skips_ranks_that_cannot_dump(tmp_path: Path) -> None:
     def gone() -> None:
         raise ProcessLookupError
