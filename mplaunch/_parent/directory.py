@@ -101,8 +101,11 @@ def _start_reaper(root: str) -> None:
 
 @contextlib.contextmanager
 def launch_directory() -> Iterator[str]:
-    """Create this launch's directory, yield its path, and remove it (with whatever is left in it) after."""
+    """Create this launch's directory, yield its path, and remove it (with whatever is left in it) after; in
+    that process only: a process forked meanwhile that closes this generator (its garbage collector, at its
+    exit) leaves the directory to the launch."""
     root = shm_root()
+    maker = os.getpid()
     try:
         directory = tempfile.mkdtemp(prefix=own_prefix(), dir=root)
     except OSError as error:
@@ -120,7 +123,8 @@ def launch_directory() -> Iterator[str]:
         _ensure_reaper(root)
         yield directory
     finally:
-        _remove(directory)
+        if os.getpid() == maker:
+            _remove(directory)
 
 
 def _remove(directory: str) -> None:

@@ -182,6 +182,7 @@ class Held:
     """What a :class:`~mplaunch.Workers` owns, apart from it: its team, and the lock of its calls."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # the process whose ranks these are: a process forked from it has copies only
         self.team: Team | None = None
         self.closed = False
         self.lock = threading.Lock()  # one call at a time
@@ -192,11 +193,20 @@ class Held:
         _register_exit()
 
     def close(self) -> None:
-        """Close the team, for good. Idempotent."""
+        """Close the team, for good. Idempotent. In a process forked from the owner (its exit handlers, its
+        garbage collector) only the copy is dropped: the ranks, their pipes and directory are the owner's."""
         self.closed = True
         team, self.team = self.team, None
-        if team is not None:
+        if team is not None and os.getpid() == self.pid:
             team.close()
+
+    def check_process(self) -> None:
+        """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
+        if os.getpid() != self.pid:
+            raise RuntimeError(
+                f"these mplaunch.Workers belong to process {self.pid}, which made them; this process "
+                f"({os.getpid()}) was forked from it and has only a copy. Make new Workers in this process."
+            )
 
 
 class Busy:

@@ -140,7 +140,7 @@ class Workers:
             LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted. Or the ranks did
                 not finish starting within ``rdzv_timeout`` seconds; they were stopped.
             KeyboardInterrupt: Ctrl-C; the call was interrupted.
-            RuntimeError: the workers are closed.
+            RuntimeError: the workers are closed, or this process was forked from the one that made them.
         """
         __tracebackhide__ = True  # noqa: F841
         target = getattr(function, "_mplaunch_target", function)
@@ -162,7 +162,11 @@ class Workers:
 
         Returns:
             The future.
+
+        Raises:
+            RuntimeError: this process was forked from the one that made these workers.
         """
+        self._held.check_process()
         target = getattr(function, "_mplaunch_target", function)
         control = LaunchControl(stoppable=True)
         name = getattr(target, "__qualname__", "call")
@@ -208,6 +212,7 @@ class Workers:
     def _busy(self) -> Any:
         """Hold the call lock (see :meth:`run`)."""
         held = self._held
+        held.check_process()  # before the lock: a thread of the owner may have held it at the fork
         stream = None if held.stream is None else held.stream()
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)

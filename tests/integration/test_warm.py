@@ -17,6 +17,7 @@ import pytest
 
 import mplaunch
 from mplaunch import LaunchTimeoutError, StartMethod, WorkerExitedError, Workers, parallel
+from mplaunch._parent import directory as launch_dir
 from tests import warm_workers
 
 TIMEOUT = 90
@@ -77,6 +78,7 @@ def test_a_function_defined_after_the_start_reaches_the_ranks_by_value() -> None
 
 
 def test_nothing_is_left_after_close() -> None:
+    launch_dir._ensure_reaper(launch_dir.shm_root())  # the process's reaper (and its pipe) stays: not the workers'
     fds = _fds()
     workers = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT)
     pids = workers.pids

@@ -96,3 +96,45 @@ def test_ranks_that_do_not_start_within_rdzv_timeout_are_stopped() -> None:
             workers.run(warm_workers.rank_and_pid)  # a spawned rank imports torch: far longer than 0.05 s
         pids = workers.pids
     assert gone(pids)
+
+
+# A process forked from the one that made warm workers (a user's os.fork child, a fork-started helper) has
+# copies of them. When such a child ended normally, its exit handlers closed the copies: they stopped the
+# parent's ranks, whose next call started new ones with "ranks had died" and lost their state. A call there
+# failed with multiprocessing's "can only join a child process".
+def test_a_forked_child_neither_uses_nor_ends_its_parents_warm_workers(tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path,
+        """
+        import gc, os, sys, warnings
+        from mplaunch import Workers
+        from tests import warm_workers
+
+        def child(action):
+            pid = os.fork()
+            if pid == 0:
+                if action == "exit":
+                    sys.exit(0)  # exit handlers and finalizers run
+                try:
+                    workers.run(warm_workers.bump)
+                except RuntimeError as error:
+                    print("child:", "forked from it" in str(error), flush=True)
+                workers.close()  # the child's copy only
+                del globals()["workers"]
+                gc.collect()
+                os._exit(0)
+            os.waitpid(pid, 0)
+
+        if __name__ == "__main__":
+            warnings.simplefilter("error")  # "ranks had died ... started again" would raise
+            with Workers(nprocs=2, start_method="fork", timeout=60) as workers:
+                pids = workers.pids
+                workers.run(warm_workers.bump)
+                child("exit")
+                child("use")
+                _, _, count = workers.run(warm_workers.bump)
+                print("parent:", count, workers.pids == pids, flush=True)
+        """,
+    )
+    done = run_script(script, timeout=120)
+    assert done.stdout.split() == ["child:", "True", "parent:", "2", "True"], done.stdout + done.stderr[-3000:]
