@@ -129,6 +129,8 @@ def exchange(
             if grace is None and any(isinstance(s, BaseException) for s in states.values()) and pending:
                 grace = _interrupt(team, pending, number, interrupted)
     except BaseException as error:
+        if os.getpid() != team.pid:  # a forked child closing its copy (garbage collected): the call is the owner's
+            raise
         if team.closed:  # at exit, or by another thread: nothing left to stop
             if isinstance(error, (GeneratorExit, KeyboardInterrupt, RuntimeError)):
                 raise
@@ -137,9 +139,10 @@ def exchange(
             _abandon(team, pending, number, interrupted)
         raise
     finally:
-        _clean(team, number)
-        if team.pump is not None and not team.closed:
-            team.pump.sync()  # the call's output before its value
+        if os.getpid() == team.pid:
+            _clean(team, number)
+            if team.pump is not None and not team.closed:
+                team.pump.sync()  # the call's output before its value
     for rank in range(team.spec.nprocs):
         states.setdefault(rank, Stopped(rank))
     return states

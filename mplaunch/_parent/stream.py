@@ -9,6 +9,7 @@ as for any call: the return value (:attr:`Stream.value`), or the first failure, 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Generic, TypeVar
@@ -45,6 +46,7 @@ class Stream(Generic[T]):
         self._release = release
         self._return_all = return_all
         self._done = False
+        self._pid = os.getpid()  # a process forked from this one has a copy, which must not touch the call
         self._after: list[Callable[[], None]] = []  # run once the call has ended (a launch closes its workers)
         self.value: Any = None
 
@@ -57,10 +59,16 @@ class Stream(Generic[T]):
         Raises:
             StopIteration: the generators have returned.
             BaseException: a rank's failure, as a call raises it.
+            RuntimeError: this process was forked from the one that started the call.
         """
         __tracebackhide__ = True  # noqa: F841
         if self._done:
             raise StopIteration
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this mplaunch stream belongs to process {self._pid}, which started the call; this process "
+                f"({os.getpid()}) was forked from it and has only a copy: read the values there."
+            )
         try:
             rank, value = next(self._exchange)
         except StopIteration as stop:
@@ -81,8 +89,12 @@ class Stream(Generic[T]):
 
     def close(self) -> None:
         """Interrupt the ranks' generators if they still run (``KeyboardInterrupt`` at their ``yield``) and
-        end the call; does nothing once the iteration has ended."""
+        end the call; does nothing once the iteration has ended, and in a process forked from the one that
+        started the call, whose copy leaves the call alone."""
         if self._done:
+            return
+        if os.getpid() != self._pid:
+            self._done = True  # (the exchange, when collected here, acts on nothing: see exchange())
             return
         try:
             self._exchange.close()

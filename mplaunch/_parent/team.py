@@ -53,6 +53,7 @@ class Team:
     """
 
     def __init__(self, config: ParallelConfig, nprocs: int, start_method: str) -> None:
+        self.pid = os.getpid()  # the owner: in a process forked from it, the team is a copy that acts on nothing
         self.processes: list[BaseProcess] = []
         self.broken = False
         self.failed_at: dict[int, float] = {}  # in the last call: when each failed rank raised or ended
@@ -134,7 +135,7 @@ class Team:
         """Stop every worker: SIGTERM, then SIGKILL with everything it started after ``grace_period`` seconds;
         reap."""
         self.broken = True
-        if self.closed:
+        if self.closed or os.getpid() != self.pid:
             return
         alive = [p for p in self.processes if p.exitcode is None]
         for process in alive:
@@ -162,6 +163,8 @@ class Team:
         if self.closed:
             return
         self.closed = True
+        if os.getpid() != self.pid:  # a forked child's copy (its exit, its garbage collector): the owner's ranks
+            return
         try:
             for conn in self.conns:
                 with contextlib.suppress(OSError):

@@ -138,3 +138,42 @@ def test_a_forked_child_neither_uses_nor_ends_its_parents_warm_workers(tmp_path:
     )
     done = run_script(script, timeout=120)
     assert done.stdout.split() == ["child:", "True", "parent:", "2", "True"], done.stdout + done.stderr[-3000:]
+
+
+# The same for a stream (a generator function's call, and a warm call of one): the child's exit closed its
+# copy of the stream, which interrupted the parent's ranks and read their messages; the parent then waited
+# for values that never came, until its timeout.
+@pytest.mark.parametrize("source", ["launch", "warm"])
+def test_a_forked_child_leaves_its_parents_stream_alone(source: str, tmp_path: Path) -> None:
+    script = write_script(
+        tmp_path,
+        f"""
+        import os, sys
+        from mplaunch import Workers, parallel
+        from tests import warm_workers
+
+        if __name__ == "__main__":
+            workers = Workers(nprocs=2, start_method="fork", timeout=60) if {source!r} == "warm" else None
+            if workers is None:
+                stream = parallel(nprocs=2, start_method="fork", timeout=60)(warm_workers.ranked_values)(4)
+            else:
+                stream = workers.run(warm_workers.ranked_values, 4)
+            first = next(stream)
+            for action in ("read", "exit"):
+                pid = os.fork()
+                if pid == 0:
+                    if action == "exit":
+                        sys.exit(0)  # exit handlers, then the stream is collected
+                    try:
+                        next(stream)
+                    except RuntimeError as error:
+                        print("child:", "forked from it" in str(error), flush=True)
+                    os._exit(0)
+                os.waitpid(pid, 0)
+            print("parent:", [first, *stream], flush=True)
+            if workers is not None:
+                workers.close()
+        """,
+    )
+    done = run_script(script, timeout=120)
+    assert done.stdout.split("\n")[:2] == ["child: True", "parent: [0, 1, 2, 3]"], done.stdout + done.stderr[-3000:]
