@@ -11,6 +11,7 @@ workers die with it (``PR_SET_PDEATHSIG``, sent when the launch thread that fork
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class LaunchFuture(Future[T]):
     def __init__(self, control: LaunchControl) -> None:
         super().__init__()
         self._control = control
+        self._pid = os.getpid()  # the process whose thread runs the launch
         self._thread: threading.Thread | None = None
         self._settle_lock = threading.Lock()
 
@@ -61,7 +63,11 @@ class LaunchFuture(Future[T]):
             Each rank's stacks as text, by rank; empty when no worker runs (the launch has not started its
             workers yet, or has ended, or runs in this process). A rank still starting, or that does not
             dump within the second, is missing.
+
+        Raises:
+            RuntimeError: the launch has not ended and this process was forked from the one that runs it.
         """
+        self._check_process()
         source = self._control.stacks_source
         return {} if source is None else source()
 
@@ -84,11 +90,16 @@ class LaunchFuture(Future[T]):
         ``True`` when the future ends cancelled (``result()`` then raises ``CancelledError``); ``False`` when the
         launch had already finished, or runs the function in this process (under an outer launcher), which
         cannot be stopped.
+
+        Raises:
+            RuntimeError: the launch has not ended and this process was forked from the one that runs it (a
+                stop from there would reach the parent's ranks, and its future would never settle).
         """
         if self.done():
             return self.cancelled()
         if self._control.in_process:
             return False
+        self._check_process()
         self._control.request_stop()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -113,9 +124,13 @@ class LaunchFuture(Future[T]):
         Returns:
             ``True`` when the launch is told (now, or as soon as it starts); ``False`` when it has finished or
             runs in this process (under an outer launcher), which cannot be preempted.
+
+        Raises:
+            RuntimeError: the launch has not ended and this process was forked from the one that runs it.
         """
         if self.done() or self._control.in_process:
             return False
+        self._check_process()
         self._control.preempt()
         return True
 
@@ -126,7 +141,9 @@ class LaunchFuture(Future[T]):
         Raises:
             concurrent.futures.CancelledError: the launch was stopped through :meth:`cancel`.
             TimeoutError: ``timeout`` seconds passed first (``concurrent.futures.TimeoutError`` before 3.11).
+            RuntimeError: the launch has not ended and this process was forked from the one that runs it.
         """
+        self._check_process()
         try:
             return super().result(timeout)
         except KeyboardInterrupt:
@@ -135,12 +152,22 @@ class LaunchFuture(Future[T]):
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait for the launch and return the exception the call would raise, or ``None``; Ctrl-C while
-        waiting stops the launch."""
+        waiting stops the launch. Raises ``RuntimeError`` as :meth:`result` does."""
+        self._check_process()
         try:
             return super().exception(timeout)
         except KeyboardInterrupt:
             self.cancel()
             raise
+
+    def _check_process(self) -> None:
+        """Raise ``RuntimeError`` in a process forked from the one that runs the launch, unless it has ended:
+        its thread is not there to settle the future, and a stop from there would reach the parent's ranks."""
+        if os.getpid() != self._pid and not self.done():
+            raise RuntimeError(
+                f"this launch runs in process {self._pid}; this process ({os.getpid()}) was forked from it and "
+                "has only a copy of its future: wait for it, cancel or preempt it there."
+            )
 
     def _settle(self, value: Any = None, error: BaseException | None = None) -> None:
         with self._settle_lock:

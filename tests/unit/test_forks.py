@@ -119,3 +119,45 @@ def test_a_forked_child_does_not_stop_its_parents_launches_when_it_exits(tmp_pat
         cwd=str(Path(__file__).parents[2]),
     )
     assert "RESULT" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_forked_child_cannot_stop_or_wait_for_its_parents_launch(tmp_path: Path) -> None:
+    """``future.cancel()`` in a forked child stopped the parent's launch through the shared stop pipe and left
+    the parent's future pending for good (``result()`` timed out); ``result()`` there waited for a thread that
+    the child does not have. Each raises a ``RuntimeError`` there; the parent's launch is untouched."""
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        from mplaunch import parallel
+        from tests import workers
+
+        if __name__ == "__main__":
+            ready = sys.argv[1]
+            future = parallel(nprocs=1, start_method="fork", timeout=60)(workers.waiting_here).submit(ready, 3)
+            while not os.path.exists(f"{ready}.0"):
+                time.sleep(0.01)
+            pid = os.fork()
+            if pid == 0:
+                for call in (future.cancel, future.preempt, future.stacks, lambda: future.result(0.1)):
+                    try:
+                        call()
+                        print("CHILD", "ran")
+                    except RuntimeError as error:
+                        print("CHILD", "forked from it" in str(error))
+                sys.stdout.flush()
+                os._exit(0)
+            os.waitpid(pid, 0)
+            try:
+                print("RESULT", future.result(20))
+            except BaseException as error:
+                print("FAILED", type(error).__name__, error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "ready")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(Path(__file__).parents[2]),
+    )
+    assert result.stdout.split("\n")[:5] == ["CHILD True"] * 4 + ["RESULT 0"], result.stdout + result.stderr
