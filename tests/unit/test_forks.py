@@ -87,30 +87,31 @@ def test_every_lock_of_mplaunchs_modules_is_free_in_a_forked_child() -> None:
     assert found == ["mplaunch._output.lines._WRITING"]
 
 
-def test_a_forked_child_does_not_stop_its_parents_launches_when_it_exits(tmp_path: Path) -> None:
-    """A child that ends with a normal exit runs the ``atexit`` handlers it inherited, among them the one that
-    stops the running submitted launches: the parent's, whose stop requests it still could write."""
-    script = textwrap.dedent(
-        """
-        import os, sys, time
-        from mplaunch import parallel
-        from tests import workers
+_PARENT = """
+import os, sys, time
+from mplaunch import parallel
+from tests import workers
 
-        if __name__ == "__main__":
-            ready = sys.argv[1]
-            future = parallel(nprocs=1, start_method="fork", timeout=60)(workers.waiting_here).submit(ready, 3)
-            while not os.path.exists(f"{ready}.0"):
-                time.sleep(0.01)
-            pid = os.fork()
-            if pid == 0:
-                sys.exit(0)  # atexit runs here
-            os.waitpid(pid, 0)
-            try:
-                print("RESULT", future.result(20))
-            except BaseException as error:
-                print("FAILED", type(error).__name__, error)
-        """
-    )
+if __name__ == "__main__":
+    ready = sys.argv[1]
+    future = parallel(nprocs=1, start_method="fork", timeout=60)(workers.waiting_here).submit(ready, 3)
+    while not os.path.exists(f"{ready}.0"):
+        time.sleep(0.01)
+    pid = os.fork()
+    if pid == 0:
+{child}
+    os.waitpid(pid, 0)
+    try:
+        print("RESULT", future.result(20))
+    except BaseException as error:
+        print("FAILED", type(error).__name__, error)
+"""
+
+
+def _forking_parent(tmp_path: Path, child: str) -> list[str]:
+    """Run a script that submits a 3 s launch, forks once it runs, and runs ``child`` (Python, its lines
+    indented by 8) in the child; return the script's output lines (the parent's last: its future's result)."""
+    script = _PARENT.replace("{child}", textwrap.indent(textwrap.dedent(child).strip(), " " * 8))
     result = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "ready")],
         capture_output=True,
@@ -118,46 +119,28 @@ def test_a_forked_child_does_not_stop_its_parents_launches_when_it_exits(tmp_pat
         timeout=120,
         cwd=str(Path(__file__).parents[2]),
     )
-    assert "RESULT" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.splitlines()
+
+
+def test_a_forked_child_does_not_stop_its_parents_launches_when_it_exits(tmp_path: Path) -> None:
+    """A child that ends with a normal exit runs the ``atexit`` handlers it inherited, among them the one that
+    stops the running submitted launches: the parent's, whose stop requests it still could write."""
+    assert _forking_parent(tmp_path, "sys.exit(0)  # atexit runs here") == ["RESULT 0"]
 
 
 def test_a_forked_child_cannot_stop_or_wait_for_its_parents_launch(tmp_path: Path) -> None:
     """``future.cancel()`` in a forked child stopped the parent's launch through the shared stop pipe and left
     the parent's future pending for good (``result()`` timed out); ``result()`` there waited for a thread that
     the child does not have. Each raises a ``RuntimeError`` there; the parent's launch is untouched."""
-    script = textwrap.dedent(
-        """
-        import os, sys, time
-        from mplaunch import parallel
-        from tests import workers
-
-        if __name__ == "__main__":
-            ready = sys.argv[1]
-            future = parallel(nprocs=1, start_method="fork", timeout=60)(workers.waiting_here).submit(ready, 3)
-            while not os.path.exists(f"{ready}.0"):
-                time.sleep(0.01)
-            pid = os.fork()
-            if pid == 0:
-                for call in (future.cancel, future.preempt, future.stacks, lambda: future.result(0.1)):
-                    try:
-                        call()
-                        print("CHILD", "ran")
-                    except RuntimeError as error:
-                        print("CHILD", "forked from it" in str(error))
-                sys.stdout.flush()
-                os._exit(0)
-            os.waitpid(pid, 0)
+    child = """
+        for call in (future.cancel, future.preempt, future.stacks, lambda: future.result(0.1)):
             try:
-                print("RESULT", future.result(20))
-            except BaseException as error:
-                print("FAILED", type(error).__name__, error)
-        """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "ready")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(Path(__file__).parents[2]),
-    )
-    assert result.stdout.split("\n")[:5] == ["CHILD True"] * 4 + ["RESULT 0"], result.stdout + result.stderr
+                call()
+                print("CHILD", "ran")
+            except RuntimeError as error:
+                print("CHILD", "forked from it" in str(error))
+        sys.stdout.flush()
+        os._exit(0)
+    """
+    assert _forking_parent(tmp_path, child) == ["CHILD True"] * 4 + ["RESULT 0"]
