@@ -159,7 +159,9 @@ class Team:
 
     def close(self) -> None:
         """Tell the workers to leave, wait ``grace_period`` seconds for them, stop those still running, and
-        remove everything: pipes, pidfds, the store, the output pump, the launch directory. Idempotent."""
+        remove everything: pipes, pidfds, the store, the output pump, the launch directory. Idempotent. In a
+        process forked from the owner (its exit handlers, its garbage collector) only the copy is marked
+        closed: the ranks, their pipes and directory are the owner's."""
         if self.closed:
             return
         self.closed = True
@@ -196,12 +198,11 @@ class Held:
         _register_exit()
 
     def close(self) -> None:
-        """Close the team, for good. Idempotent. In a process forked from the owner (its exit handlers, its
-        garbage collector) only the copy is dropped: the ranks, their pipes and directory are the owner's."""
+        """Close the team, for good. Idempotent."""
         self.closed = True
         team, self.team = self.team, None
-        if team is not None and os.getpid() == self.pid:
-            team.close()
+        if team is not None:
+            team.close()  # in a process forked from the owner, a copy: it leaves the owner's ranks alone
 
     def check_process(self) -> None:
         """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
