@@ -163,11 +163,8 @@ class LaunchFuture(Future[T]):
     def _check_process(self) -> None:
         """Raise ``RuntimeError`` in a process forked from the one that runs the launch, unless it has ended:
         its thread is not there to settle the future, and a stop from there would reach the parent's ranks."""
-        if os.getpid() != self._pid and not self.done():
-            raise RuntimeError(
-                f"this launch runs in process {self._pid}; this process ({os.getpid()}) was forked from it and "
-                "has only a copy of its future: wait for it, cancel or preempt it there."
-            )
+        if not self.done():
+            forks.check_owner(self._pid, "this launch and its future", "Wait for it, cancel or preempt it there.")
 
     def _settle(self, value: Any = None, error: BaseException | None = None) -> None:
         with self._settle_lock:

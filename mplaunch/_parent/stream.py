@@ -15,6 +15,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any, Generic, TypeVar
 
 from mplaunch._errors import MplaunchError, RemoteTraceback
+from mplaunch._platform import forks
 
 T = TypeVar("T")
 _END = object()
@@ -64,11 +65,7 @@ class Stream(Generic[T]):
         __tracebackhide__ = True  # noqa: F841
         if self._done:
             raise StopIteration
-        if os.getpid() != self._pid:
-            raise RuntimeError(
-                f"this mplaunch stream belongs to process {self._pid}, which started the call; this process "
-                f"({os.getpid()}) was forked from it and has only a copy: read the values there."
-            )
+        forks.check_owner(self._pid, "this mplaunch stream's values", "Read them in that process.")
         try:
             rank, value = next(self._exchange)
         except StopIteration as stop:

@@ -32,6 +32,7 @@ from mplaunch._parent.signalling import kill_tree, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.starter import in_starter
 from mplaunch._parent.store import rendezvous
+from mplaunch._platform import forks
 from mplaunch._state.python import warn_not_carried
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
@@ -206,11 +207,7 @@ class Held:
 
     def check_process(self) -> None:
         """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
-        if os.getpid() != self.pid:
-            raise RuntimeError(
-                f"these mplaunch.Workers belong to process {self.pid}, which made them; this process "
-                f"({os.getpid()}) was forked from it and has only a copy. Make new Workers in this process."
-            )
+        forks.check_owner(self.pid, "these mplaunch.Workers", "Make new Workers in this process.")
 
 
 class Busy:

@@ -36,6 +36,17 @@ def in_child(callback: Callable[[], None]) -> Callable[[], None]:
     return callback
 
 
+def check_owner(owner: int, what: str, advice: str) -> None:
+    """Raise ``RuntimeError`` unless this process is ``owner`` (a pid): ``what`` (e.g. ``"these
+    mplaunch.Workers"``) is then a copy that a child forked from the owner inherited, whose use would act on
+    the owner's workers; ``advice`` says what to do instead."""
+    if os.getpid() != owner:
+        raise RuntimeError(
+            f"{what} belong to process {owner}; this process ({os.getpid()}) was forked from it and has only a "
+            f"copy. {advice}"
+        )
+
+
 def _after_fork_in_child() -> None:
     for lock in _LOCKS:
         lock._at_fork_reinit()
