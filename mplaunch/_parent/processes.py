@@ -108,6 +108,9 @@ def start_workers(
                     return
                 for rank, process in enumerate(processes):  # noqa: B007 - the rank that failed is reported
                     process.start()
+                    # the launch reaps it, as it does forked ones: multiprocessing's list of children is where
+                    # another thread's start or active_children() reaps ended children, exit code and usage
+                    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
                     started(process)
     except (OSError, EOFError) as error:
         if spec.start_method == "forkserver":

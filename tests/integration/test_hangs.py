@@ -226,8 +226,9 @@ def test_report_of_a_forkserver_launch_comes_from_the_workers() -> None:
 @pytest.mark.slow
 def test_report_of_a_spawn_launch_keeps_the_usage_when_multiprocessing_reaps_first() -> None:
     """A spawn worker is ``multiprocessing``'s child: another thread that starts a process (or calls
-    ``active_children()``) may reap it before the launch, and the kernel's account of it is then lost. Without
-    ``stall_timeout`` the launch made no board, where the worker leaves its own."""
+    ``active_children()``) reaped it before the launch now and then, and its exit code and the kernel's account
+    of it were lost (without ``stall_timeout`` the launch made no board, where the worker leaves its own). The
+    launch takes its workers off ``multiprocessing``'s list, as it does forked ones."""
     done = threading.Event()
 
     def reap_children() -> None:

@@ -56,7 +56,7 @@ SCRIPT = """
         with open(os.path.join(pid_dir, "tmp" + rank), "w") as file:
             file.write(f"{os.getpid()} {child.pid}")
         os.rename(os.path.join(pid_dir, "tmp" + rank), os.path.join(pid_dir, rank))
-        print("started", rank, flush=True)
+        print(f"started {rank}", flush=True)  # one write: with PYTHONUNBUFFERED, print's pieces are several
         while True:
             time.sleep(0.1)
 
