@@ -20,10 +20,18 @@ from mplaunch._platform.memory import oom_counters
 from mplaunch._wire.watch import STACKS_SIGNAL
 from tests import workers
 
-#: spawn workers import torch each: on a busy two-core machine that takes many seconds, so the clock of a
-#: spawn launch leaves them that long before they reach the function
-STARTS = {"fork": 0.0, "forkserver": 0.0, "spawn": 30.0}
 ALL = pytest.mark.parametrize("start_method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
+
+
+def _start_allowance(start_method: str) -> float:
+    """Seconds to add to a launch's ``timeout`` so that its ranks reach the function before it ends: twice
+    what a no-op launch takes now for spawn (each worker imports torch: seconds on a busy two-core machine,
+    and a fixed allowance made the spawn case wait 30 s); nothing for fork and forkserver."""
+    if start_method != "spawn":
+        return 0.0
+    start = time.monotonic()
+    parallel(nprocs=2, start_method="spawn", timeout=120)(workers.identity)(None)
+    return 2.0 * (time.monotonic() - start)
 
 
 def _wait_for(paths: list[str], seconds: float = 60) -> None:
@@ -35,7 +43,7 @@ def _wait_for(paths: list[str], seconds: float = 60) -> None:
 
 @ALL
 def test_timeout_names_where_each_rank_was(start_method: str, tmp_path: Path) -> None:
-    timeout = 4.0 + STARTS[start_method]
+    timeout = 4.0 + _start_allowance(start_method)
     run = parallel(nprocs=2, start_method=start_method, timeout=timeout, grace_period=1.0, log_dir=str(tmp_path))(  # type: ignore[call-overload]
         workers.stuck_or_in_barrier
     )

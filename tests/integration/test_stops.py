@@ -34,7 +34,7 @@ def test_a_rank_stopped_while_writing_its_result_is_no_failure(
 ) -> None:
     """Rank 0 has returned and is pickling (slowly) when rank 1 raises: `failures` held a bogus 'exited with
     code 143' for rank 0, and spawn printed 'Exception ignored in atexit callback ... Terminated'."""
-    rounds = 3 if start_method == "spawn" else 6
+    rounds = 2 if start_method == "spawn" else 6  # rank 1 raises once rank 0 pickles: each round is the race
     for round_ in range(rounds):
         started = str(tmp_path / f"pickling-{round_}")
         with pytest.raises(RuntimeError, match="hello") as caught:
