@@ -32,7 +32,7 @@ from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.processes import release, start_workers
 from mplaunch._parent.report import RunReport
 from mplaunch._parent.restarts import run_attempts
-from mplaunch._parent.signals import ParentSignalled, ignored_signals, parent_signals
+from mplaunch._parent.signals import ParentSignalled, ignored_signals, parent_signals, sigchld_handled
 from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.supervise import Supervisor
 from mplaunch._parent.terminal import terminal_kept
@@ -194,9 +194,10 @@ def _launch_on(
             ignored_signals=ignored_signals(),
             # a cost only some launches need: a plain call without a timeout never asks for stacks
             stacks=config.timeout is not None or config.stall_timeout is not None or control.stacks_wanted,
-            # the workers' own usage, for the report: a fork server's are not this process's children, and
-            # another thread that starts a process may reap a spawned one first (forked ones are not listed)
-            board=config.stall_timeout is not None or start_method != "fork",
+            # the workers' own usage, for the report: a fork server's are not this process's children,
+            # another thread that starts a process may reap a spawned one first (forked ones are not listed),
+            # and a caller's SIGCHLD handler may reap any of them first
+            board=config.stall_timeout is not None or start_method != "fork" or sigchld_handled(),
         )
         if spec.backend == "nccl" and not torch.cuda.is_available():
             raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")

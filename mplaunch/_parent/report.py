@@ -32,8 +32,8 @@ class RankReport:
         exitcode: its exit code as ``multiprocessing`` gives it (negative ``-N``: killed by signal ``N``),
             or ``None`` if it was never seen to end.
         signal_name: the signal that killed it (e.g. ``"SIGKILL"``), else ``None``.
-        max_rss: its peak resident memory, in bytes, or ``None`` when unknown (a fork server's worker
-            killed by a signal).
+        max_rss: its peak resident memory, in bytes, or ``None`` when unknown (a worker killed by a signal
+            that was not the parent's to reap: a fork server's, or one the caller's code reaped).
         user_time: CPU seconds it spent in user mode, or ``None`` when unknown.
         system_time: CPU seconds it spent in the kernel, or ``None`` when unknown.
         wall_time: seconds from its start to its end, as the parent saw them.

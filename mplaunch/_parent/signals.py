@@ -21,7 +21,7 @@ from types import FrameType
 from typing import Any
 
 from mplaunch._platform import forks
-from mplaunch._platform.signals import SIG_IGN, getsignal, pthread_sigmask, set_handler
+from mplaunch._platform.signals import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 
 #: Signals that end a launch, the workers being stopped with the same signal (SIGTERM is how a launch stops
 #: its workers anyway).
@@ -107,6 +107,13 @@ def _end_as(signum: int, previous: Any) -> None:
     else:
         os.kill(os.getpid(), signum)  # the default action: die by the signal, as asked
     raise KeyboardInterrupt(f"{name} received during a launch") from None
+
+
+def sigchld_handled() -> bool:
+    """Whether the caller handles SIGCHLD (a Python handler; ``None``: one set outside Python): a handler that
+    reaps every child (a common server pattern) may reap a forked worker before the launch reads the kernel's
+    account of it (peak memory, CPU time), so the workers then leave their own on the board."""
+    return getsignal(signal.SIGCHLD) not in (SIG_DFL, SIG_IGN)
 
 
 _children_lock = forks.new_lock()  # maybe held by another thread at a fork

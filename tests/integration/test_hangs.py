@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -254,6 +255,27 @@ def test_report_of_a_spawn_launch_keeps_the_usage_when_multiprocessing_reaps_fir
     report = future.report
     assert report is not None
     assert all(r.max_rss and r.user_time is not None and r.exitcode == 0 for r in report.ranks), report
+
+
+def _reap_every_child(signum: int, frame: object) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def test_report_of_a_fork_launch_keeps_the_usage_when_the_callers_sigchld_handler_reaps_first() -> None:
+    """A caller's SIGCHLD handler that reaps every child (a common server pattern) reaps forked workers before
+    the launch can read the kernel's account of them: the report had no peak memory or CPU time. A fork launch
+    whose caller handles SIGCHLD has the workers leave their own usage, as other start methods do."""
+    run = parallel(nprocs=2, start_method="fork", timeout=60)(workers.sleep)
+    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
+    try:
+        assert run(0.1) == 0
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    report = run.last_report
+    assert report is not None
+    assert all(r.max_rss and r.user_time is not None for r in report.ranks), report
 
 
 def test_kill_9_is_not_the_oom_killer() -> None:
