@@ -74,6 +74,8 @@ def launcher_parts(name: str, plan: dict[str, Any]) -> Parts:
     }
     if not runner.own_group:
         parts["launch"] = lambda: timed(launch(trivial), plan["warm" + slow], TIMEOUT)[0]
+    if name == "mplaunch/fork":  # what watching adds (issue 22): stacks on timeout, heartbeats, the board
+        parts["watched"] = lambda: timed(watched(), plan["warm"], TIMEOUT)[0]
     if plan["gloo" + slow]:
         parts["gloo"] = lambda: timed(launch(gloo_cycle), plan["gloo" + slow], TIMEOUT)[0]
     count = plan["payload_peers" if runner.peer else "payload"]
@@ -81,6 +83,16 @@ def launcher_parts(name: str, plan: dict[str, Any]) -> Parts:
         if not any(word in kind for word in runner.skip.split()):
             parts[kind] = functools.partial(returned, launch(make_payload, kind), expected, count)
     return parts
+
+
+def watched() -> Callable[[], Any]:
+    """A warm fork launch of :func:`trivial` with a ``timeout`` and a ``stall_timeout``: its ranks install the
+    stack-dump handler and the parent makes and watches the heartbeat board."""
+    from mplaunch import parallel
+
+    run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, stall_timeout=TIMEOUT)(trivial)
+    run()
+    return run  # type: ignore[no-any-return]
 
 
 def baseline(kind: str, count: int) -> list[float]:

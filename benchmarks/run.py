@@ -98,6 +98,7 @@ class Target:
 MP, LIST, BIG, ARRAY = "mplaunch/fork|", "list 10**6 ints", "512 MiB tensor", "400 MB NumPy array"
 TARGETS = [Target(*row) for row in (  # text, limit, top, bottom (a path or a number), at_most, unit
     ("fork warm launch <= 1.5x raw fork", 1.5, "mplaunch/fork|launch", "raw/fork|launch"),
+    ("fork warm, timeout + stall_timeout <= 1.5x raw fork", 1.5, "mplaunch/fork|watched", "raw/fork|launch"),
     ("forkserver warm <= 1.3x raw preloaded", 1.3, "mplaunch/forkserver|launch", "raw/forkserver+preload|launch"),
     ("forkserver warm >= 20x faster than spawn", 20, "mplaunch/spawn|launch", "mplaunch/forkserver|launch", False),
     ("spawn warm launch <= 1.05x raw spawn", 1.05, "mplaunch/spawn|launch", "raw/spawn|launch"),
