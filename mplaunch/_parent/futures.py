@@ -204,19 +204,25 @@ def submit(run: Callable[[LaunchControl], T], control: LaunchControl, name: str)
 
 
 def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T]) -> None:
+    """The launch thread: run the launch, close what it holds, then settle the future (so that whoever
+    ``result()`` wakes finds the launch's descriptors closed)."""
     control = future._control
+    error: BaseException | None = None
+    stopped = False
     try:
         value = run(control)
     except LaunchStopped:
-        pass  # cancel() marks the future cancelled once this thread has ended
-    except BaseException as error:  # noqa: BLE001 - the future carries whatever the call would raise
-        future._settle(error=error)
-    else:
-        future._settle(value=value)
+        stopped = True  # cancel() marks the future cancelled once this thread has ended
+    except BaseException as raised:  # noqa: BLE001 - the future carries whatever the call would raise
+        error = raised
     finally:
         with _lock:
             _running.discard(future)
         control.close()
+    if error is not None:
+        future._settle(error=error)
+    elif not stopped:
+        future._settle(value=value)
 
 
 def stop_all() -> None:

@@ -19,6 +19,7 @@ from multiprocessing.process import BaseProcess
 
 from mplaunch._errors import signal_name
 from mplaunch._platform.memory import oom_counters, oom_kills
+from mplaunch._platform.pidfd import reaped_status
 from mplaunch._wire.watch import MAX_RSS, SYSTEM_TIME, USER_TIME, Board
 
 
@@ -110,9 +111,10 @@ class RankRecords:
             counters = oom_counters(pid) if pid is not None else ()
             self._counters[rank] = (counters, oom_kills(counters))
 
-    def reap(self, rank: int, process: BaseProcess) -> None:
+    def reap(self, rank: int, process: BaseProcess, pidfd: int | None = None) -> None:
         """Reap ``rank``'s ended worker (``process``), keeping the kernel's account of it; wait for it if it
-        has not ended. Idempotent."""
+        has not ended. Idempotent. ``pidfd``: a pidfd of the worker, which still gives its exit status where
+        someone else reaped it first (a caller's SIGCHLD handler; Linux 6.15+)."""
         if rank in self._ended:
             process.join()
             return
@@ -124,8 +126,12 @@ class RankRecords:
                 self._count_oom_kills(rank)
             try:
                 found, status, usage = os.wait4(pid, 0)
-            except ChildProcessError:
-                pass  # reaped by multiprocessing meanwhile (another thread started a process): it has the code
+            except ChildProcessError:  # reaped by someone else: the kernel may still tell the exit status
+                reaped = None if pidfd is None else reaped_status(pidfd)
+                if reaped is not None and popen.returncode is None:
+                    popen.returncode = os.waitstatus_to_exitcode(reaped)
+                    if popen.returncode == -signal.SIGKILL and rank not in self._oom_kills:
+                        self._count_oom_kills(rank)  # its cgroup's count, read after the fact
             else:
                 if found == pid:
                     popen.returncode = os.waitstatus_to_exitcode(status)

@@ -163,7 +163,7 @@ class Supervisor:
         # a Ctrl-C there would lose the exit code of the worker it reaps; what unpickling raises is the
         # result's own, never a Ctrl-C
         with signals_held():
-            self.records.reap(rank, process)
+            self.records.reap(rank, process, self._pidfds.get(rank))
             try:
                 outcome = self._load(rank)
             except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
@@ -315,7 +315,7 @@ class Supervisor:
                     kill_tree(process)
             with signals_held():
                 for rank, process in enumerate(self.processes):
-                    self.records.reap(rank, process)
+                    self.records.reap(rank, process, self._pidfds.get(rank))
             with self._signalling:
                 for fd in self._pidfds.values():
                     os.close(fd)

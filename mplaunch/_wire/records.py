@@ -322,6 +322,11 @@ def exit_error(
             what += "; a `kill -9`? Not the out-of-memory killer: its cgroup counted no out-of-memory kill"
     elif exitcode == 0:
         what = "exited with code 0 before returning (os._exit() or sys.exit() from another thread?)"
+    elif exitcode is None:
+        what = (
+            "ended before returning, and its exit status is unknown: something else in this process reaped it "
+            "first (a SIGCHLD handler or a thread that calls os.waitpid(-1, ...)?)"
+        )
     else:
         what = f"exited with code {exitcode} before returning"
     error.args = (f"rank {rank} (pid {pid}) {what}",)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from mplaunch import LaunchTimeoutError, StallError, WorkerExitedError, parallel
+from mplaunch import LaunchTimeoutError, StallError, StartMethod, WorkerExitedError, parallel
+from mplaunch._parent import report as report_module
 from mplaunch._platform.memory import oom_counters
+from mplaunch._platform.pidfd import reaped_status
 from mplaunch._wire.watch import STACKS_SIGNAL
 from tests import workers
 
@@ -276,6 +278,57 @@ def test_report_of_a_fork_launch_keeps_the_usage_when_the_callers_sigchld_handle
     report = run.last_report
     assert report is not None
     assert all(r.max_rss and r.user_time is not None for r in report.ranks), report
+
+
+def _kernel_keeps_reaped_status() -> bool:
+    """Whether a pidfd still gives the exit status of a process someone else reaped (Linux 6.15+)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    pidfd = os.pidfd_open(pid)
+    try:
+        os.waitpid(pid, 0)
+        return reaped_status(pidfd) is not None
+    finally:
+        os.close(pidfd)
+
+
+@pytest.mark.skipif(not _kernel_keeps_reaped_status(), reason="needs PIDFD_INFO_EXIT (Linux 6.15+)")
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_a_callers_reaping_sigchld_handler_leaves_each_ranks_exit_known(start_method: StartMethod) -> None:
+    """A caller's SIGCHLD handler that reaps every child took the workers' exit statuses: a SIGKILLed rank
+    "exited with code None", and every report line read "exit None" (found by a break-it pass)."""
+    run = parallel(nprocs=2, start_method=start_method, timeout=120)(workers.kill_self)
+    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
+    try:
+        with pytest.raises(WorkerExitedError) as caught:
+            run(signal.SIGKILL)
+        assert "was ended by SIGKILL (signal 9)" in str(caught.value), str(caught.value)
+        assert caught.value.exitcode == -signal.SIGKILL
+        exiting = parallel(nprocs=2, start_method=start_method, timeout=120)(workers.os_exit_on_rank)
+        with pytest.raises(WorkerExitedError, match="exited with code 7 before returning") as exited:
+            exiting(1, 7)
+        assert exited.value.report is not None
+        codes = [r.exitcode for r in exited.value.report.ranks]
+        assert codes[1] == 7 and codes[0] is not None, exited.value.report  # rank 0 returned, or was stopped
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def test_an_exit_status_taken_by_someone_else_is_named_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel keeps no status for a reaped process, the message says what happened to it, not
+    "exited with code None"."""
+    monkeypatch.setattr(report_module, "reaped_status", lambda pidfd: None)
+    run = parallel(nprocs=2, start_method="fork", timeout=60)(workers.os_exit_on_rank)
+    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
+    try:
+        with pytest.raises(WorkerExitedError) as caught:
+            run(1, 7)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert "rank 1" in str(caught.value)
+    assert "its exit status is unknown: something else in this process reaped it first" in str(caught.value)
+    assert caught.value.exitcode is None
 
 
 def test_kill_9_is_not_the_oom_killer() -> None:

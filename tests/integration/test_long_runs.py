@@ -248,6 +248,28 @@ def test_cancel_stops_a_running_launch_and_leaves_nothing_behind(tmp_path: Path)
     assert future.cancel()  # already cancelled: still True, as concurrent.futures says
 
 
+def test_descriptors_are_closed_when_result_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch thread settled the future before it closed the launch's stop pipe: right after result()
+    two descriptors were still open now and then (found by a break-it pass; a slow close makes it certain)."""
+    from mplaunch._parent.control import LaunchControl
+    from tests import workers
+
+    run = parallel(nprocs=1, start_method="fork", timeout=60)(workers.sleep)
+    run.submit(0).result()  # what a first launch makes once (the directory reaper)
+    close = LaunchControl.close
+
+    def slow_close(self: LaunchControl) -> None:
+        time.sleep(0.3)  # a loaded machine
+        close(self)
+
+    monkeypatch.setattr(LaunchControl, "close", slow_close)
+    before = set(os.listdir("/proc/self/fd"))
+    future = run.submit(0)
+    assert future.result() == 0
+    left = set(os.listdir("/proc/self/fd")) - before
+    assert not left, f"descriptors still open when result() returned: {left}"
+
+
 def test_two_submitted_launches_run_at_the_same_time(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(meet)
     first, second = run.submit(str(tmp_path), "a", "b"), run.submit(str(tmp_path), "b", "a")
