@@ -14,7 +14,7 @@ from typing_extensions import ParamSpec, Unpack
 
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config, replace_options
 from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
-from mplaunch._frames import resolve
+from mplaunch._frames import named_original, resolve
 from mplaunch._parent import futures, generators, in_process, launch
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.report import RunReport
@@ -198,15 +198,22 @@ class ParallelFunction(Generic[P, T]):
         use to run it in a fresh interpreter, where this ``__main__`` does not exist): the plain function
         then travels as cloudpickle sends any function of ``__main__``."""
         module = getattr(self, "__module__", "")
-        if resolve(module, getattr(self, "__qualname__", "")) is self and not (
-            module == "__main__" and _main_by_value(sys._getframe(1))
-        ):
+        by_value = module == "__main__" and _main_by_value(sys._getframe(1))
+        if resolve(module, getattr(self, "__qualname__", "")) is self and not by_value:
             return str(self.__qualname__)
+        original = named_original(self)  # a copy with other options: its function found through the original
+        if original is not None and not by_value:
+            return (_with_options, (original, self.config))
         return (ParallelFunction, (self.__wrapped__, self.config))
 
     def __repr__(self) -> str:
         name = getattr(self, "__qualname__", None) or repr(self.__wrapped__)
         return f"<parallel function {getattr(self, '__module__', '?')}.{name} ({self.config})>"
+
+
+def _with_options(original: ParallelFunction[P, T], config: ParallelConfig) -> ParallelFunction[P, T]:
+    """Unpickle a copy made by ``options()``: the original's function (found by name) with ``config``."""
+    return ParallelFunction(original.__wrapped__, config)
 
 
 @overload

@@ -50,3 +50,16 @@ def resolve(module: str, qualname: str) -> Any:
         return pkgutil.resolve_name(f"{module}:{qualname}")
     except (AttributeError, ImportError, ValueError):
         return None
+
+
+def named_original(function: Any) -> Any:
+    """For a decorated function that its name does not find (a copy made by ``fn.options(...)``), the decorated
+    function its name finds, when both run the same plain function; else ``None``."""
+    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        return None
+    found = resolve(module, qualname)
+    plain = getattr(function, "__wrapped__", None)
+    if found is None or found is function or plain is None or getattr(found, "__wrapped__", None) is not plain:
+        return None
+    return found

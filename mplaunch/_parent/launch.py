@@ -21,6 +21,7 @@ import torch
 from mplaunch._config import ParallelConfig
 from mplaunch._env import node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
+from mplaunch._frames import named_original
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import checks, devices, placement, policy, stacks
 from mplaunch._parent.control import LaunchControl
@@ -49,9 +50,15 @@ from mplaunch._wire.watch import Board
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
     """What to send as the function: the decorated object when a worker can import it by name, else the plain
     function, which travels by value (see :mod:`mplaunch._wire.importable`); under fork (no ``imports``), where
-    nothing is pickled, the plain function."""
-    if imports is not None and imports.can_import(function):
-        return function
+    nothing is pickled, the plain function. A copy with other options (``fn.options(...)``) is not what its
+    name finds: the decorated object that is goes instead (a worker runs only its plain function, the same),
+    so that the function runs with its module's globals and its own file in tracebacks."""
+    if imports is not None:
+        if imports.can_import(function):
+            return function
+        original = named_original(function)
+        if original is not None and imports.can_import(original):
+            return original
     return function._mplaunch_target
 
 

@@ -429,6 +429,41 @@ def print_and_fail_once() -> int:
     return info.restart_count
 
 
+OPTIONS_MODULE = """
+from mplaunch import parallel
+
+COUNT = 0
+
+@parallel(nprocs=1, start_method="spawn", timeout=120)
+def bump():
+    global COUNT
+    COUNT += 1
+    import options_module_of_a_test as module
+    return COUNT, module.COUNT, bump.__wrapped__.__code__.co_filename
+"""
+
+
+def test_a_copy_with_other_options_runs_with_its_modules_globals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fn.options(...) sent its function by value under spawn: it wrote a private copy of its module's globals
+    that the module's other functions never saw, and tracebacks named '<dynamic-code>' (a new user's report)."""
+    import pickle
+
+    (tmp_path / "options_module_of_a_test.py").write_text(OPTIONS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "options_module_of_a_test", raising=False)
+    import options_module_of_a_test as module  # type: ignore[import-not-found]
+
+    count, seen_by_the_module, filename = module.bump.options(timeout=100)()
+    assert (count, seen_by_the_module) == (1, 1)
+    assert filename == str(tmp_path / "options_module_of_a_test.py")
+    copy = pickle.loads(pickle.dumps(module.bump.options(timeout=90)))  # other picklers: the same function
+    assert copy.__wrapped__ is module.bump.__wrapped__
+    assert copy.config.timeout == 90
+    monkeypatch.delitem(sys.modules, "options_module_of_a_test")
+
+
 def test_a_restart_appends_to_the_logs_of_the_failed_attempt(tmp_path: Path) -> None:
     run = parallel(nprocs=1, start_method="fork", max_restarts=1, log_dir=tmp_path, timeout=TIMEOUT)
     with pytest.warns(RestartWarning):
