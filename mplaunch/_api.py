@@ -13,7 +13,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 from typing_extensions import ParamSpec, Unpack
 
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config, replace_options
-from mplaunch._errors import InvalidOptionError, MplaunchError, RemoteTraceback
+from mplaunch._errors import InvalidOptionError, raised_by_design
 from mplaunch._frames import named_original, resolve
 from mplaunch._parent import futures, generators, in_process, launch
 from mplaunch._parent.control import LaunchControl
@@ -90,7 +90,7 @@ class ParallelFunction(Generic[P, T]):
                 return generators.launch_stream(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
             return launch.launch(self, args, kwargs, self.config, sys._getframe(1), control)  # type: ignore[no-any-return]
         except BaseException as error:
-            if not _ours(error):
+            if not raised_by_design(error):
                 raise
             # the caller's line and the worker's own traceback (the cause) tell what happened; the frames of
             # mplaunch in between do not: cut them, as concurrent.futures' result() does
@@ -170,7 +170,12 @@ class ParallelFunction(Generic[P, T]):
                 control.state = None
 
         def run(control: LaunchControl) -> T:
-            return launch.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
+            try:
+                return launch.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
+            except BaseException as error:
+                if not raised_by_design(error):
+                    raise
+                raise error.with_traceback(None) from error.__cause__  # the launch thread's frames: as for a call
 
         return futures.submit(run, control, getattr(self, "__qualname__", "launch"))
 
@@ -387,13 +392,6 @@ def _main_by_value(frame: types.FrameType | None) -> bool:
             return any("cloudpickle" in name or name.partition(".")[0] == "dill" for name in modules)
         frame = frame.f_back
     return False
-
-
-def _ours(error: BaseException) -> bool:
-    """Whether ``error`` is one mplaunch raises by design: its own errors, workers' exceptions rebuilt in the
-    parent (they carry the worker's traceback as ``RemoteTraceback`` cause), and Ctrl-C while waiting.
-    Anything else (a bug of mplaunch) keeps its full traceback."""
-    return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
 
 
 def _wrap(function: Any, config: ParallelConfig) -> ParallelFunction[Any, Any]:

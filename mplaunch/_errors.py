@@ -275,6 +275,14 @@ class RemoteTraceback(Exception):
         return self.tb
 
 
+def raised_by_design(error: BaseException) -> bool:
+    """Whether ``error`` is one mplaunch raises by design: its own errors, workers' exceptions rebuilt in the
+    parent (they carry the worker's traceback as ``RemoteTraceback`` cause), and Ctrl-C while waiting. Their
+    tracebacks lose mplaunch's frames: the caller's line and the worker's traceback tell what happened.
+    Anything else (a bug of mplaunch) keeps its full traceback."""
+    return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
+
+
 def signal_name(exitcode: int | None) -> str | None:
     """Name the signal that killed a process, from a ``multiprocessing`` exit code (``-N``), else ``None``."""
     if exitcode is None or exitcode >= 0:

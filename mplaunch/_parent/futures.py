@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mplaunch._errors import raised_by_design
 from mplaunch._parent.control import LaunchControl, LaunchStopped
 from mplaunch._platform import forks
 
@@ -143,12 +144,19 @@ class LaunchFuture(Future[T]):
             TimeoutError: ``timeout`` seconds passed first (``concurrent.futures.TimeoutError`` before 3.11).
             RuntimeError: the launch has not ended and this process was forked from the one that runs it.
         """
+        __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
         self._check_process()
         try:
             return super().result(timeout)
         except KeyboardInterrupt:
             self.cancel()
             raise
+        except BaseException as error:
+            if error is not self._exception or not raised_by_design(error):
+                raise
+            # concurrent.futures' frames say nothing of the launch: the caller's line and the worker's
+            # traceback (the cause) do
+            raise error.with_traceback(None) from error.__cause__
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait for the launch and return the exception the call would raise, or ``None``; Ctrl-C while

@@ -270,6 +270,26 @@ def test_descriptors_are_closed_when_result_returns(monkeypatch: pytest.MonkeyPa
     assert not left, f"descriptors still open when result() returned: {left}"
 
 
+def test_a_submitted_launchs_error_shows_no_frames_of_the_launch() -> None:
+    """A direct call's error shows the caller's line and the worker's traceback; through a future it also
+    showed fifteen frames of mplaunch and concurrent.futures (a new user's report)."""
+    import traceback
+
+    from mplaunch._parent import futures
+    from tests import workers
+
+    future = parallel(nprocs=2, start_method="fork", timeout=60)(workers.raise_value_error).submit("bad")
+    with pytest.raises(ValueError, match="bad") as caught:
+        future.result()
+    files = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+    assert files == [__file__, futures.__file__], files  # this line, then result() (hidden by pytest, IPython)
+    assert "raise_value_error" in str(caught.value.__cause__)  # the worker's own traceback
+    with pytest.raises(ValueError):
+        future.result()  # asked again: the same frames, not more
+    again = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+    assert len(again) == 2, again
+
+
 def test_two_submitted_launches_run_at_the_same_time(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(meet)
     first, second = run.submit(str(tmp_path), "a", "b"), run.submit(str(tmp_path), "b", "a")
