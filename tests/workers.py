@@ -224,6 +224,10 @@ def return_unpicklable() -> Any:
     return {"lock": threading.Lock()}
 
 
+def return_open_file(path: str) -> Any:
+    return open(path, "w")  # noqa: SIM115 - the result under test
+
+
 def keyboard_interrupt_on_rank0() -> int:
     if worker_info().rank == 0:
         raise KeyboardInterrupt

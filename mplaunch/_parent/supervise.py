@@ -337,6 +337,6 @@ def _where(found: dict[int, str], log_dir: str | None, running: list[int]) -> st
     silent = f" Ranks {missing} sent no stacks (still starting, or no dump within 1 s)." if missing else ""
     if not found:
         return silent
-    kept = " and in log_dir/rank{N}.stacks" if log_dir is not None else ""
+    kept = f" and in {os.path.join(log_dir, 'rank{N}.stacks')} (N: the rank)" if log_dir is not None else ""
     where = f" Where each rank was: {stacks.summary(found)} (every thread's stack is on the error's `stacks`{kept})."
     return where + silent

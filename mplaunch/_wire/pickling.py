@@ -154,7 +154,10 @@ class _CloudPickler(StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
-            raise TypeError(f"cannot pickle an open file ({type(obj).__qualname__}); open it inside the function")
+            raise TypeError(
+                f"cannot pickle an open file ({type(obj).__qualname__}): pass or return its path (or its data) "
+                "and open it where it is used"
+            )
         reduced = self._reduce_storage(obj)
         if reduced is not NotImplemented:
             return reduced

@@ -137,6 +137,13 @@ def test_unpicklable_result_is_a_remote_error_with_a_failed_exit() -> None:
     assert isinstance(caught.value.__cause__, RemoteTraceback)
 
 
+def test_an_open_file_returned_by_a_rank_is_refused_with_the_fix_for_a_result(tmp_path: Path) -> None:
+    """The refusal advised 'open it inside the function', which the rank had done (a new user's report)."""
+    with pytest.raises(RemoteError, match="pass or return its path") as caught:
+        launch(workers.return_open_file)(str(tmp_path / "out.txt"))
+    assert "open it inside the function" not in str(caught.value)
+
+
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_unpicklable_argument_is_refused_before_launching(start_method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[str] = []

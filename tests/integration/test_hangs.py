@@ -62,6 +62,7 @@ def test_timeout_names_where_each_rank_was(start_method: str, tmp_path: Path) ->
     message = str(error)
     assert "rank 0 in stuck_here (" in message
     assert "rank 1 in stuck_or_in_barrier (" in message
+    assert f"and in {tmp_path / 'rank{N}.stacks'} (N: the rank)" in message  # the directory given, not a template
     assert (tmp_path / "rank0.stacks").read_text() == error.stacks[0]
     assert "barrier" in (tmp_path / "rank1.stacks").read_text()
     copy = pickle.loads(pickle.dumps(error))
