@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import os
 import signal
@@ -25,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 from mplaunch._config import ParallelConfig
 from mplaunch._output.pump import Pump, routed, worker_fds
-from mplaunch._parent import policy
+from mplaunch._parent import policy, stacks
 from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.processes import release, start_workers
-from mplaunch._parent.signalling import kill_tree, signal_worker
+from mplaunch._parent.signalling import kill_tree, send_signal, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.starter import in_starter
 from mplaunch._parent.store import rendezvous
@@ -38,6 +39,7 @@ from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.importable import worker_imports
 from mplaunch._wire.records import EXIT, PAYLOAD, Payload, WorkerSpec
+from mplaunch._wire.watch import STACKS_SIGNAL
 from mplaunch._worker.serve import serve
 
 if TYPE_CHECKING:
@@ -60,6 +62,7 @@ class Team:
         self.failed_at: dict[int, float] = {}  # in the last call: when each failed rank raised or ended
         self.conns: list[Connection] = []  # by rank: the parent's end of its control pipe
         self.ends: list[int] = []  # by rank: a pidfd (or multiprocessing's sentinel), readable once it ended
+        self._pidfds: dict[int, int] = {}  # by rank, where pidfds exist: the pidfd in ``ends``
         self.ready: set[int] = set()  # the ranks that said they are set up (their first message)
         self.start_timeout = config.rdzv_timeout  # seconds the ranks may take to be set up
         self._stack = contextlib.ExitStack()
@@ -95,6 +98,7 @@ class Team:
             master_addr=self.store.addr,
             master_port=self.store.port,
             agent_store=self.store.agent_store,
+            stacks=True,  # a submitted call's future.stacks(): installed once, for every call
         )
         self.pump = pump = stack.enter_context(routed(list(range(nprocs)), spec))
         self.spec = spec = dataclasses.replace(spec, output_fds=worker_fds(pump, start_method, nprocs))
@@ -124,9 +128,25 @@ class Team:
     def _started(self, process: BaseProcess) -> None:
         self.processes.append(process)
         try:
-            self.ends.append(os.pidfd_open(process.pid))  # type: ignore[arg-type]
+            pidfd = os.pidfd_open(process.pid)  # type: ignore[arg-type]
         except (AttributeError, OSError):
             self.ends.append(process.sentinel)
+        else:
+            self.ends.append(pidfd)
+            self._pidfds[len(self.processes) - 1] = pidfd
+
+    def stacks(self) -> dict[int, str]:
+        """Every live rank's Python stacks (all threads), by rank, within ``DUMP_BOUND`` seconds; the ranks
+        keep running. Empty once the workers are closed, and in a process forked from their owner."""
+        if self.closed or os.getpid() != self.pid or STACKS_SIGNAL is None:
+            return {}
+        signum = STACKS_SIGNAL
+        senders = {
+            rank: functools.partial(send_signal, process.pid, self._pidfds.get(rank), signum)
+            for rank, process in enumerate(self.processes)
+            if process.pid is not None
+        }
+        return stacks.collect(self.spec.directory, senders)
 
     def alive(self) -> bool:
         """Whether every worker still runs (none died or was stopped between calls)."""

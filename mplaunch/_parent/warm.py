@@ -267,7 +267,13 @@ class Workers:
             team = self._team()
             number = self._send(team, function, args, kwargs)
             calling = start(team, number, None if control is None else control.fileno(), self.config.timeout)
-            states = _returned(calling)
+            if control is not None:
+                control.stacks_source = team.stacks  # future.stacks() while the call runs
+            try:
+                states = _returned(calling)
+            finally:
+                if control is not None:
+                    control.stacks_source = None
             return self._outcome(team, states)
 
     def _stream(
@@ -279,13 +285,20 @@ class Workers:
             team = self._team()
             number = self._send(team, function, args, kwargs)
             calling = start(team, number, None if control is None else control.fileno(), self.config.timeout)
+
+            def ended() -> None:
+                if control is not None:
+                    control.stacks_source = None
+                busy.__exit__(None, None, None)
+
+            if control is not None:
+                control.stacks_source = team.stacks  # future.stacks() while the call runs
             stream: Stream[Any] = Stream(
-                calling,
-                lambda states: self._outcome(team, states),
-                lambda: busy.__exit__(None, None, None),
-                self.config.return_all,
+                calling, lambda states: self._outcome(team, states), ended, self.config.return_all
             )
         except BaseException:
+            if control is not None:
+                control.stacks_source = None
             busy.__exit__(None, None, None)
             raise
         self._held.stream = weakref.ref(stream)

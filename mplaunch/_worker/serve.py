@@ -50,6 +50,7 @@ from mplaunch._wire.records import (
 from mplaunch._worker import entry
 from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.process_group import process_group
+from mplaunch._worker.watch import watch
 
 _in_call = False  # SIGINT raises KeyboardInterrupt only while a call runs
 _takes_ctrl_c = True  # the call runs in the caller's main thread: a Ctrl-C to the caller's group stops it
@@ -83,6 +84,7 @@ def serve(rank: int, spec: WorkerSpec, payload: Payload | None, conn: Connection
     outcome: Outcome | None = None
     try:
         entry.set_up(rank, spec, _on_interrupt)  # a SIGINT while starting must not end the rank
+        watch(spec, rank)  # stacks on request (a submitted call's future.stacks()), NCCL's flight recorder
         entry._set_threads(spec.num_threads)
         if payload is None:
             payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)

@@ -77,6 +77,24 @@ def test_a_function_defined_after_the_start_reaches_the_ranks_by_value() -> None
         assert workers.run(later, 1) == [8, 9]
 
 
+def test_a_submitted_calls_future_gives_the_ranks_stacks_while_it_runs(tmp_path: Path) -> None:
+    """future.stacks() of a warm call was always {} while the ranks ran it (found by a break-it pass)."""
+    from tests import workers
+
+    ready = str(tmp_path / "ready")
+    with Workers(nprocs=2, start_method="fork", timeout=60) as warm:
+        future = warm.submit(workers.waiting_here, ready, 2.0)
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(f"{ready}.{rank}") for rank in (0, 1)):
+            assert time.monotonic() < deadline, "the ranks did not start the call"
+            time.sleep(0.01)
+        found = future.stacks()
+        assert sorted(found) == [0, 1], found
+        assert all("waiting_here" in text for text in found.values()), found
+        assert future.result(timeout=60) == 0
+        assert future.stacks() == {}  # the call has ended: no rank runs it
+
+
 def test_nothing_is_left_after_close() -> None:
     launch_dir._ensure_reaper(launch_dir.shm_root())  # the process's reaper (and its pipe) stays: not the workers'
     fds = _fds()
