@@ -8,9 +8,12 @@ to mplaunch's is not mistaken for it.
 
 from __future__ import annotations
 
+import contextlib
 import pkgutil
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -23,12 +26,43 @@ def is_ours(frame: FrameType) -> bool:
     return isinstance(name, str) and (name == PACKAGE or name.startswith(PACKAGE + "."))
 
 
+Caller = tuple[str, int, dict[str, Any]]  # a frame's file, line and module globals
+_thread = threading.local()  # in a thread that runs a launch for its caller: ``caller``, where it was asked
+
+
+def outside_caller() -> Caller | None:
+    """Where the first frame outside mplaunch that called this is: its file, line and module globals."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and is_ours(frame):
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
+
+
+@contextlib.contextmanager
+def warnings_for(caller: Caller | None) -> Iterator[None]:
+    """In a thread that runs a launch for someone else (a submitted launch's thread): warnings that would
+    point into the thread's start point at ``caller`` (the line that submitted the launch) instead."""
+    _thread.caller = caller
+    try:
+        yield
+    finally:
+        _thread.caller = None
+
+
 def warn_at_user(message: str, category: type[Warning]) -> None:
-    """``warnings.warn(message, category)`` attributed to the first frame outside mplaunch that called this."""
+    """``warnings.warn(message, category)`` attributed to the first frame outside mplaunch that called this;
+    in a submitted launch's thread, to the line that submitted it (see :func:`warnings_for`)."""
     frame: FrameType | None = sys._getframe(1)
     level = 2  # as seen by warnings.warn: 1 is this function, 2 its caller
     while frame is not None and is_ours(frame):
         frame, level = frame.f_back, level + 1
+    caller: Caller | None = getattr(_thread, "caller", None)
+    if caller is not None and (frame is None or frame.f_globals.get("__name__") == "threading"):
+        filename, lineno, module_globals = caller
+        registry = module_globals.setdefault("__warningregistry__", {})
+        module = module_globals.get("__name__")
+        warnings.warn_explicit(message, category, filename, lineno, module, registry, module_globals)
+        return
     warnings.warn(message, category, stacklevel=level)
 
 

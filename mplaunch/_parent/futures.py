@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mplaunch._errors import raised_by_design
+from mplaunch._frames import Caller, outside_caller, warnings_for
 from mplaunch._parent.control import LaunchControl, LaunchStopped
 from mplaunch._platform import forks
 
@@ -197,7 +198,8 @@ def submit(run: Callable[[LaunchControl], T], control: LaunchControl, name: str)
     _install_hooks()
     control.stacks_wanted = True  # future.stacks()
     future: LaunchFuture[T] = LaunchFuture(control)
-    thread = threading.Thread(target=_run, args=(future, run), name=f"mplaunch-{name}", daemon=True)
+    caller = outside_caller()  # the line that submitted the launch: where the thread's warnings point
+    thread = threading.Thread(target=_run, args=(future, run, caller), name=f"mplaunch-{name}", daemon=True)
     future._thread = thread
     with _lock:
         _running.add(future)
@@ -211,14 +213,15 @@ def submit(run: Callable[[LaunchControl], T], control: LaunchControl, name: str)
     return future
 
 
-def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T]) -> None:
-    """The launch thread: run the launch, close what it holds, then settle the future (so that whoever
-    ``result()`` wakes finds the launch's descriptors closed)."""
+def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T], caller: Caller | None) -> None:
+    """The launch thread: run the launch (its warnings pointing at ``caller``), close what it holds, then
+    settle the future (so that whoever ``result()`` wakes finds the launch's descriptors closed)."""
     control = future._control
     error: BaseException | None = None
     stopped = False
     try:
-        value = run(control)
+        with warnings_for(caller):
+            value = run(control)
     except LaunchStopped:
         stopped = True  # cancel() marks the future cancelled once this thread has ended
     except BaseException as raised:  # noqa: BLE001 - the future carries whatever the call would raise

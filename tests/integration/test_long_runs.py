@@ -156,6 +156,18 @@ def test_restart_resumes_from_a_checkpoint_on_the_second_attempt(tmp_path: Path)
     assert _lines(tmp_path / "attempts-1") == ["0", "1"]
 
 
+def test_a_submitted_launchs_restart_warning_points_at_the_submitting_line(tmp_path: Path) -> None:
+    """It pointed at threading.py, the launch thread's first frame outside mplaunch (a break-it pass)."""
+    from tests import workers
+
+    run = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, max_restarts=1)(workers.fail_first_attempt)
+    with pytest.warns(RestartWarning, match="attempt 1 of 2 failed") as w:
+        line = sys._getframe().f_lineno + 1
+        future = run.submit(str(tmp_path))
+        assert future.result(timeout=TIMEOUT) == "second attempt"
+    assert [(warning.filename, warning.lineno) for warning in w] == [(__file__, line)]
+
+
 def test_exhausted_restarts_raise_the_last_failure_with_the_earlier_ones(tmp_path: Path) -> None:
     run = parallel(nprocs=2, start_method="fork", max_restarts=1, timeout=TIMEOUT)(always_fails)
     with pytest.warns(RestartWarning, match="attempt 1 of 2") as w, pytest.raises(ValueError) as caught:
