@@ -61,7 +61,8 @@ def warn_at_user(message: str, category: type[Warning]) -> None:
         filename, lineno, module_globals = caller
         registry = module_globals.setdefault("__warningregistry__", {})
         module = module_globals.get("__name__")
-        warnings.warn_explicit(message, category, filename, lineno, module, registry, module_globals)
+        # (not module_globals: warnings would ask the module's loader for its source here, in this thread)
+        warnings.warn_explicit(message, category, filename, lineno, module, registry)
         return
     warnings.warn(message, category, stacklevel=level)
 

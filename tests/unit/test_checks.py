@@ -145,7 +145,7 @@ def test_describe_unpicklable_names_the_argument() -> None:
     with open(__file__) as file:
         text = checks.describe_unpicklable((), {"f": file}, None)
     assert text.startswith("keyword argument 'f' (TextIOWrapper)")
-    assert "open it inside" in text
+    assert "pass or return its path (or its data) and open it where it is used" in text
 
 
 def test_unshare_copies_only_shared_tensors_in_place() -> None:
