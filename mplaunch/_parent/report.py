@@ -20,6 +20,7 @@ from multiprocessing.process import BaseProcess
 from mplaunch._errors import signal_name
 from mplaunch._platform.memory import oom_counters, oom_kills
 from mplaunch._platform.pidfd import reaped_status
+from mplaunch._wire.records import Returned
 from mplaunch._wire.watch import MAX_RSS, SYSTEM_TIME, USER_TIME, Board
 
 
@@ -39,6 +40,10 @@ class RankReport:
         system_time: CPU seconds it spent in the kernel, or ``None`` when unknown.
         wall_time: seconds from its start to its end, as the parent saw them.
         oom: whether the out-of-memory killer ended it: as :attr:`mplaunch.WorkerExitedError.oom`.
+        stopped: whether the launch stopped it before it returned (SIGTERM, then SIGKILL after
+            ``grace_period``): another rank had failed, or a timeout, a stall, a cancel or a signal to the
+            parent ended the launch. Its exit code is then the stop's (``143``: 128 + SIGTERM, as a shell
+            shows it), not a failure of its own.
     """
 
     rank: int
@@ -50,6 +55,7 @@ class RankReport:
     system_time: float | None
     wall_time: float | None
     oom: bool | None
+    stopped: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +79,7 @@ class RunReport:
         for r in self.ranks:
             memory = "?" if r.max_rss is None else f"{r.max_rss / 2**20:.0f} MiB"
             cpu = "?" if r.user_time is None or r.system_time is None else f"{r.user_time + r.system_time:.2f} s"
-            end = r.signal_name or f"exit {r.exitcode}"
+            end = (r.signal_name or f"exit {r.exitcode}") + (" (stopped by the launch)" if r.stopped else "")
             wall = "?" if r.wall_time is None else f"{r.wall_time:.2f} s"
             lines.append(f"rank {r.rank} (pid {r.pid}): {end}, peak RSS {memory}, CPU {cpu}, wall {wall}")
         return "\n".join(lines)
@@ -176,6 +182,7 @@ class RankRecords:
                     system_time=None if usage is None else usage[2],
                     wall_time=None if started is None or ended is None else ended - started,
                     oom=oom,
+                    stopped=rank in stopped and not isinstance(states.get(rank), Returned),
                 )
             )
         return tuple(found)
