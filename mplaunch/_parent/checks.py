@@ -183,18 +183,37 @@ def check_main_guard(start_method: str, frame: FrameType | None, name: str = "th
         raise LaunchRefusedError(_guard_message(where, name, linecache.getline(path, line).strip()))
 
 
-def describe_unpicklable(args: tuple[Any, ...], kwargs: dict[str, Any], imports: WorkerImports | None) -> str:
-    """Name the first argument that cannot be pickled for workers that can import ``imports``, and why;
+def describe_unpicklable(
+    args: tuple[Any, ...], kwargs: dict[str, Any], imports: WorkerImports | None, function: Any = None
+) -> str:
+    """Name the first argument that cannot be pickled for workers that can import ``imports``, and why (a
+    positional one also by its parameter's name in ``function``'s signature, where it has one);
     ``"the function"`` if every argument can."""
     for index, value in enumerate(args):
         error = pickling.pickle_error(value, imports=imports, start_objects=True)
         if error is not None:
-            return f"positional argument {index} ({type(value).__qualname__}): {error}"
+            name = _positional_name(function, index)
+            named = f" {name!r}" if name else ""
+            return f"positional argument {index}{named} ({type(value).__qualname__}): {error}"
     for name, value in kwargs.items():
         error = pickling.pickle_error(value, imports=imports, start_objects=True)
         if error is not None:
             return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
     return "the function or the captured global state"
+
+
+def _positional_name(function: Any, index: int) -> str | None:
+    """The name of ``function``'s parameter that takes positional argument ``index``, else ``None``."""
+    if function is None:
+        return None
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if index < len(parameters) and parameters[index].kind in positional:
+        return parameters[index].name
+    return None
 
 
 def check_start_objects(objects: list[Any], start_method: str) -> None:

@@ -75,7 +75,7 @@ def payload_written(
                 f"{space_hint(spec.directory) if fd is None else 'Free memory, or pass smaller arguments.'}"
             ) from error
         except Exception as error:
-            culprit = checks.describe_unpicklable(payload.args, payload.kwargs, imports)
+            culprit = checks.describe_unpicklable(payload.args, payload.kwargs, imports, payload.function)
             raise LaunchRefusedError(
                 f"cannot send the call to {spec.start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
                 "every argument is pickled; pass picklable values, create the object inside the function, or use "

@@ -255,7 +255,7 @@ class Workers:
                 f"cannot write the call's arguments: {error}. {space_hint(team.spec.directory)}"
             ) from error
         except Exception as error:
-            culprit = checks.describe_unpicklable(args, kwargs, imports)
+            culprit = checks.describe_unpicklable(args, kwargs, imports, function)
             raise LaunchRefusedError(
                 f"cannot send the call to the ranks: {culprit}. Pass picklable values, or create the object "
                 "inside the function."

@@ -142,6 +142,13 @@ def test_describe_unpicklable_names_the_argument() -> None:
 
     text = checks.describe_unpicklable((1, threading.Lock()), {}, None)
     assert text.startswith("positional argument 1 (lock)")
+
+    def train(steps: int, lock: object, *rest: object) -> None: ...
+
+    text = checks.describe_unpicklable((1, threading.Lock()), {}, None, train)
+    assert text.startswith("positional argument 1 'lock' (lock)"), text  # its name, where the signature has one
+    text = checks.describe_unpicklable((1, 2, threading.Lock()), {}, None, train)
+    assert text.startswith("positional argument 2 (lock)"), text  # *rest
     with open(__file__) as file:
         text = checks.describe_unpicklable((), {"f": file}, None)
     assert text.startswith("keyword argument 'f' (TextIOWrapper)")
