@@ -170,12 +170,7 @@ class ParallelFunction(Generic[P, T]):
                 control.state = None
 
         def run(control: LaunchControl) -> T:
-            try:
-                return launch.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
-            except BaseException as error:
-                if not raised_by_design(error):
-                    raise
-                raise error.with_traceback(None) from error.__cause__  # the launch thread's frames: as for a call
+            return launch.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
 
         return futures.submit(run, control, getattr(self, "__qualname__", "launch"))
 
@@ -207,7 +202,7 @@ class ParallelFunction(Generic[P, T]):
         if resolve(module, getattr(self, "__qualname__", "")) is self and not by_value:
             return str(self.__qualname__)
         original = named_original(self)  # a copy with other options: its function found through the original
-        if original is not None and not by_value:
+        if original is not None and module != "__main__":  # (a worker's __main__ may not define it)
             return (_with_options, (original, self.config))
         return (ParallelFunction, (self.__wrapped__, self.config))
 

@@ -97,4 +97,6 @@ def named_original(function: Any) -> Any:
     plain = getattr(function, "__wrapped__", None)
     if found is None or found is function or plain is None or getattr(found, "__wrapped__", None) is not plain:
         return None
+    if not hasattr(found, "_mplaunch_target"):
+        return None  # another wrapper of the same function (functools.wraps), not a decorated one
     return found

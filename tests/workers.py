@@ -944,3 +944,20 @@ def forked_child_catches(signum: int) -> bool:
         os._exit(1 if catches(signum) else 0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 1
+
+
+def rank0_returns_then_lingers(directory: str) -> str:
+    """Rank 0 returns, then lingers in an exit handler (a tracker uploading); rank 1 fails once rank 0 has
+    returned, so the launch stops rank 0 while it lingers."""
+    if worker_info().rank == 0:
+
+        def linger() -> None:
+            open(os.path.join(directory, "returned"), "w").close()
+            _wait_for(os.path.join(directory, "never"))
+
+        import atexit
+
+        atexit.register(linger)
+        return "rank 0's value"
+    _wait_for(os.path.join(directory, "returned"))
+    raise KeyError("rank 1 fails once rank 0 has returned")

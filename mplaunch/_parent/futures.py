@@ -226,6 +226,8 @@ def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T], caller: Cal
         stopped = True  # cancel() marks the future cancelled once this thread has ended
     except BaseException as raised:  # noqa: BLE001 - the future carries whatever the call would raise
         error = raised
+        if raised_by_design(error):  # the launch thread's frames tell nothing: cut them, as a call does
+            error.__traceback__, error.__suppress_context__ = None, True
     finally:
         with _lock:
             _running.discard(future)

@@ -20,7 +20,6 @@ from multiprocessing.process import BaseProcess
 from mplaunch._errors import signal_name
 from mplaunch._platform.memory import oom_counters, oom_kills
 from mplaunch._platform.pidfd import reaped_status
-from mplaunch._wire.records import Returned
 from mplaunch._wire.watch import MAX_RSS, SYSTEM_TIME, USER_TIME, Board
 
 
@@ -40,10 +39,10 @@ class RankReport:
         system_time: CPU seconds it spent in the kernel, or ``None`` when unknown.
         wall_time: seconds from its start to its end, as the parent saw them.
         oom: whether the out-of-memory killer ended it: as :attr:`mplaunch.WorkerExitedError.oom`.
-        stopped: whether the launch stopped it before it returned (SIGTERM, then SIGKILL after
-            ``grace_period``): another rank had failed, or a timeout, a stall, a cancel or a signal to the
-            parent ended the launch. Its exit code is then the stop's (``143``: 128 + SIGTERM, as a shell
-            shows it), not a failure of its own.
+        stopped: whether its exit is the launch's stop (SIGTERM, then SIGKILL after ``grace_period``):
+            it still ran when another rank failed, or a timeout, a stall, a cancel or a signal to the parent
+            ended the launch. Its exit code is then the stop's (``143``: 128 + SIGTERM, as a shell shows
+            it; ``-9``: killed after the grace period), not one it chose.
     """
 
     rank: int
@@ -182,7 +181,7 @@ class RankRecords:
                     system_time=None if usage is None else usage[2],
                     wall_time=None if started is None or ended is None else ended - started,
                     oom=oom,
-                    stopped=rank in stopped and not isinstance(states.get(rank), Returned),
+                    stopped=rank in stopped and exitcode is not None and (exitcode < 0 or exitcode >= 128),
                 )
             )
         return tuple(found)

@@ -227,6 +227,29 @@ def test_report_after_a_call() -> None:
     assert report.restarts == 0
 
 
+def test_a_rank_the_launch_stopped_says_so_in_the_report() -> None:
+    """A rank stopped after another failed read 'exit 143' in the report, with nothing saying that the
+    launch stopped it (a new user's report); the rank that failed is not marked."""
+    run = parallel(nprocs=2, start_method="fork", timeout=60, grace_period=5.0)(workers.raise_value_error)
+    with pytest.raises(ValueError) as caught:
+        run("bad")
+    report = caught.value.report  # type: ignore[attr-defined]
+    assert [(r.rank, r.stopped) for r in report.ranks] == [(0, True), (1, False)], report
+    assert "(stopped by the launch)" in str(report).splitlines()[1]
+    assert "stopped" not in str(report).splitlines()[2]
+
+
+def test_a_rank_the_stop_killed_after_it_returned_says_so_in_the_report(tmp_path: Path) -> None:
+    """Rank 0 returned, then lingered in an exit handler until the launch (stopping it after rank 1 failed)
+    killed it: its line read a bare 'SIGKILL', as if killed by someone else (found by a break-it pass)."""
+    run = parallel(nprocs=2, start_method="fork", timeout=60, grace_period=1.0)(workers.rank0_returns_then_lingers)
+    with pytest.raises(KeyError) as caught:
+        run(str(tmp_path))
+    rank0 = caught.value.report.ranks[0]  # type: ignore[attr-defined]
+    assert rank0.stopped, rank0
+    assert "(stopped by the launch)" in str(caught.value.report).splitlines()[1]  # type: ignore[attr-defined]
+
+
 def test_report_of_a_forkserver_launch_comes_from_the_workers() -> None:
     future = parallel(nprocs=2, start_method="forkserver", timeout=90)(workers.sleep).submit(0.1)
     assert future.result() == 0

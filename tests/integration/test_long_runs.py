@@ -300,6 +300,10 @@ def test_a_submitted_launchs_error_shows_no_frames_of_the_launch() -> None:
         future.result()  # asked again: the same frames, not more
     again = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
     assert len(again) == 2, again
+    other = parallel(nprocs=2, start_method="fork", timeout=60)(workers.raise_value_error).submit("bad")
+    error = other.exception()  # what asyncio.wrap_future raises in the awaiting task, too
+    assert isinstance(error, ValueError)
+    assert traceback.extract_tb(error.__traceback__) == [], traceback.extract_tb(error.__traceback__)
 
 
 def test_two_submitted_launches_run_at_the_same_time(tmp_path: Path) -> None:
@@ -494,6 +498,66 @@ def test_a_copy_with_other_options_runs_with_its_modules_globals(
     assert copy.__wrapped__ is module.bump.__wrapped__
     assert copy.config.timeout == 90
     monkeypatch.delitem(sys.modules, "options_module_of_a_test")
+
+
+WRAPPED_MODULE = """
+import functools
+from mplaunch import parallel
+
+def traced(fn):
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        return ("the wrapper ran", fn(*args, **kwargs))
+    return inner
+
+def work():
+    return "the plain function ran"
+
+par_work = parallel(nprocs=1, start_method="spawn", timeout=120)(work)
+work = traced(work)  # the name now finds a wrapper of the same plain function, not the decorated one
+"""
+
+
+def test_a_copy_whose_name_finds_another_wrapper_runs_its_own_function(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy is sent as the decorated function its name finds, and only that: a functools.wraps wrapper of
+    the same function, found by the name, ran in the workers instead (found by a break-it pass)."""
+    (tmp_path / "wrapped_module_of_a_test.py").write_text(WRAPPED_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "wrapped_module_of_a_test", raising=False)
+    import wrapped_module_of_a_test as module  # type: ignore[import-not-found]
+
+    assert module.par_work.options(timeout=100)() == "the plain function ran"
+    monkeypatch.delitem(sys.modules, "wrapped_module_of_a_test")
+
+
+GUARDED_SCRIPT = """
+from mplaunch import parallel
+
+@parallel(nprocs=1, start_method="spawn", timeout=120)
+def runner(f, x):
+    return f(x)  # in the worker: runs in-process
+
+if __name__ == "__main__":
+    @parallel(nprocs=1, start_method="spawn", timeout=120)
+    def guarded(x):
+        return ("guarded", x)
+
+    print(runner(guarded.options(timeout=100), 3))
+"""
+
+
+@pytest.mark.slow
+def test_a_copy_of_a_function_under_the_main_guard_travels_by_value(tmp_path: Path) -> None:
+    """A copy passed as an argument went by reference to its original, which a spawn worker's __main__ does
+    not define: "Can't get attribute 'guarded'" (found by a break-it pass)."""
+    script = tmp_path / "guarded_copy.py"
+    script.write_text(GUARDED_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "('guarded', 3)" in done.stdout
 
 
 def test_a_restart_appends_to_the_logs_of_the_failed_attempt(tmp_path: Path) -> None:
