@@ -18,6 +18,8 @@ from types import FrameType
 
 import psutil
 
+from mplaunch._platform import pidfd as pidfd_module
+
 #: The repository root: on ``PYTHONPATH`` of every script, so that it imports this checkout's mplaunch.
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,3 +142,16 @@ def outputs_of(nodes: list[subprocess.Popen[str]], timeout: float) -> list[str]:
             if node.poll() is None:
                 node.kill()
                 node.communicate()
+
+
+def kernel_keeps_reaped_status() -> bool:
+    """Whether a pidfd still gives the exit status of a process someone else reaped (Linux 6.15+)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    pidfd = os.pidfd_open(pid)
+    try:
+        os.waitpid(pid, 0)
+        return pidfd_module.reaped_status(pidfd) is not None
+    finally:
+        os.close(pidfd)

@@ -177,8 +177,9 @@ def _result(team: Team, number: int, rank: int, interrupted: bool) -> RankState:
 def _ended(team: Team, rank: int, stopped: bool) -> RankState:
     """The state of a rank whose worker ended during a call."""
     process = team.processes[rank]
-    with signals_held():
-        process.join()
+    if not team.ended(rank):  # (a pidfd readable: it has ended; its status read, whoever reaped it)
+        with signals_held():
+            process.join()
     try:
         outcome = transport.load(team.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
     except Exception:  # noqa: BLE001 - judged by its exit code alone

@@ -34,6 +34,7 @@ from mplaunch._parent.signals import signals_held
 from mplaunch._parent.starter import in_starter
 from mplaunch._parent.store import rendezvous
 from mplaunch._platform import forks
+from mplaunch._platform.pidfd import reaped_status
 from mplaunch._state.python import warn_not_carried
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
@@ -148,9 +149,31 @@ class Team:
         }
         return stacks.collect(self.spec.directory, senders)
 
+    def ended(self, rank: int) -> bool:
+        """Whether ``rank``'s worker has ended, also when someone else reaped it (a caller's SIGCHLD handler
+        that reaps every child): its pidfd says so, and gives its exit status where the kernel keeps it
+        (Linux 6.15+), which is then the process's ``exitcode``."""
+        process = self.processes[rank]
+        if process.exitcode is not None:
+            return True
+        pidfd = self._pidfds.get(rank)
+        if pidfd is None or not wait([pidfd], timeout=0):
+            return False
+        with signals_held():  # multiprocessing's reaping: a Ctrl-C between its waitpid and its note loses it
+            process.join(0)
+        popen = getattr(process, "_popen", None)
+        if process.exitcode is None and popen is not None and (status := reaped_status(pidfd)) is not None:
+            popen.returncode = os.waitstatus_to_exitcode(status)  # someone else reaped it
+        return True
+
     def alive(self) -> bool:
         """Whether every worker still runs (none died or was stopped between calls)."""
-        return not self.broken and not self.closed and all(p.exitcode is None and p.is_alive() for p in self.processes)
+        return (
+            not self.broken
+            and not self.closed
+            and not any(self.ended(rank) for rank in range(len(self.processes)))
+            and all(p.is_alive() for p in self.processes)
+        )
 
     def terminate(self) -> None:
         """Stop every worker: SIGTERM, then SIGKILL with everything it started after ``grace_period`` seconds;
@@ -158,25 +181,23 @@ class Team:
         self.broken = True
         if self.closed or os.getpid() != self.pid:
             return
-        alive = [p for p in self.processes if p.exitcode is None]
-        for process in alive:
-            signal_worker(process, signal.SIGTERM)
+        alive = [rank for rank in range(len(self.processes)) if not self.ended(rank)]
+        for rank in alive:
+            signal_worker(self.processes[rank], signal.SIGTERM)
         self._reap(alive)
 
-    def _reap(self, alive: list[BaseProcess]) -> None:
+    def _reap(self, alive: list[int]) -> None:
+        """Wait up to ``grace_period`` seconds for the ranks ``alive`` to end, then kill what is left with its
+        tree; reap all. A worker that someone else reaped is never signalled (its pid may be another's)."""
         deadline = time.monotonic() + self.spec.grace_period
         try:
-            while any(p.exitcode is None for p in alive) and time.monotonic() < deadline:
-                ends = [self.ends[self.processes.index(p)] for p in alive if p.exitcode is None]
-                wait(ends, timeout=max(0.0, deadline - time.monotonic()))
-                for process in alive:
-                    with signals_held():
-                        process.join(0)
+            while (running := [rank for rank in alive if not self.ended(rank)]) and time.monotonic() < deadline:
+                wait([self.ends[rank] for rank in running], timeout=max(0.0, deadline - time.monotonic()))
         finally:
-            for process in self.processes:
-                if process.exitcode is None:
+            for rank, process in enumerate(self.processes):
+                if not self.ended(rank):  # (ended() reaped the others, or someone else did)
                     kill_tree(process)
-                process.join()
+                    process.join()
 
     def close(self) -> None:
         """Tell the workers to leave, wait ``grace_period`` seconds for them, stop those still running, and
@@ -192,7 +213,7 @@ class Team:
             for conn in self.conns:
                 with contextlib.suppress(OSError):
                     conn.send((EXIT,))
-            self._reap([p for p in self.processes if p.exitcode is None])
+            self._reap([rank for rank in range(len(self.processes)) if not self.ended(rank)])
         finally:
             for conn in self.conns:
                 conn.close()

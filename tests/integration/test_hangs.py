@@ -19,9 +19,9 @@ import pytest
 from mplaunch import LaunchTimeoutError, StallError, StartMethod, WorkerExitedError, parallel
 from mplaunch._parent import report as report_module
 from mplaunch._platform.memory import oom_counters
-from mplaunch._platform.pidfd import reaped_status
 from mplaunch._wire.watch import STACKS_SIGNAL
 from tests import workers
+from tests.helpers import kernel_keeps_reaped_status
 
 ALL = pytest.mark.parametrize("start_method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
 
@@ -304,20 +304,7 @@ def test_report_of_a_fork_launch_keeps_the_usage_when_the_callers_sigchld_handle
     assert all(r.max_rss and r.user_time is not None for r in report.ranks), report
 
 
-def _kernel_keeps_reaped_status() -> bool:
-    """Whether a pidfd still gives the exit status of a process someone else reaped (Linux 6.15+)."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(3)
-    pidfd = os.pidfd_open(pid)
-    try:
-        os.waitpid(pid, 0)
-        return reaped_status(pidfd) is not None
-    finally:
-        os.close(pidfd)
-
-
-@pytest.mark.skipif(not _kernel_keeps_reaped_status(), reason="needs PIDFD_INFO_EXIT (Linux 6.15+)")
+@pytest.mark.skipif(not kernel_keeps_reaped_status(), reason="needs PIDFD_INFO_EXIT (Linux 6.15+)")
 @pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_a_callers_reaping_sigchld_handler_leaves_each_ranks_exit_known(start_method: StartMethod) -> None:
     """A caller's SIGCHLD handler that reaps every child took the workers' exit statuses: a SIGKILLed rank

@@ -6,16 +6,21 @@ hang.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import signal
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mplaunch import LaunchTimeoutError, StartMethod, WorkerExitedError, Workers, worker_info
 from tests import warm_workers
-from tests.helpers import gone, run_script, write_script
+from tests.helpers import gone, kernel_keeps_reaped_status, run_script, write_script
 
 TIMEOUT = 30
 
@@ -177,3 +182,83 @@ def test_a_forked_child_leaves_its_parents_stream_alone(source: str, tmp_path: P
     )
     done = run_script(script, timeout=120)
     assert done.stdout.split("\n")[:2] == ["child: True", "parent: [0, 1, 2, 3]"], done.stdout + done.stderr[-3000:]
+
+
+# A caller's SIGCHLD handler that reaps every child (a server pattern) takes warm ranks' exit statuses too;
+# a launch reads them through its pidfds, and warm workers did not (found by a break-it pass).
+
+
+@contextlib.contextmanager
+def _reaping_sigchld_handler() -> Iterator[list[int]]:
+    reaped: list[int] = []
+
+    def reap_all(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ChildProcessError):
+            while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:
+                reaped.append(pid)
+
+    previous = signal.signal(signal.SIGCHLD, reap_all)
+    try:
+        yield reaped
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def _rank1_kills_itself() -> int:
+    if worker_info().rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return os.getpid()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+@pytest.mark.skipif(not kernel_keeps_reaped_status(), reason="needs PIDFD_INFO_EXIT (Linux 6.15+)")
+def test_a_warm_rank_reaped_by_the_callers_handler_is_named_by_its_signal() -> None:
+    with _reaping_sigchld_handler(), Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1) as warm:
+        with pytest.raises(WorkerExitedError) as caught:
+            warm.run(_rank1_kills_itself)
+    assert "was ended by SIGKILL" in str(caught.value), str(caught.value)
+
+
+def test_a_warm_rank_killed_between_calls_under_a_reaping_handler_is_started_again() -> None:
+    """The dead rank looked alive (multiprocessing cannot see a child someone else reaped): the next call went
+    to it and failed, where without the handler the ranks are started again."""
+    with _reaping_sigchld_handler(), Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1) as warm:
+        pids = warm.pids
+        pidfd = os.pidfd_open(pids[1])
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+            select.select([pidfd], [], [], TIMEOUT)
+        finally:
+            os.close(pidfd)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "ranks had died or were stopped": as expected
+            assert warm.run(_pid) not in pids
+
+
+def test_closing_warm_workers_under_a_reaping_handler_signals_no_reaped_pid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() waited the whole grace_period for ranks the handler had reaped, then killed them by pid: a pid
+    the kernel may have given to another process meanwhile."""
+    from mplaunch._parent import signalling, team
+
+    signalled: list[int] = []
+    kill_tree = signalling.kill_tree
+
+    def recording(process: Any) -> None:
+        signalled.append(process.pid)
+        kill_tree(process)
+
+    monkeypatch.setattr(team, "kill_tree", recording)
+    grace = 3.0
+    with _reaping_sigchld_handler() as reaped:
+        warm = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=grace)
+        try:
+            warm.run(_pid)
+        finally:
+            started = time.monotonic()
+            warm.close()
+            took = time.monotonic() - started
+    assert not [pid for pid in signalled if pid in reaped], f"killed by pid after they were reaped: {signalled}"
+    assert took < grace, f"close() took {took:.1f} s: the whole grace_period"
