@@ -14,7 +14,7 @@ from typing_extensions import ParamSpec, Unpack
 
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config, replace_options
 from mplaunch._errors import InvalidOptionError, raised_by_design
-from mplaunch._frames import named_original, resolve
+from mplaunch._frames import named_original, resolve, user_frame
 from mplaunch._parent import futures, generators, in_process, launch
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.report import RunReport
@@ -56,8 +56,9 @@ class ParallelFunction(Generic[P, T]):
         return self.__wrapped__
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
-        """Bind a decorated method to ``instance``, which becomes the first argument (pickled under spawn)."""
-        return self if instance is None else types.MethodType(self, instance)
+        """Bind a decorated method to ``instance``, which becomes the first argument (pickled under spawn) of
+        a call and of :meth:`submit`, :meth:`debug` and :meth:`options`' copy (see :class:`BoundParallelMethod`)."""
+        return self if instance is None else BoundParallelMethod(self, instance)
 
     def __call__(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Start the workers, run the function in each with these arguments, wait, and return the result.
@@ -87,8 +88,8 @@ class ParallelFunction(Generic[P, T]):
         control = LaunchControl()
         try:
             if inspect.isgeneratorfunction(self.__wrapped__):
-                return generators.launch_stream(self, args, kwargs, self.config, sys._getframe(1))  # type: ignore[no-any-return]
-            return launch.launch(self, args, kwargs, self.config, sys._getframe(1), control)  # type: ignore[no-any-return]
+                return generators.launch_stream(self, args, kwargs, self.config, user_frame())  # type: ignore[no-any-return]
+            return launch.launch(self, args, kwargs, self.config, user_frame(), control)  # type: ignore[no-any-return]
         except BaseException as error:
             if not raised_by_design(error):
                 raise
@@ -151,7 +152,7 @@ class ParallelFunction(Generic[P, T]):
             >>> future.done(), future.cancel()  # doctest: +SKIP
             (False, True)
         """
-        frame = sys._getframe(1)
+        frame = user_frame()
         if inspect.isgeneratorfunction(self.__wrapped__):
             return generators.submit_stream(self, args, kwargs, self.config)
         control = LaunchControl(stoppable=True)
@@ -209,6 +210,60 @@ class ParallelFunction(Generic[P, T]):
     def __repr__(self) -> str:
         name = getattr(self, "__qualname__", None) or repr(self.__wrapped__)
         return f"<parallel function {getattr(self, '__module__', '?')}.{name} ({self.config})>"
+
+
+class BoundParallelMethod:
+    """A decorated method bound to an instance (``trainer.fit``): a call, :meth:`submit`, :meth:`debug`, and
+    the copy :meth:`options` returns all pass the instance as the first argument, as a bound method does.
+    Other attributes (``config``, ``last_report``, ``__wrapped__``) are the decorated function's.
+
+    Args:
+        function: the decorated function (a :class:`ParallelFunction`).
+        instance: the object it is bound to; pickled with the call under spawn and forkserver.
+    """
+
+    def __init__(self, function: ParallelFunction[..., Any], instance: object) -> None:
+        self.__func__ = function
+        self.__self__ = instance
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        """Call the decorated function with the instance first (see :meth:`ParallelFunction.__call__`)."""
+        __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def submit(self, /, *args: Any, **kwargs: Any) -> futures.LaunchFuture[Any]:
+        """Launch in the background with the instance first (see :meth:`ParallelFunction.submit`)."""
+        return self.__func__.submit(self.__self__, *args, **kwargs)
+
+    def debug(self, /, *args: Any, **kwargs: Any) -> Any:
+        """Run here with the instance first (see :meth:`ParallelFunction.debug`)."""
+        return self.__func__.debug(self.__self__, *args, **kwargs)
+
+    def options(self, **overrides: Unpack[LaunchOptions]) -> BoundParallelMethod:
+        """The method with some options replaced, still bound (see :meth:`ParallelFunction.options`)."""
+        return BoundParallelMethod(self.__func__.options(**overrides), self.__self__)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("__func__", "__self__"):  # not set yet (a copy being made): no recursion through them
+            raise AttributeError(name)
+        return getattr(self.__func__, name)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, BoundParallelMethod)
+            and other.__func__ is self.__func__
+            and other.__self__ is self.__self__
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self.__func__), id(self.__self__)))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """As a bound method pickles: the instance, and the method looked up on it by name."""
+        return (getattr, (self.__self__, self.__func__.__name__))
+
+    def __repr__(self) -> str:
+        return f"<bound parallel method {self.__func__.__qualname__} of {self.__self__!r}>"
 
 
 def _with_options(original: ParallelFunction[P, T], config: ParallelConfig) -> ParallelFunction[P, T]:

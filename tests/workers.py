@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mplaunch import worker_info
+from mplaunch import parallel, worker_info
 
 
 @dataclasses.dataclass
@@ -328,6 +328,17 @@ def anonymous_memory_after_reading(tensor: torch.Tensor) -> int:
     with open("/proc/self/status") as status:
         line = next(line for line in status if line.startswith("RssAnon:"))
     return int(line.split()[1]) * 1024
+
+
+class Trainer:
+    """A class with a decorated method, found by spawn workers by its module and name."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    @parallel(nprocs=1, start_method="spawn", timeout=120)
+    def fit(self, x: int) -> int:
+        return self.offset + x
 
 
 class Model:

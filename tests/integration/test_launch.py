@@ -195,6 +195,21 @@ def test_a_thread_left_running_does_not_hold_the_call() -> None:
     assert time.monotonic() - start < 30
 
 
+def test_a_bound_decorated_method_passes_its_instance_to_every_entry() -> None:
+    """obj.method.submit(), .debug() and .options(...)() dropped the instance: the first argument was taken
+    as self (found by a break-it pass)."""
+    import pickle
+
+    trainer = workers.Trainer(10)
+    assert trainer.fit(1) == 11  # spawn: the instance travels with the call
+    assert trainer.fit.options(start_method="fork").submit(2).result(timeout=TIMEOUT) == 12
+    assert trainer.fit.debug(3) == 13
+    assert trainer.fit.config.timeout == 120  # the decorated function's attributes
+    copy = pickle.loads(pickle.dumps(trainer.fit))
+    assert copy.__self__.offset == 10
+    assert copy(4) == 14
+
+
 def test_methods_partials_and_a_parameter_named_self() -> None:
     import functools
 
