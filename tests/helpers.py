@@ -155,3 +155,21 @@ def kernel_keeps_reaped_status() -> bool:
         return pidfd_module.reaped_status(pidfd) is not None
     finally:
         os.close(pidfd)
+
+
+@contextlib.contextmanager
+def reaping_sigchld_handler() -> Iterator[list[int]]:
+    """A caller's SIGCHLD handler that reaps every child (``os.waitpid(-1, os.WNOHANG)`` in a loop, a common
+    server pattern) while the block runs, then the handler found before; yields the pids it reaped."""
+    reaped: list[int] = []
+
+    def reap_all(signum: int, frame: object) -> None:
+        with contextlib.suppress(ChildProcessError):
+            while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:
+                reaped.append(pid)
+
+    previous = signal.signal(signal.SIGCHLD, reap_all)
+    try:
+        yield reaped
+    finally:
+        signal.signal(signal.SIGCHLD, previous)

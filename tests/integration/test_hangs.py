@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import pickle
@@ -21,7 +20,7 @@ from mplaunch._parent import report as report_module
 from mplaunch._platform.memory import oom_counters
 from mplaunch._wire.watch import STACKS_SIGNAL
 from tests import workers
-from tests.helpers import kernel_keeps_reaped_status
+from tests.helpers import kernel_keeps_reaped_status, reaping_sigchld_handler
 
 ALL = pytest.mark.parametrize("start_method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
 
@@ -283,22 +282,13 @@ def test_report_of_a_spawn_launch_keeps_the_usage_when_multiprocessing_reaps_fir
     assert all(r.max_rss and r.user_time is not None and r.exitcode == 0 for r in report.ranks), report
 
 
-def _reap_every_child(signum: int, frame: object) -> None:
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-
-
 def test_report_of_a_fork_launch_keeps_the_usage_when_the_callers_sigchld_handler_reaps_first() -> None:
     """A caller's SIGCHLD handler that reaps every child (a common server pattern) reaps forked workers before
     the launch can read the kernel's account of them: the report had no peak memory or CPU time. A fork launch
     whose caller handles SIGCHLD has the workers leave their own usage, as other start methods do."""
     run = parallel(nprocs=2, start_method="fork", timeout=60)(workers.sleep)
-    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
-    try:
+    with reaping_sigchld_handler():
         assert run(0.1) == 0
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
     report = run.last_report
     assert report is not None
     assert all(r.max_rss and r.user_time is not None for r in report.ranks), report
@@ -310,8 +300,7 @@ def test_a_callers_reaping_sigchld_handler_leaves_each_ranks_exit_known(start_me
     """A caller's SIGCHLD handler that reaps every child took the workers' exit statuses: a SIGKILLed rank
     "exited with code None", and every report line read "exit None" (found by a break-it pass)."""
     run = parallel(nprocs=2, start_method=start_method, timeout=120)(workers.kill_self)
-    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
-    try:
+    with reaping_sigchld_handler():
         with pytest.raises(WorkerExitedError) as caught:
             run(signal.SIGKILL)
         assert "was ended by SIGKILL (signal 9)" in str(caught.value), str(caught.value)
@@ -319,11 +308,9 @@ def test_a_callers_reaping_sigchld_handler_leaves_each_ranks_exit_known(start_me
         exiting = parallel(nprocs=2, start_method=start_method, timeout=120)(workers.os_exit_on_rank)
         with pytest.raises(WorkerExitedError, match="exited with code 7 before returning") as exited:
             exiting(1, 7)
-        assert exited.value.report is not None
-        codes = [r.exitcode for r in exited.value.report.ranks]
-        assert codes[1] == 7 and codes[0] is not None, exited.value.report  # rank 0 returned, or was stopped
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
+    assert exited.value.report is not None
+    codes = [r.exitcode for r in exited.value.report.ranks]
+    assert codes[1] == 7 and codes[0] is not None, exited.value.report  # rank 0 returned, or was stopped
 
 
 def test_an_exit_status_taken_by_someone_else_is_named_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -331,12 +318,8 @@ def test_an_exit_status_taken_by_someone_else_is_named_unknown(monkeypatch: pyte
     "exited with code None"."""
     monkeypatch.setattr(report_module, "reaped_status", lambda pidfd: None)
     run = parallel(nprocs=2, start_method="fork", timeout=60)(workers.os_exit_on_rank)
-    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
-    try:
-        with pytest.raises(WorkerExitedError) as caught:
-            run(1, 7)
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
+    with reaping_sigchld_handler(), pytest.raises(WorkerExitedError) as caught:
+        run(1, 7)
     assert "rank 1" in str(caught.value)
     assert "its exit status is unknown: something else in this process reaped it first" in str(caught.value)
     assert caught.value.exitcode is None

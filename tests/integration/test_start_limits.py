@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import signal
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from mplaunch import LaunchRefusedError, parallel
+from tests.helpers import reaping_sigchld_handler
 
 
 def _same(value: Any) -> Any:
@@ -148,12 +148,6 @@ def test_an_unusable_shm_dir_is_refused_naming_the_variable(
         parallel(nprocs=2, start_method="fork", timeout=60)(_same)(1)
 
 
-def _reap_every_child(signum: int, frame: Any) -> None:
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-
-
 # Finding 5 (also before this session, fewer descriptors now): a caller's SIGCHLD handler that reaps every
 # child (a common server pattern) reaps the workers first; the launch returns, but each worker's _Forked
 # pidfd stays open forever (poll() sees ECHILD and answers "running", close() raises ValueError, which
@@ -164,11 +158,8 @@ def test_workers_reaped_by_the_callers_sigchld_handler_leave_no_descriptor() -> 
     same = parallel(nprocs=2, start_method="fork", timeout=60)(_same)
     same(0)
     before = _descriptors()
-    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
-    try:
+    with reaping_sigchld_handler():
         assert same(1) == 1
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
     left = {fd: target for fd, target in _descriptors().items() if fd not in before}
     assert not left, f"descriptors left: {left}"
 
@@ -217,13 +208,12 @@ def test_a_worker_reaped_by_the_caller_while_the_next_one_forks_is_still_waited_
             pids.append(pid)
         return pid
 
-    previous = signal.signal(signal.SIGCHLD, _reap_every_child)
-    monkeypatch.setattr(os, "fork", fork_after_the_first_is_gone)
-    try:
-        assert same(1) == 1
-    finally:
-        monkeypatch.undo()
-        signal.signal(signal.SIGCHLD, previous)
+    with reaping_sigchld_handler():
+        monkeypatch.setattr(os, "fork", fork_after_the_first_is_gone)
+        try:
+            assert same(1) == 1
+        finally:
+            monkeypatch.undo()
     assert all(_gone(pid) for pid in pids)
     left = {fd: target for fd, target in _descriptors().items() if fd not in before}
     assert not left, f"descriptors left: {left}"

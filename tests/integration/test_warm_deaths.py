@@ -6,7 +6,6 @@ hang.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import signal
@@ -20,7 +19,7 @@ import pytest
 
 from mplaunch import LaunchTimeoutError, StartMethod, WorkerExitedError, Workers, worker_info
 from tests import warm_workers
-from tests.helpers import gone, kernel_keeps_reaped_status, run_script, write_script
+from tests.helpers import gone, kernel_keeps_reaped_status, reaping_sigchld_handler, run_script, write_script
 
 TIMEOUT = 30
 
@@ -188,22 +187,6 @@ def test_a_forked_child_leaves_its_parents_stream_alone(source: str, tmp_path: P
 # a launch reads them through its pidfds, and warm workers did not (found by a break-it pass).
 
 
-@contextlib.contextmanager
-def _reaping_sigchld_handler() -> Iterator[list[int]]:
-    reaped: list[int] = []
-
-    def reap_all(signum: int, frame: Any) -> None:
-        with contextlib.suppress(ChildProcessError):
-            while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:
-                reaped.append(pid)
-
-    previous = signal.signal(signal.SIGCHLD, reap_all)
-    try:
-        yield reaped
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
-
-
 def _rank1_kills_itself() -> int:
     if worker_info().rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -216,7 +199,7 @@ def _pid() -> int:
 
 @pytest.mark.skipif(not kernel_keeps_reaped_status(), reason="needs PIDFD_INFO_EXIT (Linux 6.15+)")
 def test_a_warm_rank_reaped_by_the_callers_handler_is_named_by_its_signal() -> None:
-    with _reaping_sigchld_handler(), Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1) as warm:
+    with reaping_sigchld_handler(), Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1) as warm:
         with pytest.raises(WorkerExitedError) as caught:
             warm.run(_rank1_kills_itself)
     assert "was ended by SIGKILL" in str(caught.value), str(caught.value)
@@ -225,7 +208,7 @@ def test_a_warm_rank_reaped_by_the_callers_handler_is_named_by_its_signal() -> N
 def test_a_warm_rank_killed_between_calls_under_a_reaping_handler_is_started_again() -> None:
     """The dead rank looked alive (multiprocessing cannot see a child someone else reaped): the next call went
     to it and failed, where without the handler the ranks are started again."""
-    with _reaping_sigchld_handler(), Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1) as warm:
+    with reaping_sigchld_handler(), Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1) as warm:
         pids = warm.pids
         pidfd = os.pidfd_open(pids[1])
         try:
@@ -252,7 +235,7 @@ def test_closing_warm_workers_under_a_reaping_handler_signals_no_reaped_pid(monk
 
     monkeypatch.setattr(team, "kill_tree", recording)
     grace = 3.0
-    with _reaping_sigchld_handler() as reaped:
+    with reaping_sigchld_handler() as reaped:
         warm = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=grace)
         try:
             warm.run(_pid)
