@@ -30,21 +30,23 @@ Caller = tuple[str, int, dict[str, Any]]  # a frame's file, line and module glob
 _thread = threading.local()  # in a thread that runs a launch for its caller: ``caller``, where it was asked
 
 
+def _outside(frame: FrameType | None) -> FrameType | None:
+    """``frame``, or the first frame it was called from that is not mplaunch's; ``None`` if all are."""
+    while frame is not None and is_ours(frame):
+        frame = frame.f_back
+    return frame
+
+
 def user_frame() -> FrameType:
     """The first frame outside mplaunch that called this function's caller (the user's line, also through
     a wrapper of mplaunch's: a bound decorated method); the caller's own caller if every frame is ours."""
     frame = sys._getframe(2)
-    found: FrameType | None = frame
-    while found is not None and is_ours(found):
-        found = found.f_back
-    return found or frame
+    return _outside(frame) or frame
 
 
 def outside_caller() -> Caller | None:
     """Where the first frame outside mplaunch that called this is: its file, line and module globals."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and is_ours(frame):
-        frame = frame.f_back
+    frame = _outside(sys._getframe(1))
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
 
 
