@@ -19,6 +19,7 @@ import multiprocessing.util
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
@@ -171,6 +172,7 @@ class _Forked(multiprocessing.popen_fork.Popen):
     ``sentinel`` is a pidfd, closed with it."""
 
     def __init__(self, pid: int) -> None:  # (not super().__init__: that forks)
+        self.started_at = time.monotonic()  # right after the fork: the start of the worker's wall time
         self.pid = pid
         self.returncode = None
         self.finalizer = None
@@ -184,6 +186,28 @@ class _Forked(multiprocessing.popen_fork.Popen):
 
     def __del__(self) -> None:  # a worker reaped by someone else (a SIGCHLD handler) stays "running"
         self.close()
+
+
+def open_pidfd(process: BaseProcess) -> int:
+    """A new pidfd of the started ``process``, for the caller to close: a copy of the one :func:`_fork_all`
+    opened right after its fork (before anything could reap it: a worker that ends at once may be reaped by a
+    caller's SIGCHLD handler before the launch's bookkeeping), else ``os.pidfd_open`` of its pid.
+
+    Raises:
+        OSError: no pidfds here (Linux before 5.3), or the process is gone.
+        AttributeError: ``os.pidfd_open`` does not exist here.
+    """
+    popen = getattr(process, "_popen", None)
+    if isinstance(popen, _Forked) and popen.sentinel >= 0:
+        return os.dup(popen.sentinel)
+    return os.pidfd_open(process.pid)  # type: ignore[arg-type]
+
+
+def started_at(process: BaseProcess) -> float:
+    """When ``process`` started (``time.monotonic()``): right after its fork where :func:`_fork_all` forked
+    it (the launch's bookkeeping comes after the last fork), else now."""
+    popen = getattr(process, "_popen", None)
+    return popen.started_at if isinstance(popen, _Forked) else time.monotonic()
 
 
 def release(process: BaseProcess) -> None:

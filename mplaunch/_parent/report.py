@@ -106,10 +106,11 @@ class RankRecords:
             counters = oom_counters(os.getpid())
             self._own = (counters, oom_kills(counters))
 
-    def started(self, rank: int, pid: int | None) -> None:
-        """Note that ``rank`` started as ``pid``; read its cgroup's out-of-memory count if it is not this
-        process's child (a fork server's worker starts in the server's cgroup)."""
-        self._started[rank] = time.monotonic()
+    def started(self, rank: int, pid: int | None, at: float | None = None) -> None:
+        """Note that ``rank`` started as ``pid`` (``at``: when, ``time.monotonic()``; default now); read its
+        cgroup's out-of-memory count if it is not this process's child (a fork server's worker starts in
+        the server's cgroup)."""
+        self._started[rank] = time.monotonic() if at is None else at
         if self._own is not None:
             self._counters[rank] = self._own
         else:

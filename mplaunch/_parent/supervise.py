@@ -17,6 +17,7 @@ from typing import Any
 from mplaunch._errors import LaunchTimeoutError, StallError
 from mplaunch._parent import stacks
 from mplaunch._parent.control import LaunchControl, LaunchStopped
+from mplaunch._parent.processes import open_pidfd, started_at
 from mplaunch._parent.report import RankRecords, RankReport
 from mplaunch._parent.signalling import kill_leftovers, kill_tree, send_signal, signal_worker
 from mplaunch._parent.signals import signals_held
@@ -95,8 +96,8 @@ class Supervisor:
         """
         self.processes.append(process)
         with contextlib.suppress(AttributeError, OSError):  # no pidfds here: the sentinel it is
-            self._pidfds[len(self.processes) - 1] = os.pidfd_open(process.pid)  # type: ignore[arg-type]
-        self.records.started(len(self.processes) - 1, process.pid)
+            self._pidfds[len(self.processes) - 1] = open_pidfd(process)
+        self.records.started(len(self.processes) - 1, process.pid, started_at(process))
 
     def _end(self, rank: int) -> int:
         """A descriptor that becomes readable when ``rank``'s worker ends."""

@@ -28,7 +28,7 @@ from mplaunch._config import ParallelConfig
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import policy, stacks
 from mplaunch._parent.directory import launch_directory
-from mplaunch._parent.processes import release, start_workers
+from mplaunch._parent.processes import open_pidfd, release, start_workers
 from mplaunch._parent.signalling import kill_tree, send_signal, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.starter import in_starter
@@ -129,7 +129,7 @@ class Team:
     def _started(self, process: BaseProcess) -> None:
         self.processes.append(process)
         try:
-            pidfd = os.pidfd_open(process.pid)  # type: ignore[arg-type]
+            pidfd = open_pidfd(process)
         except (AttributeError, OSError):
             self.ends.append(process.sentinel)
         else:

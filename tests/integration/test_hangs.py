@@ -249,6 +249,27 @@ def test_a_rank_the_stop_killed_after_it_returned_says_so_in_the_report(tmp_path
     assert "(stopped by the launch)" in str(caught.value.report).splitlines()[1]  # type: ignore[attr-defined]
 
 
+def test_a_ranks_wall_time_counts_from_its_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent notes each rank's start after its last fork: rank 0's wall time missed the time it ran
+    meanwhile (a CI run read 0.1976 s for a 0.2 s rank). A slow second fork makes that certain."""
+    run = parallel(nprocs=2, start_method="fork", timeout=60)(workers.sleep)
+    fork, forked = os.fork, list[int]()
+
+    def slow_second_fork() -> int:
+        if forked:
+            time.sleep(0.3)
+        pid = fork()
+        if pid:
+            forked.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", slow_second_fork)
+    run(0.2)
+    monkeypatch.undo()
+    assert run.last_report is not None
+    assert all(r.wall_time is not None and r.wall_time >= 0.2 for r in run.last_report.ranks), run.last_report
+
+
 def test_report_of_a_forkserver_launch_comes_from_the_workers() -> None:
     future = parallel(nprocs=2, start_method="forkserver", timeout=90)(workers.sleep).submit(0.1)
     assert future.result() == 0
