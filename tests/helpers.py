@@ -12,11 +12,12 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
 import psutil
+import pytest
 
 from mplaunch._platform import pidfd as pidfd_module
 
@@ -173,3 +174,22 @@ def reaping_sigchld_handler() -> Iterator[list[int]]:
         yield reaped
     finally:
         signal.signal(signal.SIGCHLD, previous)
+
+
+def fork_with(monkeypatch: pytest.MonkeyPatch, before: Callable[[list[int]], None]) -> list[int]:
+    """Make ``os.fork`` call ``before(pids)`` in the parent before each fork (``pids``: the children forked
+    so far), for the rest of the test (``monkeypatch.undo()`` ends it); return that list of pids. Every way
+    mplaunch forks a worker goes through ``os.fork``."""
+    fork, pids = os.fork, list[int]()
+
+    def forking() -> int:
+        if os.getpid() == parent:
+            before(pids)
+        pid = fork()
+        if pid:
+            pids.append(pid)
+        return pid
+
+    parent = os.getpid()
+    monkeypatch.setattr(os, "fork", forking)
+    return pids

@@ -20,7 +20,7 @@ from mplaunch._parent import report as report_module
 from mplaunch._platform.memory import oom_counters
 from mplaunch._wire.watch import STACKS_SIGNAL
 from tests import workers
-from tests.helpers import kernel_keeps_reaped_status, reaping_sigchld_handler
+from tests.helpers import fork_with, kernel_keeps_reaped_status, reaping_sigchld_handler
 
 ALL = pytest.mark.parametrize("start_method", ["fork", "forkserver", pytest.param("spawn", marks=pytest.mark.slow)])
 
@@ -253,17 +253,7 @@ def test_a_ranks_wall_time_counts_from_its_fork(monkeypatch: pytest.MonkeyPatch)
     """The parent notes each rank's start after its last fork: rank 0's wall time missed the time it ran
     meanwhile (a CI run read 0.1976 s for a 0.2 s rank). A slow second fork makes that certain."""
     run = parallel(nprocs=2, start_method="fork", timeout=60)(workers.sleep)
-    fork, forked = os.fork, list[int]()
-
-    def slow_second_fork() -> int:
-        if forked:
-            time.sleep(0.3)
-        pid = fork()
-        if pid:
-            forked.append(pid)
-        return pid
-
-    monkeypatch.setattr(os, "fork", slow_second_fork)
+    fork_with(monkeypatch, lambda forked: time.sleep(0.3) if forked else None)  # a slow second fork
     run(0.2)
     monkeypatch.undo()
     assert run.last_report is not None

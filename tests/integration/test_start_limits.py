@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from mplaunch import LaunchRefusedError, parallel
-from tests.helpers import kernel_keeps_reaped_status, reaping_sigchld_handler
+from tests.helpers import fork_with, kernel_keeps_reaped_status, reaping_sigchld_handler
 
 
 def _same(value: Any) -> Any:
@@ -197,19 +197,14 @@ def test_a_worker_reaped_by_the_caller_while_the_next_one_forks_is_still_waited_
     same = parallel(nprocs=2, start_method="fork", timeout=60)(_same)
     same(0)
     before = _descriptors()
-    fork, pids = os.fork, list[int]()
 
-    def fork_after_the_first_is_gone() -> int:
+    def after_the_first_is_gone(pids: list[int]) -> None:
         deadline = time.monotonic() + 10
         while pids and not _gone(pids[0]) and time.monotonic() < deadline:  # the handler reaps it meanwhile
             time.sleep(0.01)
-        pid = fork()
-        if pid:
-            pids.append(pid)
-        return pid
 
     with reaping_sigchld_handler():
-        monkeypatch.setattr(os, "fork", fork_after_the_first_is_gone)
+        pids = fork_with(monkeypatch, after_the_first_is_gone)
         try:
             assert same(1) == 1
         finally:

@@ -16,7 +16,7 @@ import pytest
 from mplaunch import InvalidOptionError, LaunchTimeoutError, StartMethod, WorkerExitedError, parallel
 from mplaunch._worker import entry
 from tests import workers
-from tests.helpers import gone
+from tests.helpers import fork_with, gone
 
 TIMEOUT = 90
 METHODS = ["fork", "forkserver", "spawn"]
@@ -217,21 +217,14 @@ def test_a_ctrl_c_that_another_thread_receives_while_workers_fork_is_delivered_a
     has started, and the launch stops them."""
     import threading
 
-    started: list[int] = []
-    fork = os.fork
-
-    def fork_with_ctrl_c_from_a_thread() -> int:  # every way of forking a worker forks through it
-        if not started:
+    def ctrl_c_from_a_thread(forked: list[int]) -> None:
+        if not forked:
             sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
             sender.start()
             sender.join()  # delivered to the sender thread: the main thread blocks SIGINT here
             time.sleep(0.01)
-        pid = fork()
-        if pid:
-            started.append(pid)
-        return pid
 
-    monkeypatch.setattr(os, "fork", fork_with_ctrl_c_from_a_thread)
+    started = fork_with(monkeypatch, ctrl_c_from_a_thread)
     with pytest.raises(KeyboardInterrupt):
         launch(workers.sleep)(30)
     assert len(started) == 2  # the signal waited for the last fork
