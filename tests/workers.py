@@ -972,3 +972,26 @@ def rank0_returns_then_lingers(directory: str) -> str:
         return "rank 0's value"
     _wait_for(os.path.join(directory, "returned"))
     raise KeyError("rank 1 fails once rank 0 has returned")
+
+
+def environments_seen() -> dict[str, Any]:
+    """The rank's environment as Python, C code (``getenv``) and a program it runs (``exec``) see it; then
+    the same after the rank sets and removes a variable itself."""
+    import ctypes
+    import subprocess
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+
+    def seen() -> dict[str, Any]:
+        program = subprocess.run(["env"], capture_output=True, check=True, text=True).stdout.splitlines()
+        return {
+            "python": dict(os.environ),
+            "c": {name: (getenv(name.encode()) or b"").decode() for name in os.environ},
+            "exec": dict(line.split("=", 1) for line in program if "=" in line),
+        }
+
+    first = seen()
+    os.environ["SET_IN_RANK"] = "1"
+    del os.environ["OMP_NUM_THREADS"]
+    return {"first": first, "after": seen()}

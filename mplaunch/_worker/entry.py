@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment
+from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_variables
 from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds, terminal_stdin
+from mplaunch._platform.environ import ForkEnviron, fork_environ
 from mplaunch._platform.proctree import become_subreaper
 from mplaunch._platform.signals import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 from mplaunch._state.sharing import unshare
@@ -137,7 +138,7 @@ def _default_signals() -> None:
 
 
 def _set_threads(num_threads: int) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    placement.set_changed({"OMP_NUM_THREADS": str(num_threads)})
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
 
@@ -355,40 +356,66 @@ def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = N
     pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
 
 
-def set_up(rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None) -> None:
+def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
+    """The environment changes that make a process rank ``rank`` of ``spec``'s one-node launch: torchrun's
+    variables, and ``None`` (removed) for each rank variable of the parent's that they do not set."""
+    return rank_variables(
+        rank,
+        spec.nprocs,
+        spec.master_addr,
+        spec.master_port,
+        agent_store=spec.agent_store,
+        restart_count=spec.restart_count,
+        max_restarts=spec.max_restarts,
+    )
+
+
+def fork_environ_of(spec: WorkerSpec, rank: int) -> ForkEnviron | None:
+    """In the parent, before it forks rank ``rank`` of ``spec``'s one-node launch: the rank's whole
+    environment, for it to install at once (:meth:`ForkEnviron.install`): torchrun's variables (set first,
+    in :func:`set_up`), its placement's and its ``OMP_NUM_THREADS`` (set before the function, which finds
+    them set already). ``None`` where the platform cannot (see :func:`fork_environ`)."""
+    changes = rank_changes(spec, rank)
+    extra = placement.environment(spec, rank)
+    changes.update(extra)
+    threads = placement.planned_threads(spec, rank, placement.threads_in(extra))
+    changes["OMP_NUM_THREADS"] = str(threads)
+    return fork_environ(changes)
+
+
+def set_up(
+    rank: int,
+    spec: WorkerSpec,
+    on_interrupt: Callable[[int, Any], None] | None = None,
+    environ: ForkEnviron | None = None,
+) -> None:
     """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`_start`, which
-    takes ``on_interrupt``), the output descriptors, and torchrun's environment."""
+    takes ``on_interrupt``), the output descriptors, and torchrun's environment (``environ``: made by the
+    parent before the fork, else set here)."""
     _start(spec, on_interrupt)
     take_fds(spec.output_fds, rank, rank)
     _keep_own_outcome_fd(spec)
     if spec.environ is not None:
         os.environ.clear()
         os.environ.update(spec.environ)
-    apply_environment(
-        os.environ,
-        rank_environment(
-            rank,
-            spec.nprocs,
-            spec.master_addr,
-            spec.master_port,
-            agent_store=spec.agent_store,
-            restart_count=spec.restart_count,
-            max_restarts=spec.max_restarts,
-        ),
-    )
+    if environ is not None:
+        environ.install()
+    else:
+        apply_environment(os.environ, rank_changes(spec, rank))
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
     install_breakpoint_hook(spec, rank)  # breakpoint(): one rank at a time, the prompt naming the rank
 
 
-def run(rank: int, spec: WorkerSpec, payload: Payload | None) -> None:
+def run(rank: int, spec: WorkerSpec, payload: Payload | None, environ: ForkEnviron | None = None) -> None:
     """The target of every worker process: set up the rank, run the function, write the outcome, exit.
 
     The outcome (the return value for reporting ranks, ``None`` for the others, or the exception) is written
     to the launch directory before the process exits; the parent reads it when it sees the process end.
+    ``environ``: the rank's environment, made by the parent before it forked this worker.
     """
     outcome: Outcome | None = None
     try:
-        set_up(rank, spec)
+        set_up(rank, spec, environ=environ)
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
         flags.attach(spec.directory)  # the launch's preemption flag, if it has one: mplaunch.preempted()
         outcome = _execute(rank, rank, spec, payload)

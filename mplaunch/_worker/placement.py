@@ -25,16 +25,28 @@ _SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "riscv64": 237, "ppc64le": 
 _env_threads: int | None = None  # OMP_NUM_THREADS given through env=
 
 
+def environment(spec: WorkerSpec, local_rank: int) -> dict[str, str]:
+    """The variables that this rank's placement sets: ``CUDA_VISIBLE_DEVICES`` (``devices=``), then those of
+    ``env=`` (a dict, or a one-node launch's function, called by the parent)."""
+    placement = spec.placements[local_rank] if spec.placements is not None else None
+    if placement is None:
+        return {}
+    extra = {} if placement.cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": placement.cuda_visible_devices}
+    extra.update(placement.environ)
+    return extra
+
+
 def apply(spec: WorkerSpec, local_rank: int, rank: int) -> None:
     """Set this rank's ``CUDA_VISIBLE_DEVICES`` and ``env=`` variables (after torchrun's), and pin it to its
-    CPUs and NUMA node.
+    CPUs and NUMA node. A variable that already has its value (the parent made a forked rank's environment,
+    see :func:`mplaunch._platform.environ.fork_environ`) is not set again.
 
     Raises:
         InvalidOptionError: ``env=``'s function (multi-node launches call it here) returned a bad mapping.
     """
     global _env_threads
     placement = spec.placements[local_rank] if spec.placements is not None else None
-    extra = dict(placement.environ) if placement is not None else {}
+    extra = environment(spec, local_rank)
     if spec.env_function is not None:
         given = spec.env_function(rank)
         extra.update(
@@ -42,22 +54,38 @@ def apply(spec: WorkerSpec, local_rank: int, rank: int) -> None:
                 given, f"env({rank})", devices=placement is not None and placement.cuda_visible_devices is not None
             )
         )
-    if placement is not None and placement.cuda_visible_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = placement.cuda_visible_devices
-    os.environ.update(extra)
-    threads = extra.get("OMP_NUM_THREADS", "")
-    _env_threads = max(1, int(threads)) if threads.isdigit() else None
+    set_changed(extra)
+    _env_threads = threads_in(extra)
     if placement is not None and placement.cpus:
         os.sched_setaffinity(0, placement.cpus)
         if placement.numa_node is not None:
             prefer_node(placement.numa_node)
 
 
+def set_changed(variables: dict[str, str]) -> None:
+    """Set each of ``variables`` in ``os.environ`` that does not have that value yet (each ``setenv`` in a
+    forked worker copies pages of the heap it shares with the parent)."""
+    for name, value in variables.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+def threads_in(environ: dict[str, str]) -> int | None:
+    """The thread count that ``OMP_NUM_THREADS`` in ``environ`` (``env=``'s) asks for, else ``None``."""
+    threads = environ.get("OMP_NUM_THREADS", "")
+    return max(1, int(threads)) if threads.isdigit() else None
+
+
 def thread_count(spec: WorkerSpec, local_rank: int) -> int:
-    """Intra-op threads for this rank: ``OMP_NUM_THREADS`` from ``env=``, else its CPU set's size with
-    ``cpu_binding`` (when the user did not set ``OMP_NUM_THREADS``), else the launch's."""
-    if _env_threads is not None:
-        return _env_threads
+    """Intra-op threads for this rank (after :func:`apply`): ``OMP_NUM_THREADS`` from ``env=``, else its CPU
+    set's size with ``cpu_binding`` (when the user did not set ``OMP_NUM_THREADS``), else the launch's."""
+    return planned_threads(spec, local_rank, _env_threads)
+
+
+def planned_threads(spec: WorkerSpec, local_rank: int, env_threads: int | None) -> int:
+    """:func:`thread_count` with ``env_threads`` as ``env=``'s ``OMP_NUM_THREADS`` (``None``: not given)."""
+    if env_threads is not None:
+        return env_threads
     placement = spec.placements[local_rank] if spec.placements is not None else None
     if placement is not None and placement.num_threads is not None:
         return placement.num_threads

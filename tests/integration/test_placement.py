@@ -197,3 +197,33 @@ def test_a_real_device_is_the_ranks_only_one() -> None:
     seen = parallel(start_method="spawn", timeout=120, return_all=True, devices=[last])(workers.cuda_seen)()
     names = devices.visible_names()
     assert seen == [(names[last], 1)]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_c_code_and_programs_see_the_ranks_environment_as_python_does(
+    start_method: StartMethod, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked rank's environment is made by the parent before the fork (one table for the C library, one
+    mapping for ``os.environ``): C code (``getenv``, NCCL reads its variables so) and programs the rank runs
+    see what Python sees, a variable the parent set with ``os.putenv`` alone stays, and a stale rank
+    variable is gone from both; the rank's own changes reach both."""
+    monkeypatch.setenv("GROUP_RANK", "3")  # stale: the worker's is 0
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "7")
+    os.putenv("ONLY_IN_C", "c")  # os.environ does not know it
+    before = dict(os.environ)
+    try:
+        run = parallel(nprocs=2, start_method=start_method, timeout=120, return_all=True)(workers.environments_seen)
+        results = run.options(env={"PLACEMENT_A": "a"})()
+    finally:
+        os.unsetenv("ONLY_IN_C")
+    assert dict(os.environ) == before
+    for rank, result in enumerate(results):
+        first, after = result["first"], result["after"]
+        assert first["python"]["RANK"] == str(rank) and first["python"]["GROUP_RANK"] == "0"
+        assert first["python"]["PLACEMENT_A"] == "a" and first["python"]["OMP_NUM_THREADS"] == "1"
+        assert first["python"]["TORCHELASTIC_MAX_RESTARTS"] == "0"
+        assert first["c"] == first["python"]
+        assert {k: v for k, v in first["exec"].items() if k in first["python"]} == first["python"]
+        assert first["exec"]["ONLY_IN_C"] == "c"
+        assert after["python"]["SET_IN_RANK"] == after["exec"]["SET_IN_RANK"] == "1"
+        assert "OMP_NUM_THREADS" not in after["python"] and "OMP_NUM_THREADS" not in after["exec"]
