@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from typing import TextIO
 
 from mplaunch._wire.fds import InheritedFd
@@ -102,15 +103,70 @@ def _repoint_handlers(old: object, new: TextIO) -> None:
                 handler.stream = new
 
 
-def terminal_stdin() -> None:
+#: In a worker that mplaunch forked: the ``sys.stdin`` it inherited, held from multiprocessing's start-up
+#: (see :func:`hold_stdin`) until :func:`terminal_stdin` closes it.
+_HELD: list[TextIO] = []
+
+
+def hold_stdin() -> None:
+    """In a worker that mplaunch forked, before multiprocessing's start-up runs there: hold the inherited
+    ``sys.stdin`` back from it. Multiprocessing would close it and open ``/dev/null`` in its place (some 50
+    page copies in a forked worker: a new file object allocates from the heap it shares with the parent),
+    and :func:`terminal_stdin` would often replace that again; it then does both at once."""
+    if sys.stdin is not None:
+        _HELD.append(sys.stdin)
+        sys.stdin = None
+
+
+def stdin_stream() -> TextIO:
+    """A new reader for a worker's ``sys.stdin``: the caller's terminal on fd 0 where fd 0 is one (the
+    encoding of the process's original stdin), else ``/dev/null``, as multiprocessing gives its children.
+
+    Raises:
+        OSError: ``/dev/null`` cannot be opened (the open-files limit).
+    """
+    if os.isatty(0):
+        original = sys.__stdin__
+        encoding = getattr(original, "encoding", None)
+        errors = getattr(original, "errors", None)
+        return open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115
+    return open(os.devnull, encoding="utf-8")  # noqa: SIM115
+
+
+@contextlib.contextmanager
+def stdin_for_forks(start_method: str) -> Iterator[TextIO | None]:
+    """In the parent, around the forks of a launch's ranks: under ``fork``, one :func:`stdin_stream` for
+    every rank to take as its ``sys.stdin`` (closed here afterwards; each rank has its copy), so that no rank
+    makes its own; ``None`` under the other start methods, or when it cannot be opened."""
+    stream = None
+    if start_method == "fork":
+        with contextlib.suppress(OSError):
+            stream = stdin_stream()
+    try:
+        yield stream
+    finally:
+        if stream is not None:
+            stream.close()
+
+
+def terminal_stdin(prepared: TextIO | None = None) -> None:
     """In a worker: make ``sys.stdin`` the caller's terminal (``input()``, pdb) where multiprocessing made it
-    ``/dev/null``; a standard input that is no terminal (a pipe, a file) stays the caller's alone."""
+    ``/dev/null``; a standard input that is no terminal (a pipe, a file) stays the caller's alone.
+
+    In a worker that mplaunch forked (:func:`hold_stdin`), the inherited stream is closed, as multiprocessing
+    closes it, and ``sys.stdin`` becomes ``prepared`` (a :func:`stdin_stream` the parent made before the
+    fork), else a new :func:`stdin_stream`.
+    """
+    if _HELD:
+        inherited = _HELD.pop()
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            inherited.close()
+        with contextlib.suppress(OSError):
+            sys.stdin = prepared if prepared is not None else stdin_stream()
+        return
     with contextlib.suppress(OSError, ValueError):
         if os.isatty(0) and not _reads_fd0(sys.stdin):
-            original = sys.__stdin__
-            encoding = getattr(original, "encoding", None)
-            errors = getattr(original, "errors", None)
-            sys.stdin = open(0, encoding=encoding, errors=errors, closefd=False)  # noqa: SIM115
+            sys.stdin = prepared if prepared is not None else stdin_stream()
 
 
 def _reads_fd0(stream: object) -> bool:

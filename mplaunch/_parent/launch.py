@@ -22,6 +22,7 @@ from mplaunch._config import ParallelConfig
 from mplaunch._env import node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._frames import named_original
+from mplaunch._output.fds import stdin_for_forks
 from mplaunch._output.pump import Pump, routed, worker_fds
 from mplaunch._parent import checks, devices, placement, policy, stacks
 from mplaunch._parent.control import LaunchControl
@@ -37,7 +38,6 @@ from mplaunch._parent.signals import ParentSignalled, ignored_signals, parent_si
 from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.supervise import Supervisor
 from mplaunch._parent.terminal import terminal_kept
-from mplaunch._platform.environ import ForkEnviron
 from mplaunch._state.python import warn_not_carried
 from mplaunch._state.sharing import unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
@@ -46,7 +46,7 @@ from mplaunch._wire.importable import WorkerImports, worker_imports
 from mplaunch._wire.mappings import holds_shared_mappings
 from mplaunch._wire.records import Payload, WorkerSpec, outcome_name, set_attribute
 from mplaunch._wire.watch import Board
-from mplaunch._worker.entry import fork_environ_of
+from mplaunch._worker.entry import prepare_forks
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
@@ -329,7 +329,9 @@ def _run_workers(
             pipe = os.pipe()
             spec = dataclasses.replace(spec, unshare_pipe=pipe)
         noting = _noting_pids(supervisor.started, pump)
-        start_workers(spec, payload, preload, noting, rank_args=_fork_environments(spec))
+        with stdin_for_forks(spec.start_method) as stdin:  # (under fork: what each rank takes as its stdin)
+            forked = [(made,) for made in prepare_forks(spec, stdin)] if spec.start_method == "fork" else []
+            start_workers(spec, payload, preload, noting, rank_args=forked)
         if pipe is not None:
             _answer_unshare(pipe, spec.nprocs)
         if pump is not None:
@@ -350,14 +352,6 @@ def _run_workers(
                 board.close()
             for process in processes:
                 release(process)
-
-
-def _fork_environments(spec: WorkerSpec) -> list[tuple[ForkEnviron | None]]:
-    """Under fork, each rank's environment, made here before the forks (:func:`fork_environ_of`): a worker
-    that set its 17 variables itself would pay about 0.5 ms for it; empty under the other start methods."""
-    if spec.start_method != "fork":
-        return []
-    return [(fork_environ_of(spec, rank),) for rank in range(spec.nprocs)]
 
 
 def _noting_pids(started: Callable[[BaseProcess], None], pump: Pump | None) -> Callable[[BaseProcess], None]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from mplaunch._output.fds import hold_stdin
 from mplaunch._parent.limits import check_exec_environment, short_socket_directory, start_refused
 from mplaunch._parent.signals import signals_held
 from mplaunch._platform import forks
@@ -146,6 +147,7 @@ def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], Non
             if pid == 0:
                 code = 1
                 try:
+                    hold_stdin()  # the worker replaces it, and multiprocessing need not
                     code = process._bootstrap(parent_sentinel=parent)  # type: ignore[attr-defined]
                 finally:
                     os._exit(code)

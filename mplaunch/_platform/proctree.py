@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
 
 
 def children_of(pid: int) -> list[int]:
@@ -97,6 +98,16 @@ def become_subreaper() -> bool:
         Whether the flag is set.
     """
     return _PRCTL is not None and _PRCTL(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def set_parent_death_signal(signum: int) -> bool:
+    """Have the kernel send ``signum`` to this process when the thread that forked it ends (Linux's
+    ``PR_SET_PDEATHSIG``, which ``torch.multiprocessing.spawn`` sets in its workers too).
+
+    Returns:
+        Whether the kernel took it (``False`` off Linux).
+    """
+    return _PRCTL is not None and _PRCTL(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
 
 
 def _find_prctl() -> Any:

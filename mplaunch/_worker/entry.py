@@ -22,15 +22,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
 from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_variables
 from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds, terminal_stdin
+from mplaunch._platform import forks
 from mplaunch._platform.environ import ForkEnviron, fork_environ
-from mplaunch._platform.proctree import become_subreaper
+from mplaunch._platform.proctree import become_subreaper, set_parent_death_signal
 from mplaunch._platform.signals import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, pickling, transport
@@ -49,8 +50,8 @@ from mplaunch._wire.records import (
 from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
 from mplaunch._worker.debugger import install_breakpoint_hook, post_mortem
-from mplaunch._worker.exit import close_files, keep_inherited
-from mplaunch._worker.process_group import forget_inherited_groups, process_group
+from mplaunch._worker.exit import InheritedLogging, close_files, inherited_logging, keep_inherited
+from mplaunch._worker.process_group import forget_inherited_groups, has_groups, process_group
 from mplaunch._worker.rendezvous import follow_own_rendezvous
 from mplaunch._worker.watch import record_usage, watch
 
@@ -68,17 +69,15 @@ _worker_pid = -1  # this worker's pid, set at start (a process the function fork
 def _die_with_parent(parent_pid: int, start_method: str) -> None:
     """Make sure this worker dies when the launching process dies, even by SIGKILL; exit now if it is gone.
 
-    Under fork and spawn the launching process is the parent: Linux's ``PR_SET_PDEATHSIG`` sends SIGKILL (set
-    with torch's own helper, as ``torch.multiprocessing.spawn`` workers do).
+    Under fork and spawn the launching process is the parent: Linux's ``PR_SET_PDEATHSIG`` sends SIGKILL (as
+    in ``torch.multiprocessing.spawn`` workers).
     Under forkserver the parent is the fork server, which outlives a killed launcher (its children keep the
     server's "alive" pipe open), so a daemon thread waits on a pidfd of the launching process instead.
     """
     if not sys.platform.startswith("linux"):
         return
     if start_method != "forkserver":
-        try:
-            torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # type: ignore[attr-defined]
-        except (OSError, AttributeError, RuntimeError):
+        if not set_parent_death_signal(signal.SIGKILL):
             return
         if os.getppid() != parent_pid:
             os._exit(1)
@@ -130,8 +129,14 @@ def _ignore(*args: object) -> None:
     """Swallow an unraisable or thread exception (see :func:`_quiet_consequences`)."""
 
 
+@forks.in_child
 def _default_signals() -> None:
-    """In a process forked by a worker: the stop signals as in any Python process, not the worker's."""
+    """In a process forked by a worker: the stop signals as in any Python process, not the worker's.
+
+    Runs in every child of a process that imported mplaunch; in one of a process that is no worker, it
+    does nothing."""
+    if _worker_pid == -1:
+        return
     for signum in _STOP_SIGNALS:
         if signal.getsignal(signum) is _on_signal:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
@@ -326,9 +331,40 @@ def _stop_own_children(grace_period: float) -> None:
         stop_children(min(1.0, grace_period / 2), kill=True)
 
 
-def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Forked:
+    """What the parent makes for one rank just before it forks it (:func:`prepare_forks`), so that the rank
+    does not: every page a forked worker writes is copied from the parent's memory first, and each step of
+    set-up done once in the parent saves each rank its copies (issue 26).
+
+    Attributes:
+        environ: the rank's whole environment, or ``None`` (the rank sets its variables).
+        stdin: the stream that becomes its ``sys.stdin`` (:func:`~mplaunch._output.fds.stdin_stream`), or
+            ``None`` (it makes its own).
+        logging: logging's handlers, which the rank inherits and leaves to the parent.
+        groups: whether the parent has a default process group, which the rank inherits and forgets.
+    """
+
+    environ: ForkEnviron | None
+    stdin: TextIO | None
+    logging: InheritedLogging
+    groups: bool
+
+
+def prepare_forks(spec: WorkerSpec, stdin: TextIO | None) -> list[Forked]:
+    """In the parent, right before it forks the ranks of ``spec``'s one-node launch: each rank's
+    :class:`Forked`. ``stdin``: the stream every rank takes as its ``sys.stdin`` (the caller closes its own
+    copy once the ranks are forked)."""
+    logging, groups = inherited_logging(), has_groups()
+    return [Forked(_fork_environ_of(spec, rank), stdin, logging, groups) for rank in range(spec.nprocs)]
+
+
+def _start(
+    spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None, forked: Forked | None = None
+) -> None:
     """Signals, parent-death and exit handlers: the first things a worker does. ``on_interrupt``: the
-    SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call)."""
+    SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call);
+    ``forked``: what the parent made for it before the fork."""
     global _worker_pid
     _worker_pid = os.getpid()
     for signum in _STOP_SIGNALS:  # one the caller ignores (nohup: SIGHUP) is ignored here too
@@ -338,21 +374,21 @@ def _start(spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = N
         set_handler(signal.SIGINT, on_interrupt)
     if getsignal(signal.SIGCHLD) == SIG_IGN:  # inherited: the rank's children's codes would be lost
         set_handler(signal.SIGCHLD, SIG_DFL)
-    os.register_at_fork(after_in_child=_default_signals)  # the worker's children (DataLoader's...) get Python's
     _die_with_parent(spec.parent_pid, spec.start_method)
     if spec.start_method != "spawn":
         atexit._clear()  # inherited from the parent or the fork server: not ours to run
     atexit.register(_stop_own_children, spec.grace_period)  # first registered: runs after the user's handlers
     if spec.start_method == "fork":
-        keep_inherited()  # the parent's open files are the parent's to flush
-        forget_inherited_groups()  # the parent's process groups: their threads did not survive the fork
+        keep_inherited(None if forked is None else forked.logging)  # the parent's open files are the parent's to flush
+        if forked is None or forked.groups:
+            forget_inherited_groups()  # the parent's process groups: their threads did not survive the fork
     if spec.start_method != "fork":  # a forked worker has the parent's already
         # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
         multiprocessing.set_start_method(spec.mp_start_method, force=True)
     # the caller's process group, as torch.multiprocessing's workers: in a terminal, the foreground job, so a
     # rank may read and configure the terminal; orphans stay in the worker's tree, which stops it all
     become_subreaper()
-    terminal_stdin()
+    terminal_stdin(None if forked is None else forked.stdin)
     pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting: may raise now
 
 
@@ -370,11 +406,10 @@ def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
     )
 
 
-def fork_environ_of(spec: WorkerSpec, rank: int) -> ForkEnviron | None:
-    """In the parent, before it forks rank ``rank`` of ``spec``'s one-node launch: the rank's whole
-    environment, for it to install at once (:meth:`ForkEnviron.install`): torchrun's variables (set first,
-    in :func:`set_up`), its placement's and its ``OMP_NUM_THREADS`` (set before the function, which finds
-    them set already). ``None`` where the platform cannot (see :func:`fork_environ`)."""
+def _fork_environ_of(spec: WorkerSpec, rank: int) -> ForkEnviron | None:
+    """Rank ``rank``'s whole environment, for it to install at once (:meth:`ForkEnviron.install`): torchrun's
+    variables (set first, in :func:`set_up`), its placement's and its ``OMP_NUM_THREADS`` (set before the
+    function, which finds them set already). ``None`` where the platform cannot (see :func:`fork_environ`)."""
     changes = rank_changes(spec, rank)
     extra = placement.environment(spec, rank)
     changes.update(extra)
@@ -387,35 +422,35 @@ def set_up(
     rank: int,
     spec: WorkerSpec,
     on_interrupt: Callable[[int, Any], None] | None = None,
-    environ: ForkEnviron | None = None,
+    forked: Forked | None = None,
 ) -> None:
     """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`_start`, which
-    takes ``on_interrupt``), the output descriptors, and torchrun's environment (``environ``: made by the
-    parent before the fork, else set here)."""
-    _start(spec, on_interrupt)
+    takes ``on_interrupt``), the output descriptors, and torchrun's environment. ``forked``: what the parent
+    made for this rank before the fork (:func:`prepare_forks`), else it is made here."""
+    _start(spec, on_interrupt, forked)
     take_fds(spec.output_fds, rank, rank)
     _keep_own_outcome_fd(spec)
     if spec.environ is not None:
         os.environ.clear()
         os.environ.update(spec.environ)
-    if environ is not None:
-        environ.install()
+    if forked is not None and forked.environ is not None:
+        forked.environ.install()
     else:
         apply_environment(os.environ, rank_changes(spec, rank))
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
     install_breakpoint_hook(spec, rank)  # breakpoint(): one rank at a time, the prompt naming the rank
 
 
-def run(rank: int, spec: WorkerSpec, payload: Payload | None, environ: ForkEnviron | None = None) -> None:
+def run(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None = None) -> None:
     """The target of every worker process: set up the rank, run the function, write the outcome, exit.
 
     The outcome (the return value for reporting ranks, ``None`` for the others, or the exception) is written
     to the launch directory before the process exits; the parent reads it when it sees the process end.
-    ``environ``: the rank's environment, made by the parent before it forked this worker.
+    ``forked``: what the parent made for this rank before it forked it (:func:`prepare_forks`).
     """
     outcome: Outcome | None = None
     try:
-        set_up(rank, spec, environ=environ)
+        set_up(rank, spec, forked=forked)
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
         flags.attach(spec.directory)  # the launch's preemption flag, if it has one: mplaunch.preempted()
         outcome = _execute(rank, rank, spec, payload)

@@ -8,6 +8,7 @@ have under ``fork``/``forkserver``), and closing open file objects, which writes
 from __future__ import annotations
 
 import _io
+import dataclasses
 import gc
 import io
 import sys
@@ -17,7 +18,8 @@ _IN_MEMORY = (io.BytesIO, io.StringIO)
 _ORDER: dict[type, int] = {io.TextIOWrapper: 1, io.BufferedWriter: 2, io.BufferedRandom: 2, io.BufferedRWPair: 2}
 
 
-_INHERITED_HANDLERS: list[Any] = []  # in a forked worker: logging's references to the handlers it inherited
+_inherited_handlers: list[Any] = []  # in a forked worker: logging's references to the handlers it inherited
+_inherited_buffering: list[Any] = []  # those of them that buffer records
 _SERVER_FILES: list[Any] = []  # the fork server's open files: its workers inherit them, frozen, and close them
 
 
@@ -31,23 +33,42 @@ def freeze_fork_server() -> None:
     gc.freeze()
 
 
-def keep_inherited() -> None:
+@dataclasses.dataclass(frozen=True)
+class InheritedLogging:
+    """logging's handlers as a forked worker inherits them, noted by the parent just before the fork (so the
+    worker does not copy logging's list itself): ``references``, logging's weak references to every handler
+    (what ``logging.shutdown`` walks), and ``buffering``, those that buffer records (``MemoryHandler``...)."""
+
+    references: list[Any]
+    buffering: list[Any]
+
+
+def inherited_logging() -> InheritedLogging:
+    """Logging's handlers now (see :class:`InheritedLogging`): in the parent, right before it forks a rank."""
+    references = list(getattr(sys.modules.get("logging"), "_handlerList", []))  # what logging.shutdown walks
+    handlers = sys.modules.get("logging.handlers")  # not imported: no buffering handler exists
+    buffering = []
+    if handlers is not None:
+        buffering = [h for r in references if isinstance(h := r(), handlers.BufferingHandler)]
+    return InheritedLogging(references, buffering)
+
+
+def keep_inherited(logged: InheritedLogging | None = None) -> None:
     """Mark every object that exists now as inherited (``gc.freeze``): :func:`close_files` will leave it alone.
 
     Called first thing in a forked worker: the file objects and logging handlers it inherits are the
     parent's, and closing them would write what the parent still buffers a second time (a file's buffer, a
     ``MemoryHandler``'s records). It also keeps the worker's garbage collector off the parent's objects, so
-    their memory pages stay shared (the ``gc.freeze`` use the Python docs give).
+    their memory pages stay shared (the ``gc.freeze`` use the Python docs give). ``logged``: logging's
+    handlers as the parent noted them before the fork, else read here.
     """
+    global _inherited_handlers, _inherited_buffering
     gc.freeze()
-    references = getattr(sys.modules.get("logging"), "_handlerList", [])  # what logging.shutdown walks
-    _INHERITED_HANDLERS[:] = references  # held: a reference freed later cannot pass its id to a new one
-    handlers = sys.modules.get("logging.handlers")  # not imported: no buffering handler exists
-    if handlers is not None:
-        for reference in references:
-            handler = reference()
-            if isinstance(handler, handlers.BufferingHandler):
-                handler.buffer = []  # the parent's records: never written here (the parent flushes them)
+    logged = logged or inherited_logging()
+    _inherited_handlers = logged.references  # held: a reference freed later cannot pass its id to a new one
+    _inherited_buffering = logged.buffering
+    for handler in logged.buffering:
+        handler.buffer = []  # the parent's records: never written here (the parent flushes them)
 
 
 def close_files() -> None:
@@ -72,20 +93,15 @@ def close_files() -> None:
 def _own_handlers(references: list[Any]) -> list[Any]:
     """The references to logging handlers that this process made, not inherited at fork (all of them when
     nothing was inherited)."""
-    inherited = {id(reference) for reference in _INHERITED_HANDLERS}
+    inherited = {id(reference) for reference in _inherited_handlers}
     return [reference for reference in references if id(reference) not in inherited]
 
 
 def _flush_own_records() -> None:
     """Flush the buffering handlers (``MemoryHandler``...) inherited at fork: they hold only the records this
     process logged (the parent's were dropped when it started, see :func:`keep_inherited`)."""
-    handlers = sys.modules.get("logging.handlers")
-    if handlers is None:
-        return
-    for reference in _INHERITED_HANDLERS:
-        handler = reference()
-        if isinstance(handler, handlers.BufferingHandler):
-            handler.flush()
+    for handler in _inherited_buffering:
+        handler.flush()
 
 
 def _open_files(objects: list[Any]) -> list[Any]:

@@ -52,8 +52,15 @@ def forget_inherited_groups() -> None:
     wait forever, and ``init_process_group`` would refuse to make one ("initialize the default process group
     twice"). Their state is replaced by a fresh one (``distributed_c10d._world``, torch's extension point for
     it) and kept alive, not destroyed: destroying would close connections the parent still uses."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    if c10d is None or not hasattr(c10d, "_World") or not c10d.is_initialized():
+    if not has_groups():
         return
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
     _INHERITED.append(getattr(c10d, "_world", None))
     setattr(c10d, "_world", c10d._World())  # noqa: B010 - a private name mypy does not know
+
+
+def has_groups() -> bool:
+    """Whether this process has a default process group (a forked worker inherits it, see
+    :func:`forget_inherited_groups`); asked by the parent before the fork, so that the worker does not."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    return c10d is not None and hasattr(c10d, "_World") and bool(c10d.is_initialized())

@@ -195,3 +195,38 @@ def test_the_issues_examples_in_a_fresh_interpreter_without_pythonhashseed() -> 
         assert hashes[0] == hashes[1], line
     for rank in range(2):
         assert done.stderr.count(f"INFO:tests.inherit_workers:info from rank {rank}") == 2, done.stderr
+
+
+_STDIN_SCRIPT = """
+import os, sys
+from mplaunch import parallel
+
+def read_stdin():
+    target = os.readlink(f"/proc/self/fd/{sys.stdin.fileno()}")
+    return sys.stdin.read(), target, sys.__stdin__.closed
+
+if __name__ == "__main__":
+    print(parallel(nprocs=2, start_method=sys.argv[1], return_all=True, timeout=90)(read_stdin)())
+    print(repr(sys.stdin.read()))
+"""
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_rank_reads_nothing_from_a_piped_stdin_and_the_parent_reads_it_all(tmp_path: Path, start_method: str) -> None:
+    """A standard input that is no terminal stays the caller's: a rank's ``sys.stdin`` is ``/dev/null`` and
+    the stream it inherited is closed (as multiprocessing does), so the parent still reads every line."""
+    script = tmp_path / "stdin_script.py"
+    script.write_text(_STDIN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, str(script), start_method],
+        input="the parent's line\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    ranks, parent = done.stdout.splitlines()
+    assert ranks == str([("", os.devnull, True)] * 2)
+    assert parent == repr("the parent's line\n")
