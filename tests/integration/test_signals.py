@@ -179,3 +179,42 @@ def test_a_signal_the_caller_ignores_is_ignored_by_its_ranks(start_method: str) 
         assert run(signal.SIGHUP) == 0
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_signal_that_lands_while_workers_fork_ends_the_launch_after_the_forks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGUSR1 that another thread receives while the workers fork: the main thread's handler runs during
+    the forks, where it only notes the signal; when the forks are done, it ends the launch (the workers are
+    stopped with it), then the caller's handler runs and the call raises ``KeyboardInterrupt``."""
+    import threading
+
+    from mplaunch import parallel
+    from tests import workers
+    from tests.helpers import fork_with
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are the main thread's")
+    called: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: called.append(signum))
+    other = threading.Event()
+    receiver = threading.Thread(target=other.wait, daemon=True)  # SIGUSR1 is blocked in the forking thread
+    receiver.start()
+
+    def before(pids: list[int]) -> None:
+        if not pids:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)  # the receiver takes it; the main thread's handler runs in the next lines
+
+    pids = fork_with(monkeypatch, before)
+    try:
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt, match="SIGUSR1 received during a launch"):
+            parallel(nprocs=2, start_method="fork", timeout=60)(workers.sleep)(30.0)
+        assert time.monotonic() - started < 20
+    finally:
+        other.set()
+        signal.signal(signal.SIGUSR1, previous)
+    assert called == [signal.SIGUSR1]
+    assert len(pids) == 2
+    assert_gone(pids, within=1.0)
