@@ -7,7 +7,7 @@ import ctypes
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 
@@ -42,50 +42,84 @@ class ForkEnviron:
 
     Setting the variables one by one in the child (``os.environ.update``) costs it about 0.4 ms for a rank's
     16: each ``setenv`` allocates from the heap it shares with the parent, and every page it writes there is
-    copied (issue 26). Made with :func:`fork_environ`.
+    copied (issue 26). Made with :func:`fork_environs`.
     """
 
-    def __init__(self, table: Any, data: dict[bytes, bytes]) -> None:
-        self._table = table  # a ctypes array of char*, NULL-terminated; it holds the strings it points to
+    def __init__(self, table: Any, strings: tuple[Any, ...], data: dict[bytes, bytes]) -> None:
+        self._table = table  # a NULL-terminated ctypes array of char* (as addresses)
+        self._strings = strings  # what holds the strings it points to that the C library's table does not
         self._data = data
 
     def install(self) -> None:
         """In the forked child: make this its environment, for C code and for ``os.environ`` alike."""
         c_environ = _c_environ()
-        assert c_environ is not None  # (fork_environ made none without it)
+        assert c_environ is not None  # (fork_environs made none without it)
         c_environ.value = ctypes.addressof(self._table)
         os.environ._data = self._data  # type: ignore[attr-defined]
 
 
-def fork_environ(changes: Mapping[str, str | None]) -> ForkEnviron | None:
-    """This process's environment with ``changes`` (a value sets the variable, ``None`` removes it), for a
-    child to install right after it is forked (:meth:`ForkEnviron.install`); ``None`` where that cannot be
-    done (not Linux, no ctypes, an ``os.environ`` that is not Python's own mapping): the child then sets the
-    variables itself.
+_ABSENT = object()
+
+
+def fork_environs(changes: Sequence[Mapping[str, str | None]]) -> list[ForkEnviron] | None:
+    """This process's environment with each of ``changes`` (a value sets the variable, ``None`` removes it),
+    one :class:`ForkEnviron` each, for a child to install right after it is forked; ``None`` where that
+    cannot be done (not Linux, no ctypes, an ``os.environ`` that is not Python's own mapping): the children
+    then set the variables themselves.
 
     The C table starts from the C library's own (a variable set with ``os.putenv`` alone stays), as
-    ``os.environ`` changes in the child would leave it. Call it with the GIL held and no other thread
-    changing the environment (Python's own changes hold the GIL).
+    ``os.environ`` changes in the child would leave it; it is read once, and the changes all children share
+    are encoded once. Call it with the GIL held and no other thread changing the environment (Python's own
+    changes hold the GIL).
     """
     c_environ = _c_environ()
     data = getattr(os.environ, "_data", None)
-    if c_environ is None or c_environ.value is None or type(os.environ) is not os._Environ or type(data) is not dict:
+    if not changes or c_environ is None or not c_environ.value or type(os.environ) is not os._Environ:
+        return None
+    if type(data) is not dict:
         return None
     encode_key: Callable[[str], bytes] = os.environ.encodekey  # type: ignore[assignment]
     encode_value: Callable[[str], bytes] = os.environ.encodevalue  # type: ignore[assignment]
-    changed = {encode_key(name): None if value is None else encode_value(value) for name, value in changes.items()}
-    table = ctypes.cast(c_environ.value, ctypes.POINTER(ctypes.c_char_p))
-    entries: list[bytes] = []
-    index = 0
-    while (entry := table[index]) is not None:
-        if entry.partition(b"=")[0] not in changed:
-            entries.append(entry)
-        index += 1
-    data = dict(data)
-    for name, value in changed.items():
+
+    def encoded(some: Mapping[str, str | None]) -> dict[bytes, bytes | None]:
+        return {encode_key(name): None if value is None else encode_value(value) for name, value in some.items()}
+
+    first, others = changes[0], changes[1:]
+    common = {k: v for k, v in first.items() if all(other.get(k, _ABSENT) == v for other in others)}
+    shared = encoded(common)
+    own = [encoded({k: v for k, v in each.items() if k not in common}) for each in changes]
+    strings = ctypes.cast(c_environ.value, ctypes.POINTER(ctypes.c_char_p))
+    addresses = ctypes.cast(c_environ.value, ctypes.POINTER(ctypes.c_void_p))
+    found: list[tuple[bytes, int]] = []  # (name, address) of each of the C library's entries
+    while (entry := strings[len(found)]) is not None:
+        found.append((entry.partition(b"=")[0], addresses[len(found)] or 0))
+    base = dict(data)
+    _apply(base, shared)
+    shared_strings, shared_addresses = _c_strings(shared)
+    made = []
+    for mine in own:
+        names = shared.keys() | mine.keys()
+        rank_strings, rank_addresses = _c_strings(mine)
+        table = [address for name, address in found if name not in names] + shared_addresses + rank_addresses
+        rank_data = dict(base)
+        _apply(rank_data, mine)
+        c_table = (ctypes.c_void_p * (len(table) + 1))(*table, None)
+        made.append(ForkEnviron(c_table, (shared_strings, rank_strings), rank_data))
+    return made
+
+
+def _apply(data: dict[bytes, bytes], changes: Mapping[bytes, bytes | None]) -> None:
+    for name, value in changes.items():
         if value is None:
             data.pop(name, None)
         else:
             data[name] = value
-            entries.append(name + b"=" + value)
-    return ForkEnviron((ctypes.c_char_p * (len(entries) + 1))(*entries, None), data)
+
+
+def _c_strings(changes: Mapping[bytes, bytes | None]) -> tuple[Any, list[int]]:
+    """The ``NAME=value`` entries of the variables ``changes`` sets, as a ctypes array that holds them, and
+    their addresses."""
+    entries = [name + b"=" + value for name, value in changes.items() if value is not None]
+    holder = (ctypes.c_char_p * len(entries))(*entries)
+    view = ctypes.cast(holder, ctypes.POINTER(ctypes.c_void_p))
+    return holder, [view[index] or 0 for index in range(len(entries))]

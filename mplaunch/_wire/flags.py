@@ -38,20 +38,32 @@ def create(directory: str) -> mmap.mmap:
     return _map(os.path.join(directory, FLAG), create=True)
 
 
-def attach(directory: str) -> bool:
+def attach(directory: str, present: bool | None = None) -> bool:
     """In a worker: map ``directory``'s flag if the launch has one; return whether it has. Sets
-    ``MPLAUNCH_PREEMPT_FILE`` for the processes the worker starts."""
+    ``MPLAUNCH_PREEMPT_FILE`` for the processes the worker starts (unless it has that value already).
+    ``present``: whether the launch has a flag, as the parent knew before it forked this worker (and left
+    ``MPLAUNCH_PREEMPT_FILE`` out of its environment when not); ``None``: look."""
     global _mapping, _looked
-    path = os.path.join(directory, FLAG)
     _looked = True
+    if present is False:
+        _mapping = None
+        return False
+    path = os.path.join(directory, FLAG)
     try:
         _mapping = _map(path, create=False)
     except OSError:
         _mapping = None
         os.environ.pop(FLAG_VARIABLE, None)
         return False
-    os.environ[FLAG_VARIABLE] = path
+    if os.environ.get(FLAG_VARIABLE) != path:
+        os.environ[FLAG_VARIABLE] = path
     return True
+
+
+def path_if_present(directory: str) -> str | None:
+    """In the parent: the path of ``directory``'s flag, if the launch has one (for :func:`attach`)."""
+    path = os.path.join(directory, FLAG)
+    return path if os.path.exists(path) else None
 
 
 def is_set() -> bool:

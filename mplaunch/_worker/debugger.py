@@ -17,6 +17,7 @@ import os
 import pdb
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from mplaunch._wire.records import WorkerSpec
@@ -111,11 +112,32 @@ def install_breakpoint_hook(spec: WorkerSpec, rank: int) -> None:
         spec: the launch's spec (its directory holds the lock that lets one rank debug at a time).
         rank: this worker's global rank, for the prompt.
     """
-    _forget_kernel_input()
+    breakpoint_installer(spec, rank, os.environ.get("PYTHONBREAKPOINT"))()
+
+
+def breakpoint_installer(spec: WorkerSpec, rank: int, variable: str | None) -> Callable[[], None]:
+    """What :func:`install_breakpoint_hook` does in rank ``rank``, decided now: the parent calls this before it
+    forks the rank (which inherits the parent's hooks), so that the rank only calls the function returned.
+    ``variable``: the rank's ``PYTHONBREAKPOINT``."""
+    import builtins
+
+    getpass: Any = sys.modules.get("getpass")
+    kernel_input = _from_a_kernel(builtins.input) or (getpass is not None and _from_a_kernel(getpass.getpass))
     own = sys.breakpointhook is not sys.__breakpointhook__ and not _from_a_kernel(sys.breakpointhook)
-    if own or os.environ.get("PYTHONBREAKPOINT"):
-        return
-    path = os.path.join(spec.directory, _BREAKPOINT_LOCK)
+    hook = None if own or variable else _rank_hook(rank, os.path.join(spec.directory, _BREAKPOINT_LOCK))
+
+    def install() -> None:
+        if kernel_input:
+            _forget_kernel_input()
+        if hook is not None:
+            sys.breakpointhook = hook
+
+    return install
+
+
+def _rank_hook(rank: int, path: str) -> Callable[..., None]:
+    """Rank ``rank``'s ``sys.breakpointhook`` (see :func:`install_breakpoint_hook`); ``path``: the lock file
+    that lets one rank debug at a time."""
 
     def hook(*args: object, **kwargs: object) -> None:
         if not _reads_a_terminal():
@@ -134,7 +156,7 @@ def install_breakpoint_hook(spec: WorkerSpec, rank: int) -> None:
             lock = -1
         _RankPdb(rank, lock).set_trace(sys._getframe(1))
 
-    sys.breakpointhook = hook
+    return hook
 
 
 #: Modules whose hooks a Jupyter kernel installs (its debugger, its input box): in a rank forked from the

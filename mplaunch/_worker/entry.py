@@ -30,7 +30,7 @@ from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_variables
 from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds, terminal_stdin
 from mplaunch._platform import forks
-from mplaunch._platform.environ import ForkEnviron, fork_environ
+from mplaunch._platform.environ import ForkEnviron, fork_environs
 from mplaunch._platform.proctree import become_subreaper, set_parent_death_signal
 from mplaunch._platform.signals import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 from mplaunch._state.sharing import unshare
@@ -49,7 +49,7 @@ from mplaunch._wire.records import (
 )
 from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
-from mplaunch._worker.debugger import install_breakpoint_hook, post_mortem
+from mplaunch._worker.debugger import breakpoint_installer, install_breakpoint_hook, post_mortem
 from mplaunch._worker.exit import InheritedLogging, close_files, inherited_logging, keep_inherited
 from mplaunch._worker.process_group import forget_inherited_groups, has_groups, process_group
 from mplaunch._worker.rendezvous import follow_own_rendezvous
@@ -343,20 +343,37 @@ class Forked:
             ``None`` (it makes its own).
         logging: logging's handlers, which the rank inherits and leaves to the parent.
         groups: whether the parent has a default process group, which the rank inherits and forgets.
+        flag: whether the launch has a preemption flag (:mod:`mplaunch._wire.flags`) for the rank to map.
+        debugger: installs the rank's ``breakpoint()`` hook (see :func:`breakpoint_installer`).
     """
 
     environ: ForkEnviron | None
     stdin: TextIO | None
     logging: InheritedLogging
     groups: bool
+    flag: bool
+    debugger: Callable[[], None]
 
 
 def prepare_forks(spec: WorkerSpec, stdin: TextIO | None) -> list[Forked]:
     """In the parent, right before it forks the ranks of ``spec``'s one-node launch: each rank's
     :class:`Forked`. ``stdin``: the stream every rank takes as its ``sys.stdin`` (the caller closes its own
     copy once the ranks are forked)."""
-    logging, groups = inherited_logging(), has_groups()
-    return [Forked(_fork_environ_of(spec, rank), stdin, logging, groups) for rank in range(spec.nprocs)]
+    logging, groups, flag = inherited_logging(), has_groups(), flags.path_if_present(spec.directory)
+    changes = [_fork_changes(spec, rank, flag) for rank in range(spec.nprocs)]
+    made = fork_environs(changes)
+    environs: list[ForkEnviron | None] = [None] * spec.nprocs if made is None else [*made]
+    return [
+        Forked(
+            environs[rank],
+            stdin,
+            logging,
+            groups,
+            flag is not None,
+            breakpoint_installer(spec, rank, changes[rank].get("PYTHONBREAKPOINT", os.environ.get("PYTHONBREAKPOINT"))),
+        )
+        for rank in range(spec.nprocs)
+    ]
 
 
 def _start(
@@ -406,16 +423,19 @@ def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
     )
 
 
-def _fork_environ_of(spec: WorkerSpec, rank: int) -> ForkEnviron | None:
-    """Rank ``rank``'s whole environment, for it to install at once (:meth:`ForkEnviron.install`): torchrun's
-    variables (set first, in :func:`set_up`), its placement's and its ``OMP_NUM_THREADS`` (set before the
-    function, which finds them set already). ``None`` where the platform cannot (see :func:`fork_environ`)."""
+def _fork_changes(spec: WorkerSpec, rank: int, flag: str | None) -> dict[str, str | None]:
+    """The changes that make the parent's environment rank ``rank``'s, for it to install at once
+    (:meth:`ForkEnviron.install`): torchrun's variables (set first, in :func:`set_up`), the preemption
+    flag's path (``flag``, when the launch has one), its placement's and its ``OMP_NUM_THREADS`` (set before
+    the function, which finds them set already)."""
     changes = rank_changes(spec, rank)
+    if flag is not None:
+        changes[flags.FLAG_VARIABLE] = flag
     extra = placement.environment(spec, rank)
     changes.update(extra)
     threads = placement.planned_threads(spec, rank, placement.threads_in(extra))
     changes["OMP_NUM_THREADS"] = str(threads)
-    return fork_environ(changes)
+    return changes
 
 
 def set_up(
@@ -438,7 +458,10 @@ def set_up(
     else:
         apply_environment(os.environ, rank_changes(spec, rank))
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
-    install_breakpoint_hook(spec, rank)  # breakpoint(): one rank at a time, the prompt naming the rank
+    if forked is not None:  # breakpoint(): one rank at a time, the prompt naming the rank
+        forked.debugger()
+    else:
+        install_breakpoint_hook(spec, rank)
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None = None) -> None:
@@ -452,7 +475,7 @@ def run(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | N
     try:
         set_up(rank, spec, forked=forked)
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
-        flags.attach(spec.directory)  # the launch's preemption flag, if it has one: mplaunch.preempted()
+        flags.attach(spec.directory, None if forked is None else forked.flag)  # for mplaunch.preempted()
         outcome = _execute(rank, rank, spec, payload)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
         pass

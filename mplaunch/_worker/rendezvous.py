@@ -30,10 +30,12 @@ def follow_own_rendezvous() -> None:
     an mplaunch launch whose parent hosts the store (``MPLAUNCH_HOSTED_MASTER_PORT`` is set), so a process
     that torchrun started keeps its agent store.
     """
-    try:
-        rendezvous = importlib.import_module("torch.distributed.rendezvous")  # not the function of that name
-    except ImportError:  # torch built without distributed
-        return
+    rendezvous = sys.modules.get("torch.distributed.rendezvous")  # not the function of that name
+    if rendezvous is None:
+        try:
+            rendezvous = importlib.import_module("torch.distributed.rendezvous")
+        except ImportError:  # torch built without distributed
+            return
     original = getattr(rendezvous, "_create_c10d_store", None)
     if original is None or getattr(original, "_mplaunch", False):
         return

@@ -213,7 +213,7 @@ def test_c_code_and_programs_see_the_ranks_environment_as_python_does(
     before = dict(os.environ)
     try:
         run = parallel(nprocs=2, start_method=start_method, timeout=120, return_all=True)(workers.environments_seen)
-        results = run.options(env={"PLACEMENT_A": "a"})()
+        results = run.options(env=lambda rank: {"PLACEMENT_A": "a", f"PLACEMENT_R{rank}": str(rank)})()
     finally:
         os.unsetenv("ONLY_IN_C")
     assert dict(os.environ) == before
@@ -221,6 +221,9 @@ def test_c_code_and_programs_see_the_ranks_environment_as_python_does(
         first, after = result["first"], result["after"]
         assert first["python"]["RANK"] == str(rank) and first["python"]["GROUP_RANK"] == "0"
         assert first["python"]["PLACEMENT_A"] == "a" and first["python"]["OMP_NUM_THREADS"] == "1"
+        assert {k: v for k, v in first["exec"].items() if k.startswith("PLACEMENT_R")} == {
+            f"PLACEMENT_R{rank}": str(rank)
+        }
         assert first["python"]["TORCHELASTIC_MAX_RESTARTS"] == "0"
         assert first["c"] == first["python"]
         assert {k: v for k, v in first["exec"].items() if k in first["python"]} == first["python"]
