@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -88,11 +89,7 @@ def fork_environs(changes: Sequence[Mapping[str, str | None]]) -> list[ForkEnvir
     common = {k: v for k, v in first.items() if all(other.get(k, _ABSENT) == v for other in others)}
     shared = encoded(common)
     own = [encoded({k: v for k, v in each.items() if k not in common}) for each in changes]
-    strings = ctypes.cast(c_environ.value, ctypes.POINTER(ctypes.c_char_p))
-    addresses = ctypes.cast(c_environ.value, ctypes.POINTER(ctypes.c_void_p))
-    found: list[tuple[bytes, int]] = []  # (name, address) of each of the C library's entries
-    while (entry := strings[len(found)]) is not None:
-        found.append((entry.partition(b"=")[0], addresses[len(found)] or 0))
+    found = _c_entries(c_environ.value)
     base = dict(data)
     _apply(base, shared)
     shared_strings, shared_addresses = _c_strings(shared)
@@ -103,9 +100,33 @@ def fork_environs(changes: Sequence[Mapping[str, str | None]]) -> list[ForkEnvir
         table = [address for name, address in found if name not in names] + shared_addresses + rank_addresses
         rank_data = dict(base)
         _apply(rank_data, mine)
-        c_table = (ctypes.c_void_p * (len(table) + 1))(*table, None)
+        c_table = ctypes.create_string_buffer(struct.pack(f"{len(table) + 1}P", *table, 0))
         made.append(ForkEnviron(c_table, (shared_strings, rank_strings), rank_data))
     return made
+
+
+#: The C library's table as last read: its address, its pointers (bytes), and (name, address) per entry.
+_read: tuple[int, bytes, list[tuple[bytes, int]]] = (0, b"", [])
+
+
+def _c_entries(address: int) -> list[tuple[bytes, int]]:
+    """The name and address of each entry of the C library's table at ``address``: read again only when its
+    pointers changed since the last read (``setenv`` puts a new string in, or makes a new table)."""
+    global _read
+    last_address, last_pointers, last_entries = _read
+    if address == last_address and ctypes.string_at(address, len(last_pointers)) == last_pointers:
+        return last_entries  # (the table's memory holds at least as many pointers: it never shrinks)
+    strings = ctypes.cast(address, ctypes.POINTER(ctypes.c_char_p))
+    entries: list[bytes] = []
+    while (entry := strings[len(entries)]) is not None:
+        entries.append(entry)
+    pointers = ctypes.string_at(address, (len(entries) + 1) * _POINTER)
+    addresses = struct.unpack(f"{len(entries) + 1}P", pointers)
+    _read = (address, pointers, [(entry.partition(b"=")[0], addresses[i]) for i, entry in enumerate(entries)])
+    return _read[2]
+
+
+_POINTER = struct.calcsize("P")
 
 
 def _apply(data: dict[bytes, bytes], changes: Mapping[bytes, bytes | None]) -> None:
@@ -121,5 +142,4 @@ def _c_strings(changes: Mapping[bytes, bytes | None]) -> tuple[Any, list[int]]:
     their addresses."""
     entries = [name + b"=" + value for name, value in changes.items() if value is not None]
     holder = (ctypes.c_char_p * len(entries))(*entries)
-    view = ctypes.cast(holder, ctypes.POINTER(ctypes.c_void_p))
-    return holder, [view[index] or 0 for index in range(len(entries))]
+    return holder, list(struct.unpack(f"{len(entries)}P", ctypes.string_at(holder, len(entries) * _POINTER)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,59 @@ def test_bad_master_port_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_PORT", "abc")
     with pytest.raises(LaunchRefusedError, match="MASTER_PORT='abc' is not a TCP port"):
         parallel(nprocs=2, start_method="fork")(os.getpid)()
+
+
+def _installed(environ: Any, names: list[str]) -> dict[str, Any]:
+    """Fork, install ``environ`` in the child, and return what C's ``getenv`` and ``os.environ`` read there."""
+    import ctypes
+    import json
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            environ.install()
+            found = {name: [(getenv(name.encode()) or b"?").decode(), os.environ.get(name, "?")] for name in names}
+            os.write(write, json.dumps(found).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        seen: dict[str, Any] = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    return seen
+
+
+def test_fork_environs_follow_the_parents_changes_between_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent's C table is read again when it changed (a new value of a variable, a new variable, one
+    removed), not only when it moved; each child gets its own changes and the ones they share."""
+    from mplaunch._platform.environ import fork_environs
+
+    monkeypatch.setenv("FORK_ENV_KEPT", "1")
+    monkeypatch.setenv("FORK_ENV_GONE", "1")
+    names = ["FORK_ENV_KEPT", "FORK_ENV_GONE", "FORK_ENV_NEW", "SHARED", "OWN"]
+    made = fork_environs([{"SHARED": "s", "OWN": "0"}, {"SHARED": "s", "OWN": "1", "FORK_ENV_KEPT": None}])
+    assert made is not None
+    assert _installed(made[0], names) == {
+        "FORK_ENV_KEPT": ["1", "1"],
+        "FORK_ENV_GONE": ["1", "1"],
+        "FORK_ENV_NEW": ["?", "?"],
+        "SHARED": ["s", "s"],
+        "OWN": ["0", "0"],
+    }
+    assert _installed(made[1], names)["FORK_ENV_KEPT"] == ["?", "?"]
+    assert _installed(made[1], names)["OWN"] == ["1", "1"]
+    monkeypatch.setenv("FORK_ENV_KEPT", "2")  # a new value: a new string in the same table
+    monkeypatch.delenv("FORK_ENV_GONE")
+    monkeypatch.setenv("FORK_ENV_NEW", "3")
+    again = fork_environs([{"SHARED": "t"}])
+    assert again is not None
+    assert _installed(again[0], names) == {
+        "FORK_ENV_KEPT": ["2", "2"],
+        "FORK_ENV_GONE": ["?", "?"],
+        "FORK_ENV_NEW": ["3", "3"],
+        "SHARED": ["t", "t"],
+        "OWN": ["?", "?"],
+    }
