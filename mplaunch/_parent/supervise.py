@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
-from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -22,6 +21,7 @@ from mplaunch._parent.report import RankRecords, RankReport
 from mplaunch._parent.signalling import kill_leftovers, kill_tree, send_signal, signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.store import Rendezvous
+from mplaunch._platform.ready import readable
 from mplaunch._wire import transport
 from mplaunch._wire.records import (
     Outcome,
@@ -133,7 +133,7 @@ class Supervisor:
         while pending:
             watched = [*pending, *(fd for fd in (stop, listener, notice) if fd is not None)]
             grace = preemption.remaining() if preemption else None
-            ready = wait(watched, timeout=_earliest(self._next_look(pending.values()), grace))
+            ready = readable(watched, _earliest(self._next_look(pending.values()), grace))
             if preemption is not None and preemption.noticed:
                 if preemption.remaining() == 0.0 or self.control.remaining() == 0.0:
                     self._raise_preempted()  # the grace (or the timeout in it) is over, or a second notice came
@@ -299,7 +299,8 @@ class Supervisor:
         """Send ``signum`` (SIGTERM, or the signal the parent got and forwards) to every live worker (each then
         stops what it started); SIGKILL a worker still alive after ``grace_period`` seconds with everything it
         started (:func:`~mplaunch._parent.signalling.kill_tree`); reap all."""
-        alive = [(rank, p) for rank, p in enumerate(self.processes) if not _ended(self._end(rank))]
+        # (a rank with a state was collected: it has ended)
+        alive = [(r, p) for r, p in enumerate(self.processes) if r not in self.states and not _ended(self._end(r))]
         try:
             for rank, process in alive:
                 self.stopped.add(rank)
@@ -307,7 +308,7 @@ class Supervisor:
             deadline = time.monotonic() + self.grace_period
             remaining = [rank for rank, _ in alive]
             while remaining and time.monotonic() < deadline:
-                wait([self._end(rank) for rank in remaining], timeout=max(0.0, deadline - time.monotonic()))
+                readable([self._end(rank) for rank in remaining], max(0.0, deadline - time.monotonic()))
                 remaining = [rank for rank in remaining if not _ended(self._end(rank))]
         finally:
             for rank, process in alive:
@@ -329,7 +330,7 @@ class Supervisor:
 
 def _ended(fd: int) -> bool:
     """Whether the worker whose end ``fd`` (pidfd or sentinel) signals has ended, without reaping it."""
-    return bool(wait([fd], timeout=0))
+    return bool(readable([fd], 0))
 
 
 def _where(found: dict[int, str], log_dir: str | None, running: list[int]) -> str:

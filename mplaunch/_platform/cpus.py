@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 from mplaunch._platform.cgroup import cpu_limit
 
+#: Seconds a cgroup CPU quota, once read, is taken as current. A quota changes rarely (``docker update
+#: --cpus``), and reading it is up to four files: launches in a loop read it once a second, not each time.
+QUOTA_FRESH_FOR = 1.0
+
+_quota: tuple[float, int, float | None] | None = None  # (when read, by which process, the quota)
+
 
 def usable_cpu_count() -> int:
-    """Return the number of CPUs this process may use, at least 1: the smaller of its affinity mask and its
-    cgroup CPU quota (Docker ``--cpus``, Kubernetes limits; v1 and v2), the quota rounded up."""
+    """Return the number of CPUs this process may use, at least 1: the smaller of its affinity mask (read at
+    each call) and its cgroup CPU quota (Docker ``--cpus``, Kubernetes limits; v1 and v2; read again when
+    older than :data:`QUOTA_FRESH_FOR` seconds), the quota rounded up."""
+    global _quota
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    quota = cpu_limit()
+    now, pid = time.monotonic(), os.getpid()
+    if _quota is None or _quota[1] != pid or now - _quota[0] >= QUOTA_FRESH_FOR:
+        _quota = (now, pid, cpu_limit())
+    quota = _quota[2]
     if quota is not None:
         cores = min(cores, math.ceil(quota))
     return max(1, cores)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,15 +113,19 @@ def test_escaped_mount_points_and_missing_files_are_handled(tmp_path: Path) -> N
 
 
 def test_usable_cpu_count_is_the_smaller_of_affinity_and_quota_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    def quota(value: float | None) -> None:  # (and forget the last read: it is kept for a second)
+        monkeypatch.setattr(cpus, "cpu_limit", lambda: value)
+        monkeypatch.setattr(cpus, "_quota", None)
+
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    monkeypatch.setattr(cpus, "cpu_limit", lambda: 2.5)
+    quota(2.5)
     assert cpus.usable_cpu_count() == 3
-    monkeypatch.setattr(cpus, "cpu_limit", lambda: 0.2)
+    quota(0.2)
     assert cpus.usable_cpu_count() == 1
-    monkeypatch.setattr(cpus, "cpu_limit", lambda: None)
+    quota(None)
     assert cpus.usable_cpu_count() == 64
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(cpus, "cpu_limit", lambda: 16.0)
+    quota(16.0)
     assert cpus.usable_cpu_count() == 2
     assert policy.resolve_nprocs(5) == 5
 
@@ -194,3 +199,29 @@ def test_the_tightest_pids_limit_along_the_path(tmp_path: Path) -> None:
     files = {"sys/fs/cgroup/pids/docker/c/pids.max": "100\n", "sys/fs/cgroup/pids/docker/c/pids.current": "7\n"}
     assert pids_limit(_tree(v1, "5:pids:/docker/c\n", mounts, files)) == (100, 7)
     assert pids_limit(_tree(tmp_path / "none", "0::/\n", V2_MOUNTS.format(root="/"), {})) is None
+
+
+def test_the_cpu_quota_is_read_again_once_it_is_older_than_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launches in a loop read the cgroup's quota (up to four files) once a second; a quota changed since
+    (``docker update --cpus``) counts from the next read on."""
+    from mplaunch._platform import cpus
+
+    quotas = [0.5, 1.0]
+    reads: list[float] = []
+
+    def quota() -> float:
+        reads.append(quotas[0])
+        return quotas[0]
+
+    now = [1000.0]
+    monkeypatch.setattr(cpus, "cpu_limit", quota)
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(cpus, "_quota", None)
+    assert cpus.usable_cpu_count() == 1
+    quotas.pop(0)  # the quota changes
+    now[0] += cpus.QUOTA_FRESH_FOR / 2
+    assert cpus.usable_cpu_count() == 1 and len(reads) == 1
+    now[0] += cpus.QUOTA_FRESH_FOR
+    assert cpus.usable_cpu_count() == 1 and reads == [0.5, 1.0]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert cpus.usable_cpu_count() == 1  # the affinity is read at each call

@@ -1,0 +1,28 @@
+"""Waiting for descriptors to become readable: a pidfd (its process ended), a pipe (written, or closed), a
+listening socket (a connection came)."""
+
+from __future__ import annotations
+
+import math
+import select
+from collections.abc import Sequence
+
+
+def readable(fds: Sequence[int], timeout: float | None) -> list[int]:
+    """The descriptors of ``fds`` that are readable, hung up or in error, waiting up to ``timeout`` seconds
+    for one (``None``: without limit; ``0``: not at all): what ``multiprocessing.connection.wait`` answers
+    for descriptors, with one ``poll`` object and no selector per call (a launch waits a few times, and
+    each wait's objects are memory its parent writes while its workers share its pages).
+
+    Args:
+        fds: open file descriptors.
+        timeout: seconds; rounded up to the millisecond.
+
+    Raises:
+        OSError: ``poll`` failed (not for an interrupted wait: Python retries it, with what is left of
+            ``timeout``).
+    """
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(None if timeout is None else math.ceil(max(0.0, timeout) * 1000))]
