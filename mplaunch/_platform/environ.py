@@ -59,25 +59,21 @@ class ForkEnviron:
         os.environ._data = self._data  # type: ignore[attr-defined]
 
 
-_ABSENT = object()
-
-
-def fork_environs(changes: Sequence[Mapping[str, str | None]]) -> list[ForkEnviron] | None:
-    """This process's environment with each of ``changes`` (a value sets the variable, ``None`` removes it),
-    one :class:`ForkEnviron` each, for a child to install right after it is forked; ``None`` where that
-    cannot be done (not Linux, no ctypes, an ``os.environ`` that is not Python's own mapping): the children
-    then set the variables themselves.
+def fork_environs(
+    shared: Mapping[str, str | None], own: Sequence[Mapping[str, str | None]]
+) -> list[ForkEnviron] | None:
+    """This process's environment with ``shared``'s changes, then each of ``own``'s (a value sets the
+    variable, ``None`` removes it): one :class:`ForkEnviron` per item of ``own``, for a child to install right
+    after it is forked; ``None`` where that cannot be done (not Linux, no ctypes, an ``os.environ`` that is
+    not Python's own mapping): the children then set the variables themselves.
 
     The C table starts from the C library's own (a variable set with ``os.putenv`` alone stays), as
-    ``os.environ`` changes in the child would leave it; it is read once, and the changes all children share
-    are encoded once. Call it with the GIL held and no other thread changing the environment (Python's own
-    changes hold the GIL).
+    ``os.environ`` changes in the child would leave it. Call it with the GIL held and no other thread
+    changing the environment (Python's own changes hold the GIL).
     """
     c_environ = _c_environ()
     data = getattr(os.environ, "_data", None)
-    if not changes or c_environ is None or not c_environ.value or type(os.environ) is not os._Environ:
-        return None
-    if type(data) is not dict:
+    if c_environ is None or not c_environ.value or type(os.environ) is not os._Environ or type(data) is not dict:
         return None
     encode_key: Callable[[str], bytes] = os.environ.encodekey  # type: ignore[assignment]
     encode_value: Callable[[str], bytes] = os.environ.encodevalue  # type: ignore[assignment]
@@ -85,17 +81,17 @@ def fork_environs(changes: Sequence[Mapping[str, str | None]]) -> list[ForkEnvir
     def encoded(some: Mapping[str, str | None]) -> dict[bytes, bytes | None]:
         return {encode_key(name): None if value is None else encode_value(value) for name, value in some.items()}
 
-    first, others = changes[0], changes[1:]
-    common = {k: v for k, v in first.items() if all(other.get(k, _ABSENT) == v for other in others)}
-    shared = encoded(common)
-    own = [encoded({k: v for k, v in each.items() if k not in common}) for each in changes]
+    owned = set().union(*own)  # shared changes that a child changes again are that child's own
+    common = encoded({name: value for name, value in shared.items() if name not in owned})
+    overridden = {name: value for name, value in shared.items() if name in owned}
+    specific = [encoded({**overridden, **mine}) for mine in own]
     found = _c_entries(c_environ.value)
     base = dict(data)
-    _apply(base, shared)
-    shared_strings, shared_addresses = _c_strings(shared)
+    _apply(base, common)
+    shared_strings, shared_addresses = _c_strings(common)
     made = []
-    for mine in own:
-        names = shared.keys() | mine.keys()
+    for mine in specific:
+        names = common.keys() | mine.keys()
         rank_strings, rank_addresses = _c_strings(mine)
         table = [address for name, address in found if name not in names] + shared_addresses + rank_addresses
         rank_data = dict(base)

@@ -12,6 +12,7 @@ directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import pdb
@@ -100,7 +101,7 @@ class _RankPdb(pdb.Pdb):
         super().set_quit()
 
 
-def install_breakpoint_hook(spec: WorkerSpec, rank: int) -> None:
+def install_breakpoint_hook(spec: WorkerSpec, rank: int, plan: BreakpointPlan | None = None) -> None:
     """Make ``breakpoint()`` in this rank open pdb on the caller's terminal, one rank at a time, the prompt
     naming the rank (:class:`_RankPdb`). Without a terminal (a notebook's rank, input from a pipe) it says
     so on stderr, points to ``fn.debug()``, and the rank goes on, rather than pdb reading an empty stdin and
@@ -111,28 +112,34 @@ def install_breakpoint_hook(spec: WorkerSpec, rank: int) -> None:
     Args:
         spec: the launch's spec (its directory holds the lock that lets one rank debug at a time).
         rank: this worker's global rank, for the prompt.
+        plan: what to do, decided by the parent before it forked this rank (:func:`breakpoint_plan`), else
+            decided here.
     """
-    breakpoint_installer(spec, rank, os.environ.get("PYTHONBREAKPOINT"))()
+    plan = plan or breakpoint_plan(os.environ.get("PYTHONBREAKPOINT"))
+    if plan.forget_input:
+        _forget_kernel_input()
+    if plan.hook:
+        sys.breakpointhook = _rank_hook(rank, os.path.join(spec.directory, _BREAKPOINT_LOCK))
 
 
-def breakpoint_installer(spec: WorkerSpec, rank: int, variable: str | None) -> Callable[[], None]:
-    """What :func:`install_breakpoint_hook` does in rank ``rank``, decided now: the parent calls this before it
-    forks the rank (which inherits the parent's hooks), so that the rank only calls the function returned.
-    ``variable``: the rank's ``PYTHONBREAKPOINT``."""
+@dataclasses.dataclass(frozen=True)
+class BreakpointPlan:
+    """What :func:`install_breakpoint_hook` does in a rank: replace a Jupyter kernel's ``input()`` and
+    ``getpass()`` (``forget_input``), and install the rank's ``breakpoint()`` hook (``hook``)."""
+
+    forget_input: bool
+    hook: bool
+
+
+def breakpoint_plan(variable: str | None) -> BreakpointPlan:
+    """Decide what :func:`install_breakpoint_hook` does in a rank that has this process's hooks (the parent
+    asks before it forks the ranks, which inherit them); ``variable``: the rank's ``PYTHONBREAKPOINT``."""
     import builtins
 
     getpass: Any = sys.modules.get("getpass")
-    kernel_input = _from_a_kernel(builtins.input) or (getpass is not None and _from_a_kernel(getpass.getpass))
+    forget = _from_a_kernel(builtins.input) or (getpass is not None and _from_a_kernel(getpass.getpass))
     own = sys.breakpointhook is not sys.__breakpointhook__ and not _from_a_kernel(sys.breakpointhook)
-    hook = None if own or variable else _rank_hook(rank, os.path.join(spec.directory, _BREAKPOINT_LOCK))
-
-    def install() -> None:
-        if kernel_input:
-            _forget_kernel_input()
-        if hook is not None:
-            sys.breakpointhook = hook
-
-    return install
+    return BreakpointPlan(forget, not own and not variable)
 
 
 def _rank_hook(rank: int, path: str) -> Callable[..., None]:

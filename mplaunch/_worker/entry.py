@@ -49,7 +49,7 @@ from mplaunch._wire.records import (
 )
 from mplaunch._worker import placement
 from mplaunch._worker.children import stop_children
-from mplaunch._worker.debugger import breakpoint_installer, install_breakpoint_hook, post_mortem
+from mplaunch._worker.debugger import BreakpointPlan, breakpoint_plan, install_breakpoint_hook, post_mortem
 from mplaunch._worker.exit import InheritedLogging, close_files, inherited_logging, keep_inherited
 from mplaunch._worker.process_group import forget_inherited_groups, has_groups, process_group
 from mplaunch._worker.rendezvous import follow_own_rendezvous
@@ -344,7 +344,7 @@ class Forked:
         logging: logging's handlers, which the rank inherits and leaves to the parent.
         groups: whether the parent has a default process group, which the rank inherits and forgets.
         flag: whether the launch has a preemption flag (:mod:`mplaunch._wire.flags`) for the rank to map.
-        debugger: installs the rank's ``breakpoint()`` hook (see :func:`breakpoint_installer`).
+        debugger: what the rank does about ``breakpoint()`` (see :func:`breakpoint_plan`).
     """
 
     environ: ForkEnviron | None
@@ -352,7 +352,7 @@ class Forked:
     logging: InheritedLogging
     groups: bool
     flag: bool
-    debugger: Callable[[], None]
+    debugger: BreakpointPlan
 
 
 def prepare_forks(spec: WorkerSpec, stdin: TextIO | None) -> list[Forked]:
@@ -360,9 +360,11 @@ def prepare_forks(spec: WorkerSpec, stdin: TextIO | None) -> list[Forked]:
     :class:`Forked`. ``stdin``: the stream every rank takes as its ``sys.stdin`` (the caller closes its own
     copy once the ranks are forked)."""
     logging, groups, flag = inherited_logging(), has_groups(), flags.path_if_present(spec.directory)
-    changes = [_fork_changes(spec, rank, flag) for rank in range(spec.nprocs)]
-    made = fork_environs(changes)
+    shared = _fork_changes(spec, flag)
+    own = [_rank_fork_changes(spec, rank) for rank in range(spec.nprocs)]
+    made = fork_environs(shared, own)
     environs: list[ForkEnviron | None] = [None] * spec.nprocs if made is None else [*made]
+    usual = breakpoint_plan(os.environ.get("PYTHONBREAKPOINT"))
     return [
         Forked(
             environs[rank],
@@ -370,7 +372,7 @@ def prepare_forks(spec: WorkerSpec, stdin: TextIO | None) -> list[Forked]:
             logging,
             groups,
             flag is not None,
-            breakpoint_installer(spec, rank, changes[rank].get("PYTHONBREAKPOINT", os.environ.get("PYTHONBREAKPOINT"))),
+            usual if "PYTHONBREAKPOINT" not in own[rank] else breakpoint_plan(own[rank]["PYTHONBREAKPOINT"]),
         )
         for rank in range(spec.nprocs)
     ]
@@ -423,18 +425,30 @@ def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
     )
 
 
-def _fork_changes(spec: WorkerSpec, rank: int, flag: str | None) -> dict[str, str | None]:
-    """The changes that make the parent's environment rank ``rank``'s, for it to install at once
-    (:meth:`ForkEnviron.install`): torchrun's variables (set first, in :func:`set_up`), the preemption
-    flag's path (``flag``, when the launch has one), its placement's and its ``OMP_NUM_THREADS`` (set before
-    the function, which finds them set already)."""
-    changes = rank_changes(spec, rank)
+def _fork_changes(spec: WorkerSpec, flag: str | None) -> dict[str, str | None]:
+    """The environment changes that every forked rank of ``spec``'s one-node launch gets (see
+    :func:`_rank_fork_changes` for each rank's own): torchrun's variables but the rank's (set first, in
+    :func:`set_up`), and the preemption flag's path (``flag``, when the launch has one)."""
+    changes = rank_changes(spec, 0)
+    for name in _RANK_OWN:
+        del changes[name]
     if flag is not None:
         changes[flags.FLAG_VARIABLE] = flag
+    return changes
+
+
+#: The variables of :func:`rank_changes` whose value is the rank's own.
+_RANK_OWN = ("RANK", "LOCAL_RANK", "ROLE_RANK")
+
+
+def _rank_fork_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
+    """Rank ``rank``'s own environment changes, after :func:`_fork_changes`' (and before any rank sets
+    ``OMP_NUM_THREADS`` and its placement's, which it then finds set): its rank variables, its placement's
+    variables, its ``OMP_NUM_THREADS``."""
+    changes: dict[str, str | None] = {name: str(rank) for name in _RANK_OWN}
     extra = placement.environment(spec, rank)
     changes.update(extra)
-    threads = placement.planned_threads(spec, rank, placement.threads_in(extra))
-    changes["OMP_NUM_THREADS"] = str(threads)
+    changes["OMP_NUM_THREADS"] = str(placement.planned_threads(spec, rank, placement.threads_in(extra)))
     return changes
 
 
@@ -458,10 +472,8 @@ def set_up(
     else:
         apply_environment(os.environ, rank_changes(spec, rank))
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
-    if forked is not None:  # breakpoint(): one rank at a time, the prompt naming the rank
-        forked.debugger()
-    else:
-        install_breakpoint_hook(spec, rank)
+    # breakpoint(): one rank at a time, the prompt naming the rank
+    install_breakpoint_hook(spec, rank, None if forked is None else forked.debugger)
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None = None) -> None:

@@ -163,7 +163,7 @@ def test_fork_environs_follow_the_parents_changes_between_launches(monkeypatch: 
     monkeypatch.setenv("FORK_ENV_KEPT", "1")
     monkeypatch.setenv("FORK_ENV_GONE", "1")
     names = ["FORK_ENV_KEPT", "FORK_ENV_GONE", "FORK_ENV_NEW", "SHARED", "OWN"]
-    made = fork_environs([{"SHARED": "s", "OWN": "0"}, {"SHARED": "s", "OWN": "1", "FORK_ENV_KEPT": None}])
+    made = fork_environs({"SHARED": "s", "OWN": "x"}, [{"OWN": "0"}, {"OWN": "1", "FORK_ENV_KEPT": None}])
     assert made is not None
     assert _installed(made[0], names) == {
         "FORK_ENV_KEPT": ["1", "1"],
@@ -174,10 +174,13 @@ def test_fork_environs_follow_the_parents_changes_between_launches(monkeypatch: 
     }
     assert _installed(made[1], names)["FORK_ENV_KEPT"] == ["?", "?"]
     assert _installed(made[1], names)["OWN"] == ["1", "1"]
+    one = fork_environs({"SOMETIMES": "shared"}, [{"SOMETIMES": "mine"}, {}])  # changed again by one child only
+    assert one is not None
+    assert [_installed(each, ["SOMETIMES"]) for each in one] == [{"SOMETIMES": [v, v]} for v in ("mine", "shared")]
     monkeypatch.setenv("FORK_ENV_KEPT", "2")  # a new value: a new string in the same table
     monkeypatch.delenv("FORK_ENV_GONE")
     monkeypatch.setenv("FORK_ENV_NEW", "3")
-    again = fork_environs([{"SHARED": "t"}])
+    again = fork_environs({"SHARED": "t"}, [{}])
     assert again is not None
     assert _installed(again[0], names) == {
         "FORK_ENV_KEPT": ["2", "2"],
