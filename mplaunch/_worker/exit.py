@@ -44,13 +44,22 @@ class InheritedLogging:
 
 
 def inherited_logging() -> InheritedLogging:
-    """Logging's handlers now (see :class:`InheritedLogging`): in the parent, right before it forks a rank."""
-    references = list(getattr(sys.modules.get("logging"), "_handlerList", []))  # what logging.shutdown walks
+    """Logging's handlers now (see :class:`InheritedLogging`): in the parent, right before it forks a rank.
+    The same record as last time while logging's list holds the same references (comparing writes nothing)."""
+    global _last_logging
+    found = getattr(sys.modules.get("logging"), "_handlerList", [])  # what logging.shutdown walks
+    if _last_logging is not None and _last_logging.references == found:
+        return _last_logging
+    references = list(found)
     handlers = sys.modules.get("logging.handlers")  # not imported: no buffering handler exists
     buffering = []
     if handlers is not None:
         buffering = [h for r in references if isinstance(h := r(), handlers.BufferingHandler)]
-    return InheritedLogging(references, buffering)
+    _last_logging = InheritedLogging(references, buffering)
+    return _last_logging
+
+
+_last_logging: InheritedLogging | None = None
 
 
 def keep_inherited(logged: InheritedLogging | None = None) -> None:
