@@ -64,6 +64,7 @@ _signal_at = 0.0  # when (time.monotonic()) it came
 _raised: tuple[BaseException, float] | None = None  # what the function raised, and when: its outcome, whatever follows
 _outcome_decided = False  # after this, signals are noted and ignored
 _worker_pid = -1  # this worker's pid, set at start (a process the function forks is not the worker)
+_children_stopped = False  # the last exit handler stopped what the rank started
 
 
 def _die_with_parent(parent_pid: int, start_method: str) -> None:
@@ -320,15 +321,18 @@ def _exit_handlers(spec: WorkerSpec) -> None:
     """
     atexit.unregister(multiprocessing.util._exit_function)  # type: ignore[attr-defined]
     atexit._run_exitfuncs()  # the user's, then _stop_own_children
-    stop_children(min(1.0, spec.grace_period / 2), kill=True)  # a handler that cleared atexit skipped it
+    if not _children_stopped:  # a handler that cleared atexit skipped it
+        stop_children(min(1.0, spec.grace_period / 2), kill=True)
     multiprocessing.util._exit_function()  # type: ignore[attr-defined] # finalizers, e.g. semaphores
 
 
 def _stop_own_children(grace_period: float) -> None:
     """The last ``atexit`` handler of a worker: stop what the rank started and what is still running, SIGKILL
     after ``min(1, grace_period / 2)`` seconds. Does nothing in a process the function forked."""
+    global _children_stopped
     if os.getpid() == _worker_pid:
         stop_children(min(1.0, grace_period / 2), kill=True)
+        _children_stopped = True
 
 
 @dataclasses.dataclass(frozen=True)

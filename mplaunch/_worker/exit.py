@@ -88,7 +88,8 @@ def close_files() -> None:
     if logging is not None:
         try:
             _flush_own_records()
-            logging.shutdown(_own_handlers(logging._handlerList))
+            if own := _own_handlers(logging._handlerList):
+                logging.shutdown(own)
         except Exception:  # noqa: BLE001 - a broken handler must not stop the rest
             pass
     for item in sorted(_open_files(gc.get_objects()) + _SERVER_FILES, key=_layer):
@@ -102,6 +103,8 @@ def close_files() -> None:
 def _own_handlers(references: list[Any]) -> list[Any]:
     """The references to logging handlers that this process made, not inherited at fork (all of them when
     nothing was inherited)."""
+    if references == _inherited_handlers:  # none made (comparing writes no memory: a forked worker's is shared)
+        return []
     inherited = {id(reference) for reference in _inherited_handlers}
     return [reference for reference in references if id(reference) not in inherited]
 
