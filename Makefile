@@ -18,7 +18,7 @@ demo: $(VENV)/.installed
 # two test processes: most tests wait on workers and subprocesses, so even two cores run two files
 # at once; --dist loadfile keeps a file's module fixtures (the entry-point matrix) in one process
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 3 --dist loadfile
 
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

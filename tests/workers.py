@@ -359,8 +359,12 @@ def load_through_dataloader(x: torch.Tensor, contexts: tuple[str | None, ...]) -
 
     counts = {}
     for context in contexts:
-        loader = DataLoader(
-            TensorDataset(x), batch_size=1000, num_workers=2, multiprocessing_context=context, persistent_workers=True
+        loader = DataLoader(  # (one worker where each imports torch)
+            TensorDataset(x),
+            batch_size=1000,
+            num_workers=2 if context is None else 1,
+            multiprocessing_context=context,
+            persistent_workers=True,
         )
         counts[str(context)] = sum(len(batch[0]) for _ in range(2) for batch in loader)
     queue = torch.multiprocessing.get_context("fork").SimpleQueue()

@@ -32,8 +32,10 @@ def test_tensor_arguments_are_ordinary_tensors_in_the_rank(
 ) -> None:
     """Arguments mapped from the launch directory reported is_shared(), so DataLoader workers failed with
     'Bad file descriptor' once an argument passed 64 KiB; the rank's default start method was its own
-    (spawn), where a torchrun rank's is the platform's."""
-    launch = parallel(nprocs=2, start_method=start_method, timeout=TIMEOUT, return_all=True)
+    (spawn), where a torchrun rank's is the platform's. With DataLoaders of every start method, one rank:
+    each spawned process imports torch."""
+    nprocs = 2 if contexts == (None,) else 1
+    launch = parallel(nprocs=nprocs, start_method=start_method, timeout=TIMEOUT, return_all=True)
     results = launch(workers.load_through_dataloader)(torch.arange(100_000, dtype=torch.float32), contexts)
     for result in results:
         assert result["counts"] == {str(context): 200_000 for context in contexts}
