@@ -139,35 +139,15 @@ def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[
     return dict(env)
 
 
-def rank_variables(
-    rank: int,
-    nprocs: int,
-    master_addr: str,
-    master_port: int,
-    *,
-    agent_store: bool,
-    restart_count: int = 0,
-    max_restarts: int = 0,
-) -> dict[str, str | None]:
-    """:func:`rank_environment` (same arguments), and ``None`` for each of ``RANK_VARIABLES`` that it does not
-    set: the parent's value of those must not reach the worker."""
-    env: dict[str, str | None] = {name: None for name in RANK_VARIABLES}
-    env.update(
-        rank_environment(
-            rank,
-            nprocs,
-            master_addr,
-            master_port,
-            agent_store=agent_store,
-            restart_count=restart_count,
-            max_restarts=max_restarts,
-        )
-    )
-    return env
+def replacing(env: Mapping[str, str]) -> dict[str, str | None]:
+    """``env`` (from :func:`rank_environment`) as changes to a parent's environment: its variables, and
+    ``None`` for each of ``RANK_VARIABLES`` that it does not set (the parent's value must not reach the
+    worker)."""
+    return {**dict.fromkeys(RANK_VARIABLES), **env}
 
 
 def apply_environment(environ: os._Environ[str], changes: Mapping[str, str | None]) -> None:
-    """Apply ``changes`` (from :func:`rank_variables`) to ``environ``: a value sets the variable, ``None``
+    """Apply ``changes`` (from :func:`replacing`) to ``environ``: a value sets the variable, ``None``
     removes it."""
     for name, value in changes.items():
         if value is None:

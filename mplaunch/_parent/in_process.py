@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from mplaunch._config import ParallelConfig
-from mplaunch._env import apply_environment, check_extra_env, rank_variables
+from mplaunch._env import apply_environment, check_extra_env, rank_environment, replacing
 from mplaunch._parent.checks import check_arguments, check_log_dir
 from mplaunch._parent.policy import resolve_backend
 from mplaunch._parent.store import rendezvous
@@ -35,7 +35,8 @@ def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], confi
     check_log_dir(config.log_dir)
     # the function runs in this thread: nobody else could serve the store, so it starts at once
     with rendezvous(lazy=False) as store, environ_kept():
-        apply_environment(os.environ, rank_variables(0, 1, store.addr, store.port, agent_store=store.agent_store))
+        env = rank_environment(0, 1, store.addr, store.port, agent_store=store.agent_store)
+        apply_environment(os.environ, replacing(env))
         if config.env is not None:
             os.environ.update(check_extra_env(config.env(0) if callable(config.env) else config.env, "env(0)"))
         follow_own_rendezvous()

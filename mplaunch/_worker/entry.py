@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 import torch
 
-from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_variables
+from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment, replacing
 from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds, terminal_stdin
 from mplaunch._platform import forks
@@ -418,14 +418,16 @@ def _start(
 def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
     """The environment changes that make a process rank ``rank`` of ``spec``'s one-node launch: torchrun's
     variables, and ``None`` (removed) for each rank variable of the parent's that they do not set."""
-    return rank_variables(
-        rank,
-        spec.nprocs,
-        spec.master_addr,
-        spec.master_port,
-        agent_store=spec.agent_store,
-        restart_count=spec.restart_count,
-        max_restarts=spec.max_restarts,
+    return replacing(
+        rank_environment(
+            rank,
+            spec.nprocs,
+            spec.master_addr,
+            spec.master_port,
+            agent_store=spec.agent_store,
+            restart_count=spec.restart_count,
+            max_restarts=spec.max_restarts,
+        )
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from mplaunch import worker_info
-from mplaunch._env import RANK_VARIABLES, apply_environment, rank_environment, rank_variables
+from mplaunch._env import RANK_VARIABLES, apply_environment, rank_environment, replacing
 
 
 def test_rank_environment_follows_torchrun() -> None:
@@ -28,7 +28,7 @@ def test_apply_environment_drops_stale_rank_variables(monkeypatch: pytest.Monkey
     environ = os.environ
     snapshot = dict(environ)
     try:
-        apply_environment(environ, rank_variables(0, 1, "a", 1, agent_store=False))
+        apply_environment(environ, replacing(rank_environment(0, 1, "a", 1, agent_store=False)))
         assert environ["RANK"] == "0"
         assert "TORCHELASTIC_RUN_ID" not in environ
         assert environ["UNRELATED"] == "kept"
