@@ -991,6 +991,7 @@ def environments_seen() -> dict[str, Any]:
         program = subprocess.run(["env"], capture_output=True, check=True, text=True).stdout.splitlines()
         return {
             "python": dict(os.environ),
+            "bytes": {name.decode(): value.decode() for name, value in os.environb.items()},
             "c": {name: (getenv(name.encode()) or b"").decode() for name in os.environ},
             "exec": dict(line.split("=", 1) for line in program if "=" in line),
         }
@@ -999,3 +1000,33 @@ def environments_seen() -> dict[str, Any]:
     os.environ["SET_IN_RANK"] = "1"
     del os.environ["OMP_NUM_THREADS"]
     return {"first": first, "after": seen()}
+
+
+def breakpoint_hook_is_pythons() -> bool:
+    """Whether ``breakpoint()`` in this rank is Python's own (``PYTHONBREAKPOINT`` decides), not mplaunch's."""
+    return sys.breakpointhook is sys.__breakpointhook__
+
+
+def nested_launch_stopped_by_sigterm() -> tuple[str, float]:
+    """A rank that launches fork workers of its own (sleeping 30 s) and gets SIGTERM 0.5 s later: what the
+    nested call raised, and after how long."""
+    import threading
+
+    os.environ["MPLAUNCH_IN_PROCESS"] = "0"  # a real launch from inside this rank
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    try:
+        parallel(nprocs=2, start_method="fork", timeout=60)(sleep)(30.0)
+    except BaseException as error:  # noqa: BLE001 - what the stop raised is the answer
+        return type(error).__name__, time.monotonic() - started
+    return "returned", time.monotonic() - started
+
+
+def devnull_descriptors() -> list[int]:
+    """This rank's descriptors above 2 that are open on /dev/null."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if int(name) > 2 and os.readlink(f"/proc/self/fd/{name}") == os.devnull:
+                found.append(int(name))
+    return found

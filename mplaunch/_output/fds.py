@@ -166,7 +166,9 @@ def terminal_stdin(prepared: TextIO | None = None) -> None:
         return
     with contextlib.suppress(OSError, ValueError):
         if os.isatty(0) and not _reads_fd0(sys.stdin):
-            sys.stdin = prepared if prepared is not None else stdin_stream()
+            sys.stdin, prepared = prepared if prepared is not None else stdin_stream(), None
+    if prepared is not None:  # not taken (the caller's sys.stdin is None): its descriptor is let go
+        prepared.close()
 
 
 def _reads_fd0(stream: object) -> bool:

@@ -223,3 +223,10 @@ class _Hold:
 
 
 _hold = _Hold()
+
+
+@forks.in_child
+def _forget_holds() -> None:
+    """In a child forked during a hold (a worker): the hold, and what it noted, are the parent's."""
+    _hold.depth = 0
+    _hold.noted = []

@@ -56,7 +56,11 @@ class ForkEnviron:
         c_environ = _c_environ()
         assert c_environ is not None  # (fork_environs made none without it)
         c_environ.value = ctypes.addressof(self._table)
+        inherited = os.environ._data  # type: ignore[attr-defined]
         os.environ._data = self._data  # type: ignore[attr-defined]
+        environb = getattr(os, "environb", None)  # os.environb is a view of the same mapping
+        if environb is not None and getattr(environb, "_data", None) is inherited:
+            environb._data = self._data
 
 
 def fork_environs(

@@ -16,7 +16,8 @@ def readable(fds: Sequence[int], timeout: float | None) -> list[int]:
 
     Args:
         fds: open file descriptors.
-        timeout: seconds; rounded up to the millisecond.
+        timeout: seconds; rounded up to the millisecond, at most ``poll``'s 24.8 days (the caller looks again
+            then: a launch's loop computes what is left of its own timeout).
 
     Raises:
         OSError: ``poll`` failed (not for an interrupted wait: Python retries it, with what is left of
@@ -25,4 +26,8 @@ def readable(fds: Sequence[int], timeout: float | None) -> list[int]:
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
-    return [fd for fd, _ in poller.poll(None if timeout is None else math.ceil(max(0.0, timeout) * 1000))]
+    milliseconds = None if timeout is None else min(math.ceil(max(0.0, timeout) * 1000), _LONGEST)
+    return [fd for fd, _ in poller.poll(milliseconds)]
+
+
+_LONGEST = 2**31 - 1  # poll's limit, in milliseconds (24.8 days): a longer timeout waits this long, then looks again

@@ -478,8 +478,13 @@ def set_up(
     else:
         apply_environment(os.environ, rank_changes(spec, rank))
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
-    # breakpoint(): one rank at a time, the prompt naming the rank
-    install_breakpoint_hook(spec, rank, None if forked is None else forked.debugger)
+    # breakpoint(): one rank at a time, the prompt naming the rank; PYTHONBREAKPOINT as the function will see it
+    if forked is not None:
+        plan = forked.debugger
+    else:
+        variable = placement.environment(spec, rank).get("PYTHONBREAKPOINT", os.environ.get("PYTHONBREAKPOINT"))
+        plan = breakpoint_plan(variable)
+    install_breakpoint_hook(spec, rank, plan)
 
 
 def run(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None = None) -> None:

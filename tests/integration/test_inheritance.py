@@ -230,3 +230,14 @@ def test_a_rank_reads_nothing_from_a_piped_stdin_and_the_parent_reads_it_all(tmp
     ranks, parent = done.stdout.splitlines()
     assert ranks == str([("", os.devnull, True)] * 2)
     assert parent == repr("the parent's line\n")
+
+
+def test_a_rank_of_a_parent_without_sys_stdin_keeps_no_dev_null_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parent opens one /dev/null reader for its forked ranks to take as ``sys.stdin``; where the parent
+    has none (``sys.stdin`` is None: ``pythonw``, fd 0 closed), a rank keeps ``None`` and closes that reader."""
+    from tests import workers
+
+    monkeypatch.setattr(sys, "stdin", None)
+    parents = set(workers.devnull_descriptors())  # (pytest's own, which a forked rank inherits)
+    found = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, return_all=True)(workers.devnull_descriptors)()
+    assert [set(each) - parents for each in found] == [set(), set()]

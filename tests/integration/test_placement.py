@@ -225,8 +225,19 @@ def test_c_code_and_programs_see_the_ranks_environment_as_python_does(
             f"PLACEMENT_R{rank}": str(rank)
         }
         assert first["python"]["TORCHELASTIC_MAX_RESTARTS"] == "0"
-        assert first["c"] == first["python"]
+        assert first["c"] == first["python"] == first["bytes"]
         assert {k: v for k, v in first["exec"].items() if k in first["python"]} == first["python"]
         assert first["exec"]["ONLY_IN_C"] == "c"
-        assert after["python"]["SET_IN_RANK"] == after["exec"]["SET_IN_RANK"] == "1"
+        assert after["python"]["SET_IN_RANK"] == after["exec"]["SET_IN_RANK"] == after["bytes"]["SET_IN_RANK"] == "1"
         assert "OMP_NUM_THREADS" not in after["python"] and "OMP_NUM_THREADS" not in after["exec"]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_pythonbreakpoint_given_through_env_decides_the_ranks_breakpoint(start_method: StartMethod) -> None:
+    """``env={"PYTHONBREAKPOINT": "0"}`` leaves a rank Python's own hook (which then does nothing), under
+    every start method; without it, the rank has mplaunch's (pdb on the terminal, one rank at a time)."""
+    run = parallel(nprocs=2, start_method=start_method, timeout=120, return_all=True)(
+        workers.breakpoint_hook_is_pythons
+    )
+    assert run.options(env={"PYTHONBREAKPOINT": "0"})() == [True, True]
+    assert run() == [False, False]

@@ -218,3 +218,14 @@ def test_a_signal_that_lands_while_workers_fork_ends_the_launch_after_the_forks(
     assert called == [signal.SIGUSR1]
     assert len(pids) == 2
     assert_gone(pids, within=1.0)
+
+
+def test_sigterm_to_a_rank_stops_the_launch_it_made() -> None:
+    """A rank that launches fork workers of its own gets SIGTERM: its launch stops its workers and raises at
+    once. Its workers had inherited the rank's state from while it forked them, and a SIGTERM noted there
+    was never raised again: the nested launch ran its 30 s."""
+    from mplaunch import parallel
+    from tests import workers
+
+    name, seconds = parallel(nprocs=1, start_method="fork", timeout=90)(workers.nested_launch_stopped_by_sigterm)()
+    assert name == "Terminated" and seconds < 15, (name, seconds)
