@@ -25,6 +25,7 @@ from mplaunch._parent.control import LaunchStopped
 from mplaunch._parent.signalling import signal_worker
 from mplaunch._parent.signals import signals_held
 from mplaunch._parent.team import Team
+from mplaunch._platform.ready import LONGEST_WAIT
 from mplaunch._wire import transport
 from mplaunch._wire.records import (
     CALL,
@@ -86,7 +87,10 @@ def exchange(
             listener = team.store.fileno()
             watched: list[Any] = [*conns, *ends, *(fd for fd in (stop, listener) if fd is not None)]
             limit = min((t for t in (deadline, grace) if t is not None), default=None)
-            ready = wait(watched, timeout=None if limit is None else max(0.0, limit - time.monotonic()))
+            left = None if limit is None else min(max(0.0, limit - time.monotonic()), LONGEST_WAIT)
+            ready = wait(watched, timeout=left)
+            if not ready and limit is not None and time.monotonic() < limit:
+                continue  # a wait cut to poll's longest (24.8 days): the limit is still ahead
             if not ready or (limit is not None and time.monotonic() >= limit):
                 if grace is not None and time.monotonic() >= grace:
                     team.terminate()

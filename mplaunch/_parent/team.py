@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import weakref
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from mplaunch._parent.starter import in_starter
 from mplaunch._parent.store import rendezvous
 from mplaunch._platform import forks
 from mplaunch._platform.pidfd import reaped_status
+from mplaunch._platform.ready import readable
 from mplaunch._state.python import warn_not_carried
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
@@ -157,7 +158,7 @@ class Team:
         if process.exitcode is not None:
             return True
         pidfd = self._pidfds.get(rank)
-        if pidfd is None or not wait([pidfd], timeout=0):
+        if pidfd is None or not readable([pidfd], 0):
             return False
         with signals_held():  # multiprocessing's reaping: a Ctrl-C between its waitpid and its note loses it
             process.join(0)
@@ -192,7 +193,7 @@ class Team:
         deadline = time.monotonic() + self.spec.grace_period
         try:
             while (running := [rank for rank in alive if not self.ended(rank)]) and time.monotonic() < deadline:
-                wait([self.ends[rank] for rank in running], timeout=max(0.0, deadline - time.monotonic()))
+                readable([self.ends[rank] for rank in running], max(0.0, deadline - time.monotonic()))
         finally:
             for rank, process in enumerate(self.processes):
                 if not self.ended(rank):  # (ended() reaped the others, or someone else did)

@@ -31,3 +31,5 @@ def readable(fds: Sequence[int], timeout: float | None) -> list[int]:
 
 
 _LONGEST = 2**31 - 1  # poll's limit, in milliseconds (24.8 days): a longer timeout waits this long, then looks again
+#: The longest one ``poll`` waits, in seconds: a caller with a longer timeout waits this long, then again.
+LONGEST_WAIT = _LONGEST / 1000

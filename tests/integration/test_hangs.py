@@ -426,3 +426,17 @@ def test_a_rank_that_cannot_dump_delays_the_stop_by_the_bound_at_most(tmp_path: 
     assert set(caught.value.stacks) == {0}
     assert "stuck_here" in caught.value.stacks[0]
     assert "Ranks [1] sent no stacks" in str(caught.value)
+
+
+def test_a_timeout_of_a_month_is_a_timeout_not_an_overflow() -> None:
+    """``timeout=30 * 86400`` failed with ``OverflowError: timeout is too large`` (poll takes at most 24.8
+    days), in a call, a submitted launch, warm workers, and a stall_timeout or grace_period as long."""
+    from mplaunch import Workers
+
+    month = 30 * 86400.0
+    run = parallel(nprocs=2, start_method="fork", timeout=month, grace_period=month)(workers.sleep)
+    assert run(0.0) == 0
+    assert run.options(stall_timeout=month)(0.0) == 0
+    assert run.submit(0.0).result(timeout=60) == 0
+    with Workers(nprocs=2, start_method="fork", timeout=month, grace_period=month) as warm:
+        assert warm.run(workers.sleep, 0.0) == 0
