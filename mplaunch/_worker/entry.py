@@ -432,9 +432,9 @@ def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
 
 
 def _fork_changes(spec: WorkerSpec, flag: str | None) -> dict[str, str | None]:
-    """The environment changes that every forked rank of ``spec``'s one-node launch gets (see
-    :func:`_rank_fork_changes` for each rank's own): torchrun's variables but the rank's (set first, in
-    :func:`set_up`), and the preemption flag's path (``flag``, when the launch has one)."""
+    """The environment changes that every forked rank of ``spec``'s one-node launch gets (each rank's own
+    are :func:`_rank_fork_changes`'): torchrun's variables except the three that name the rank, and the
+    preemption flag's path (``flag``, when the launch has one)."""
     changes = rank_changes(spec, 0)
     for name in _RANK_OWN:
         del changes[name]
@@ -448,9 +448,9 @@ _RANK_OWN = ("RANK", "LOCAL_RANK", "ROLE_RANK")
 
 
 def _rank_fork_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
-    """Rank ``rank``'s own environment changes, after :func:`_fork_changes`' (and before any rank sets
-    ``OMP_NUM_THREADS`` and its placement's, which it then finds set): its rank variables, its placement's
-    variables, its ``OMP_NUM_THREADS``."""
+    """Rank ``rank``'s own environment changes, on top of :func:`_fork_changes`': the variables that name the
+    rank, its placement's (``CUDA_VISIBLE_DEVICES``, ``env=``'s) and its ``OMP_NUM_THREADS``. A rank would
+    set the last two before its function; it finds them set."""
     changes: dict[str, str | None] = {name: str(rank) for name in _RANK_OWN}
     extra = placement.environment(spec, rank)
     changes.update(extra)
