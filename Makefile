@@ -18,6 +18,7 @@ demo: $(VENV)/.installed
 # two test processes: most tests wait on workers and subprocesses, so even two cores run two files
 # at once; --dist loadfile keeps a file's module fixtures (the entry-point matrix) in one process
 test: $(VENV)/.installed
+	$(PY) -m compileall -q mplaunch tests > /dev/null  # (even under PYTHONDONTWRITEBYTECODE=1: each interpreter the suite starts loads them)
 	$(PY) -m pytest -n 3 --dist loadfile
 
 check: $(VENV)/.installed
