@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: $(VENV)/.installed
 	$(PY) examples/train_digits.py
 
-# two test processes: most tests wait on workers and subprocesses, so even two cores run two files
-# at once; --dist loadfile keeps a file's module fixtures (the entry-point matrix) in one process
+# three test processes: most tests wait on workers, subprocesses, timeouts or grace periods, so even two
+# cores run three files at once; --dist loadfile keeps a file's module fixtures (the entry-point matrix)
+# in one process
 test: $(VENV)/.installed
 	$(PY) -m compileall -q mplaunch tests > /dev/null  # (even under PYTHONDONTWRITEBYTECODE=1: each interpreter the suite starts loads them)
 	$(PY) -m pytest -n 3 --dist loadfile
