@@ -218,8 +218,9 @@ class _Hold:
     by itself, so that a hold swaps only the handlers that are not mplaunch's (two system calls each); it
     used to swap six, eight times per launch."""
 
-    depth = 0
-    noted: list[int] = []  # noqa: RUF012 - one main thread, one hold state
+    def __init__(self) -> None:
+        self.depth = 0
+        self.noted: list[int] = []
 
 
 _hold = _Hold()
