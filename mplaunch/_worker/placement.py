@@ -39,7 +39,7 @@ def environment(spec: WorkerSpec, local_rank: int) -> dict[str, str]:
 def apply(spec: WorkerSpec, local_rank: int, rank: int) -> None:
     """Set this rank's ``CUDA_VISIBLE_DEVICES`` and ``env=`` variables (after torchrun's), and pin it to its
     CPUs and NUMA node. A variable that already has its value (the parent made a forked rank's environment,
-    see :func:`mplaunch._platform.environ.fork_environ`) is not set again.
+    see :func:`mplaunch._platform.environ.fork_environs`) is not set again.
 
     Raises:
         InvalidOptionError: ``env=``'s function (multi-node launches call it here) returned a bad mapping.
