@@ -88,12 +88,15 @@ def ddp_setup(rank: int, world_size: int, port: int, **bounded: Any) -> None:
 
 
 def tutorial_main(rank: int, world_size: int, port: int, **bounded: Any) -> float:
-    """The tutorial's ``main(rank, world_size, ...)``: set up, one DDP step, destroy; returns the summed ranks."""
+    """The tutorial's ``main(rank, world_size, ...)``: set up, one DDP step, destroy; returns the summed ranks.
+    The model is deleted before the group is destroyed, as docs/guide/hangs.md advises: freed after it, torch's
+    reducer can deadlock with gloo's threads (pytorch#56297), which a loaded machine hit in the suite."""
     ddp_setup(rank, world_size, port, **bounded)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
     model(torch.ones(4, 2)).sum().backward()
     total = torch.tensor(float(rank + 1))
     torch.distributed.all_reduce(total)
+    del model
     torch.distributed.destroy_process_group()
     return float(total.item())
 
