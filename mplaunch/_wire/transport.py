@@ -43,8 +43,9 @@ from mplaunch._wire.pickling import INLINE_BYTES, Reader, pickle_object, storage
 _PAGE = mmap.PAGESIZE
 _HEADER = struct.Struct("<Q")  # number of out-of-band buffers
 _EXTENT = struct.Struct("<QQ")  # offset, size of one out-of-band buffer in the data file
-_TRAILER = struct.Struct("<QQ")  # where the pickle starts in a memory file, _MAGIC
+_TRAILER = struct.Struct("<QQ")  # where the pickle starts in a memory file, _MAGIC (or _MAGIC_PLAIN)
 _MAGIC = 0x6D706C61756E6368  # "mplaunch": written last, so a memory file that ends with it is complete
+_MAGIC_PLAIN = _MAGIC + 1  # the same, after a standard pickle alone (``plain``): pickle.loads reads it
 _PLAIN_HEADER = _HEADER.pack(0) + _HEADER.pack(len(_EMPTY := pickle.dumps({}, protocol=5))) + _EMPTY  # no data
 
 
@@ -174,7 +175,7 @@ def dump_fd(
     os.ftruncate(fd, 0)
     for offset, piece in pieces:
         _write_at(fd, piece, offset)
-    trailer = _TRAILER.pack(end, _MAGIC)
+    trailer = _TRAILER.pack(end, _MAGIC_PLAIN if plain else _MAGIC)
     if len(data) < INLINE_BYTES:  # one write: the pickle is small enough to copy
         _write_at(fd, b"".join((header, data, trailer)), end)
     else:
@@ -277,13 +278,17 @@ def load_fd(fd: int, *, private: bool, missing_ok: bool = False, start_objects: 
     size = os.fstat(fd).st_size
     trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size) if size >= _TRAILER.size else b""
     start, magic = _TRAILER.unpack(trailer) if len(trailer) == _TRAILER.size else (0, 0)
-    if magic != _MAGIC or start >= size:
+    if magic not in (_MAGIC, _MAGIC_PLAIN) or start >= size:
         if missing_ok:
             return None
         raise FileNotFoundError("the memory file holds no complete object")
     how = "private" if private else "shared"
     if size - start <= INLINE_BYTES:  # a small pickle is read: a mapping would need one more descriptor
-        value = _read(os.pread(fd, size - start, start), 0, fd, how, start_objects)
+        read = os.pread(fd, size - start, start)
+        if magic == _MAGIC_PLAIN:  # a rank's scalar or None: the standard unpickler alone reads it
+            value = pickle.loads(memoryview(read)[len(_PLAIN_HEADER) : -_TRAILER.size])
+        else:
+            value = _read(read, 0, fd, how, start_objects)
     else:
         with mmap.mmap(fd, size - start, offset=start, access=mmap.ACCESS_READ) as view:
             value = _read(view, 0, fd, how, start_objects)

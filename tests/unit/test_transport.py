@@ -235,8 +235,9 @@ def test_an_incomplete_memory_file_holds_no_object() -> None:
 
 
 def test_a_plain_record_written_by_the_standard_pickler_reads_back_whole() -> None:
-    """``plain=True`` (a rank's scalar or ``None``) skips mplaunch's pickler; the reader is the same, and a
-    value written after it in the same file replaces it."""
+    """``plain=True`` (a rank's scalar or ``None``) skips mplaunch's pickler, and a small one mplaunch's
+    unpickler too (the trailer says so); a large one is mapped as any other; a value written after it in the
+    same file replaces it, and a plain one written after a value with data replaces that."""
     fd = _memory_file()
     try:
         for value in (None, True, 7, 2.5, 3 + 4j, "text", b"bytes", "x" * (1 << 17)):
@@ -244,6 +245,10 @@ def test_a_plain_record_written_by_the_standard_pickler_reads_back_whole() -> No
             assert transport.load_fd(fd, private=True) == value
         transport.dump_fd({"t": torch.ones(1 << 15)}, fd)  # replaces the plain one: data first, then the pickle
         assert transport.load_fd(fd, private=False)["t"].sum().item() == 1 << 15
+        transport.dump_fd(None, fd, plain=True)
+        assert os.fstat(fd).st_size < 1 << 10  # the data is gone with it
+        assert transport.load_fd(fd, private=False) is None and os.fstat(fd).st_size == 0  # read: nothing kept
+        assert transport.load_fd(fd, private=False, missing_ok=True) is None
     finally:
         os.close(fd)
 
