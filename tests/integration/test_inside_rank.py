@@ -20,8 +20,7 @@ TIMEOUT = 120
 
 @pytest.mark.parametrize(
     ("start_method", "contexts"),
-    [
-        ("spawn", (None,)),
+    [  # spawn ranks: in the last case, whose one rank also runs DataLoaders of the default start method
         ("forkserver", (None,)),
         ("fork", (None,)),
         pytest.param("spawn", (None, "forkserver", "spawn"), marks=pytest.mark.slow),

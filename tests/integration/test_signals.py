@@ -136,10 +136,12 @@ IGNORED_SIGCHLD = """
         return worker_info().rank
 
     if __name__ == "__main__":
-        work(False)  # warm: imports, the fork server
-        start = time.monotonic()
-        work(False)
-        usual = time.monotonic() - start
+        usual = 0.0
+        if sys.argv[1] != "spawn":  # (a spawn launch is not timed: see the test)
+            work(False)  # warm: imports, the fork server
+            start = time.monotonic()
+            work(False)
+            usual = time.monotonic() - start
         signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # as some service managers start a process
         start = time.monotonic()
         assert work(False) == 0
@@ -160,7 +162,7 @@ def test_a_parent_that_ignores_sigchld_reads_every_exit(tmp_path: Path, start_me
     done = run_script(write_script(tmp_path, IGNORED_SIGCHLD), start_method)
     assert done.returncode == 0, done.stderr
     assert "killed: 1 SIGKILL -9" in done.stdout, done.stdout + done.stderr
-    if start_method != "spawn":  # a spawn launch takes seconds on a busy machine: too noisy to time
+    if start_method != "spawn":  # a spawn launch takes seconds on a busy machine: too noisy to time (nor timed)
         assert float(done.stdout.split("slower by ")[1].split()[0]) < 1.0, done.stdout
     assert "restored: True" in done.stdout, done.stdout
 
