@@ -65,6 +65,7 @@ _raised: tuple[BaseException, float] | None = None  # what the function raised, 
 _outcome_decided = False  # after this, signals are noted and ignored
 _worker_pid = -1  # this worker's pid, set at start (a process the function forks is not the worker)
 _children_stopped = False  # the last exit handler stopped what the rank started
+_environ_made = False  # the rank installed the environment its parent made for it (fork_environs)
 
 
 def _die_with_parent(parent_pid: int, start_method: str) -> None:
@@ -144,7 +145,8 @@ def _default_signals() -> None:
 
 
 def _set_threads(num_threads: int) -> None:
-    placement.set_changed({"OMP_NUM_THREADS": str(num_threads)})
+    if not _environ_made:  # (the parent put OMP_NUM_THREADS in a made one: see _rank_fork_changes)
+        placement.set_changed({"OMP_NUM_THREADS": str(num_threads)})
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
 
@@ -467,6 +469,7 @@ def set_up(
     """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`_start`, which
     takes ``on_interrupt``), the output descriptors, and torchrun's environment. ``forked``: what the parent
     made for this rank before the fork (:func:`prepare_forks`), else it is made here."""
+    global _environ_made
     _start(spec, on_interrupt, forked)
     take_fds(spec.output_fds, rank, rank)
     _keep_own_outcome_fd(spec)
@@ -475,6 +478,7 @@ def set_up(
         os.environ.update(spec.environ)
     if forked is not None and forked.environ is not None:
         forked.environ.install()
+        _environ_made = True
     else:
         apply_environment(os.environ, rank_changes(spec, rank))
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
