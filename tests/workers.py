@@ -432,6 +432,19 @@ def raise_from_every_rank() -> None:
     raise ValueError(f"legitimate exception from process {worker_info().rank}")
 
 
+class StoppedWhilePickled(ValueError):
+    """An error that sends its own worker SIGTERM when it is pickled: a stop (a peer failed, the launch ends)
+    that lands while the rank records its failure."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return type(self), self.args
+
+
+def raise_stopped_while_pickled() -> None:
+    raise StoppedWhilePickled("the rank's own error")
+
+
 def raise_on_rank(rank: int) -> None:
     """torch's test_exception_single."""
     if worker_info().rank == rank:

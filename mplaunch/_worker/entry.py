@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import torch
@@ -170,7 +170,7 @@ def _decide(outcome: Outcome) -> Outcome:
 
 def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Outcome:
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
-    global _raised
+    global _raised, _outcome_decided
     try:
         placement.apply(spec, local_rank, rank)  # devices, CPUs, env=: before anything reads them
         _set_threads(placement.thread_count(spec, local_rank))
@@ -193,7 +193,22 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
             error = _raised[0]  # the stop landed while the process group was torn down: the function's error first
         if spec.post_mortem and _signal_received is None:
             post_mortem(error, spec, rank)
+        # a stop that lands while the error is pickled is noted, not raised there (the record would lose the
+        # error's type): _decide weighs it against when the error came
+        _outcome_decided = True
         return _decide(Raised.of(error, when=None if _raised is None else _raised[1]))
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """Hold the stop signals while a warm rank records a call's error (:meth:`Raised.of`): one that landed
+    there would cut the pickling of the error short, and the rank would go on serving calls. It is delivered
+    when the block ends, and ends the rank as it would a moment later."""
+    held = pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _read_payload(spec: WorkerSpec) -> Payload:

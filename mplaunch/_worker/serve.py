@@ -145,7 +145,8 @@ def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int, take
             raise  # SIGTERM: the worker ends
         if spec.post_mortem:
             post_mortem(error, spec, rank)
-        outcome = Raised.of(error, when=raised_at)
+        with entry.stops_held():
+            outcome = Raised.of(error, when=raised_at)
         del error
     if os.getpid() != entry._worker_pid:  # a process the function forked, returning: not the worker
         os._exit(0 if isinstance(outcome, Returned) else 1)

@@ -28,6 +28,17 @@ def launch(function: Callable[..., Any], start_method: StartMethod = "fork", **o
     return run
 
 
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_stop_while_a_rank_records_its_error_keeps_the_error(start_method: StartMethod) -> None:
+    """A SIGTERM that landed while a rank pickled the error its function raised (a peer's failure stops it)
+    cut the pickling short: the error reached the caller as a RemoteError "could not be sent as itself"
+    instead of its own type (seen in torch's test_exception_all on a loaded machine). The error came first,
+    so it is the rank's outcome, whole."""
+    with pytest.raises(workers.StoppedWhilePickled, match="the rank's own error") as caught:
+        launch(workers.raise_stopped_while_pickled, start_method, nprocs=1)()
+    assert caught.value.rank == 0  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("start_method", METHODS)
 def test_a_rank_stopped_while_writing_its_result_is_no_failure(
     start_method: StartMethod, capfd: pytest.CaptureFixture[str], tmp_path: Path

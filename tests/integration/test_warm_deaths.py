@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mplaunch import LaunchTimeoutError, StartMethod, WorkerExitedError, Workers, worker_info
-from tests import warm_workers
+from tests import warm_workers, workers
 from tests.helpers import gone, kernel_keeps_reaped_status, reaping_sigchld_handler, run_script, write_script
 
 TIMEOUT = 30
@@ -37,6 +37,18 @@ def nested_warm_workers() -> tuple[int, int]:
     """Inside a warm rank: make warm workers of its own and return their rank 0's (rank, pid)."""
     with Workers(nprocs=1, start_method="fork", timeout=10) as inner:
         return inner.run(warm_workers.rank_and_pid)  # type: ignore[no-any-return]
+
+
+def test_a_warm_rank_stopped_while_it_records_a_calls_error_ends() -> None:
+    """A SIGTERM that landed while a warm rank pickled its call's error was swallowed there: the call raised
+    a RemoteError "could not be sent as itself" and the rank went on serving calls, its stop ignored. The
+    stop now ends the rank, as one a moment later would, and the call says so."""
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT, grace_period=1.0) as warm:
+        pid = warm.pids[0]
+        with pytest.raises(WorkerExitedError, match="was ended by SIGTERM") as caught:
+            warm.run(workers.raise_stopped_while_pickled)
+        assert caught.value.rank == 0
+        assert gone([pid], within=5.0)  # (the rank ends at once; it lived until the block's end)
 
 
 # Under spawn and forkserver, a warm rank that dies during a call makes the parent spin at 100% CPU in
@@ -112,7 +124,7 @@ def test_a_forked_child_neither_uses_nor_ends_its_parents_warm_workers(tmp_path:
         """
         import gc, os, sys, warnings
         from mplaunch import Workers
-        from tests import warm_workers
+        from tests import warm_workers, workers
 
         def child(action):
             pid = os.fork()
@@ -154,7 +166,7 @@ def test_a_forked_child_leaves_its_parents_stream_alone(source: str, tmp_path: P
         f"""
         import os, sys
         from mplaunch import Workers, parallel
-        from tests import warm_workers
+        from tests import warm_workers, workers
 
         if __name__ == "__main__":
             workers = Workers(nprocs=2, start_method="fork", timeout=60) if {source!r} == "warm" else None
