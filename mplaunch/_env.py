@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,8 +106,9 @@ def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[
 
     Raises:
         InvalidOptionError: ``env`` is not a mapping of strings to strings, holds a name or value that no
-            environment can hold (an empty name, ``=`` in a name, a NUL character), or sets a variable mplaunch sets
-            for each rank (:data:`RESERVED_VARIABLES`; ``CUDA_VISIBLE_DEVICES`` with ``devices=``).
+            environment can hold (an empty name, ``=`` in a name, a NUL character, a character the file system
+            encoding cannot write), or sets a variable mplaunch sets for each rank (:data:`RESERVED_VARIABLES`;
+            ``CUDA_VISIBLE_DEVICES`` with ``devices=``).
     """
     if not isinstance(env, Mapping):
         raise InvalidOptionError(
@@ -118,11 +120,16 @@ def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[
     ]
     if wrong:
         raise InvalidOptionError(f"{source} is not valid: names and values must be strings; not {', '.join(wrong)}.")
-    unheld = [f"{key!r}: {value!r}" for key, value in env.items() if not key or "=" in key or "\0" in key + value]
+    unheld = [
+        f"{key!r}: {value!r}"
+        for key, value in env.items()
+        if not key or "=" in key or "\0" in key + value or not _encodable(key + value)
+    ]
     if unheld:
         raise InvalidOptionError(
             f"{source} is not valid: no environment can hold {', '.join(unheld)}. A name must be non-empty "
-            "without '=' or a NUL character, and a value without a NUL character."
+            "without '=' or a NUL character, a value without a NUL character, and neither may hold a character "
+            f"that the file system encoding ({sys.getfilesystemencoding()}) cannot write, such as a lone surrogate."
         )
     for name in env:
         if name in RESERVED_VARIABLES:
@@ -244,9 +251,24 @@ def worker_info(environ: Mapping[str, str] | None = None) -> RankInfo:
     )
 
 
+def _encodable(text: str) -> bool:
+    """Whether ``text`` can be written into an environment, as ``os.environ`` writes it (``os.fsencode``)."""
+    try:
+        os.fsencode(text)
+    except UnicodeError:
+        return False
+    return True
+
+
+def whole_number(value: str) -> int | None:
+    """``value`` as a whole number of ASCII digits, as C code reads one (OpenMP, NCCL, the kernel), else
+    ``None``. ``str.isdigit()`` alone also accepts digits such as ``"³"``, which ``int()`` refuses."""
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
 def _count(environ: Mapping[str, str], name: str) -> int:
-    value = environ.get(name, "")
-    return int(value) if value.isdigit() else 1
+    found = whole_number(environ.get(name, ""))
+    return 1 if found is None else found
 
 
 def _more_than_one(environ: Mapping[str, str], name: str) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mplaunch import parallel, worker_info
+from mplaunch import Workers, parallel, worker_info
 
 
 @dataclasses.dataclass
@@ -1013,6 +1013,18 @@ def environments_seen() -> dict[str, Any]:
     os.environ["SET_IN_RANK"] = "1"
     del os.environ["OMP_NUM_THREADS"]
     return {"first": first, "after": seen()}
+
+
+def threads_of_nested_warm_ranks() -> list[tuple[str | None, int]]:
+    """In a rank: drop OMP_NUM_THREADS, then start warm fork workers of its own; what each of theirs reads."""
+    del os.environ["OMP_NUM_THREADS"]
+    with Workers(nprocs=2, start_method="fork", return_all=True, timeout=60) as warm:
+        found: list[tuple[str | None, int]] = warm.run(_omp_and_threads)
+    return found
+
+
+def _omp_and_threads() -> tuple[str | None, int]:
+    return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
 
 
 def breakpoint_hook_is_pythons() -> bool:

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
+from mplaunch._env import whole_number
 from mplaunch._wire.fds import InheritedFd
 
 #: Written by an elastic worker on its pipes before anything else, followed by ``rank,pid,node_rank`` and a NUL,
@@ -49,8 +50,8 @@ def take_fds(table: tuple[RankFds, ...] | None, local_rank: int, rank: int) -> N
     _close(*(fd for entry in table for fd in (entry.stdout.fd, entry.stderr.fd) if fd not in keep))
     for fd, target in ((mine.stdout.fd, 1), (mine.stderr.fd, 2)):
         if mine.announce:
-            node_rank = os.environ.get("GROUP_RANK", "0")
-            os.write(fd, RANK_MARK + f"{rank},{os.getpid()},{node_rank if node_rank.isdigit() else 0}\x00".encode())
+            node_rank = whole_number(os.environ.get("GROUP_RANK", "0")) or 0
+            os.write(fd, RANK_MARK + f"{rank},{os.getpid()},{node_rank}\x00".encode())
         if fd != target:
             os.dup2(fd, target)
     _close(mine.stdout.fd, mine.stderr.fd)

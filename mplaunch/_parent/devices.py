@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Iterator
 
+from mplaunch._env import whole_number
 from mplaunch._errors import InvalidOptionError
 from mplaunch._parent.control import LaunchControl
 from mplaunch._platform import forks
@@ -187,8 +188,8 @@ def bus_ids(names: list[str]) -> list[str | None]:
             try:
                 if name.startswith(("GPU-", "MIG-")):
                     handle = pynvml.nvmlDeviceGetHandleByUUID(name)
-                elif by_index and name.isdigit():
-                    handle = pynvml.nvmlDeviceGetHandleByIndex(int(name))
+                elif by_index and (index := whole_number(name)) is not None:
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 else:
                     found.append(None)
                     continue

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from mplaunch._env import whole_number
 from mplaunch._frames import warn_at_user
 from mplaunch._platform import openmp
 from mplaunch._platform.cpus import usable_cpu_count
@@ -63,9 +64,9 @@ def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None
 def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
     """Threads per worker: the user's ``OMP_NUM_THREADS`` when it is a number, else usable cores // nprocs,
     at least 1."""
-    user = environ.get("OMP_NUM_THREADS", "")
-    if user.isdigit():
-        return max(1, int(user))
+    user = whole_number(environ.get("OMP_NUM_THREADS", ""))
+    if user is not None:
+        return max(1, user)
     return max(1, usable_cpu_count() // nprocs)
 
 

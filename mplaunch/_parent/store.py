@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mplaunch._env import DEFAULT_MASTER_ADDR, OWN_PORT_VARIABLE
+from mplaunch._env import DEFAULT_MASTER_ADDR, OWN_PORT_VARIABLE, whole_number
 from mplaunch._errors import LaunchRefusedError
 
 #: How long the hosted store waits for a client's request before giving up on it.
@@ -89,9 +89,10 @@ def rendezvous(*, lazy: bool = True, resolve_within: float | None = None) -> Ite
         port = None
     addr = (os.environ.get("MASTER_ADDR") if own_port is None else None) or DEFAULT_MASTER_ADDR
     if port:
-        if not port.isdigit() or not 0 < int(port) < 65536:
+        number = whole_number(port)
+        if number is None or not 0 < number < 65536:
             raise LaunchRefusedError(f"MASTER_PORT={port!r} is not a TCP port: set it to 1-65535, or unset it.")
-        yield Rendezvous(addr, int(port), agent_store=False)
+        yield Rendezvous(addr, number, agent_store=False)
         return
     if not torch.distributed.is_available():
         with socket.socket() as sock:

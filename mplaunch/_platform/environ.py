@@ -15,14 +15,27 @@ from typing import Any
 @contextlib.contextmanager
 def environ_kept() -> Iterator[None]:
     """Put ``os.environ`` back as it was when the block began: variables set, changed or removed inside it
-    (by mplaunch, torch elastic, or an imported library) are undone on the way out, also on an exception."""
+    (by mplaunch, torch elastic, or an imported library) are undone on the way out, also on an exception.
+    The others are not touched (see :func:`replace_environ`)."""
     saved = dict(os.environ)
     try:
         yield
     finally:
         if dict(os.environ) != saved:
-            os.environ.clear()
-            os.environ.update(saved)
+            replace_environ(saved)
+
+
+def replace_environ(wanted: Mapping[str, str]) -> None:
+    """Make ``os.environ`` hold exactly ``wanted``, setting or removing only the variables that differ. One
+    that already has its value is left alone, and with it what the C library's table holds for it, which
+    ``os.environ`` does not see (a value set with ``os.putenv`` alone, a removal with ``os.unsetenv``
+    alone); ``os.environ.clear()`` would also take time quadratic in the number of variables."""
+    environ = os.environ
+    for name in [name for name in environ if name not in wanted]:
+        del environ[name]
+    for name, value in wanted.items():
+        if environ.get(name) != value:
+            environ[name] = value
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,7 +30,7 @@ from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment, 
 from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds, terminal_stdin
 from mplaunch._platform import forks
-from mplaunch._platform.environ import ForkEnviron, fork_environs
+from mplaunch._platform.environ import ForkEnviron, fork_environs, replace_environ
 from mplaunch._platform.proctree import become_subreaper, set_parent_death_signal
 from mplaunch._platform.signals import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 from mplaunch._state.sharing import unshare
@@ -172,7 +172,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
     """Restore the parent's state, run the function with private arguments, and return the outcome."""
     global _raised, _outcome_decided
     try:
-        placement.apply(spec, local_rank, rank)  # devices, CPUs, env=: before anything reads them
+        # devices, CPUs, env=: before anything reads them
+        placement.apply(spec, local_rank, rank, environ_made=_environ_made)
         _set_threads(placement.thread_count(spec, local_rank))
         if payload is None:
             payload = _read_payload(spec)
@@ -489,11 +490,10 @@ def set_up(
     take_fds(spec.output_fds, rank, rank)
     _keep_own_outcome_fd(spec)
     if spec.environ is not None:
-        os.environ.clear()
-        os.environ.update(spec.environ)
+        replace_environ(spec.environ)
+    _environ_made = forked is not None and forked.environ is not None  # (not a process the rank forked)
     if forked is not None and forked.environ is not None:
         forked.environ.install()
-        _environ_made = True
     else:
         apply_environment(os.environ, rank_changes(spec, rank))
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous

@@ -16,7 +16,7 @@ import os
 import platform
 from typing import Any
 
-from mplaunch._env import check_extra_env
+from mplaunch._env import check_extra_env, whole_number
 from mplaunch._wire.records import WorkerSpec
 
 _MPOL_PREFERRED = 1
@@ -36,10 +36,11 @@ def environment(spec: WorkerSpec, local_rank: int) -> dict[str, str]:
     return extra
 
 
-def apply(spec: WorkerSpec, local_rank: int, rank: int) -> None:
+def apply(spec: WorkerSpec, local_rank: int, rank: int, *, environ_made: bool = False) -> None:
     """Set this rank's ``CUDA_VISIBLE_DEVICES`` and ``env=`` variables (after torchrun's), and pin it to its
-    CPUs and NUMA node. A variable that already has its value (the parent made a forked rank's environment,
-    see :func:`mplaunch._platform.environ.fork_environs`) is not set again.
+    CPUs and NUMA node. ``environ_made``: the parent made the rank's whole environment, these variables
+    included (:func:`mplaunch._platform.environ.fork_environs`), with ``OMP_NUM_THREADS`` already the count
+    the rank runs (:func:`planned_threads`), so none is set here.
 
     Raises:
         InvalidOptionError: ``env=``'s function (multi-node launches call it here) returned a bad mapping.
@@ -54,7 +55,8 @@ def apply(spec: WorkerSpec, local_rank: int, rank: int) -> None:
                 given, f"env({rank})", devices=placement is not None and placement.cuda_visible_devices is not None
             )
         )
-    set_changed(extra)
+    if not environ_made:
+        set_changed(extra)
     _env_threads = threads_in(extra)
     if placement is not None and placement.cpus:
         os.sched_setaffinity(0, placement.cpus)
@@ -72,8 +74,8 @@ def set_changed(variables: dict[str, str]) -> None:
 
 def threads_in(environ: dict[str, str]) -> int | None:
     """The thread count that ``OMP_NUM_THREADS`` in ``environ`` (``env=``'s) asks for, else ``None``."""
-    threads = environ.get("OMP_NUM_THREADS", "")
-    return max(1, int(threads)) if threads.isdigit() else None
+    threads = whole_number(environ.get("OMP_NUM_THREADS", ""))
+    return None if threads is None else max(1, threads)
 
 
 def thread_count(spec: WorkerSpec, local_rank: int) -> int:

@@ -110,6 +110,23 @@ def test_worker_threads_default_to_cores_per_worker(monkeypatch: pytest.MonkeyPa
     assert result["env"]["OMP_NUM_THREADS"] == "1"
 
 
+def test_a_forked_ranks_omp_num_threads_is_the_count_it_runs() -> None:
+    """env= may give OMP_NUM_THREADS as no count torch takes (OpenMP's "4,2"): the rank runs the launch's
+    count and says so, under fork as under spawn. A forked rank whose environment the parent made wrote
+    env='s "4,2" back over it (the parent had set the count)."""
+    seen = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, env={"OMP_NUM_THREADS": "4,2"}, return_all=True)
+    for result in seen(workers.rank_and_env)():
+        assert result["env"]["OMP_NUM_THREADS"] == str(result["threads"]), result
+
+
+def test_warm_ranks_started_inside_a_forked_rank_get_their_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process forked from a rank whose environment the parent made took that for its own: warm workers it
+    started never set OMP_NUM_THREADS."""
+    monkeypatch.setenv("MPLAUNCH_IN_PROCESS", "0")  # (the nested launch starts workers)
+    found = parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)(workers.threads_of_nested_warm_ranks)()
+    assert [omp for omp, _ in found] == [str(threads) for _, threads in found], found
+
+
 @pytest.mark.parametrize("start_method", ["forkserver"])
 def test_spawned_arguments_are_mapped_not_copied(start_method: StartMethod) -> None:
     anonymous = parallel(nprocs=1, start_method=start_method, timeout=TIMEOUT)(workers.anonymous_memory_after_reading)

@@ -99,6 +99,9 @@ def test_a_stop_ends_the_wait() -> None:
         ({"env": {"": "1"}}, "no environment can hold ''"),
         ({"env": {"A\0": "1"}}, r"no environment can hold 'A\\x00': '1'"),
         ({"env": {"A": "x\0y"}}, r"no environment can hold 'A': 'x\\x00y'"),
+        # a lone surrogate: a bare UnicodeEncodeError from the parent's fork_environs (fork), a rank's (spawn)
+        ({"env": {"A": "\ud800"}}, r"no environment can hold 'A': '\\ud800'.*encoding"),
+        ({"env": {"\ud800": "1"}}, r"no environment can hold '\\ud800'"),
         ({"env": {"CUDA_VISIBLE_DEVICES": "1"}, "devices": 1}, "devices= only"),
         ({"prefix_output": "{rank}|{host} "}, "Unknown field.*'host'"),
         ({"prefix_output": "{}"}, "prefix_output='{}'"),

@@ -124,12 +124,54 @@ def test_bad_in_process_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
         parallel(nprocs=2, start_method="fork")(os.getpid)()
 
 
-def test_bad_master_port_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("port", ["abc", "\u00b3"])  # "³" passes str.isdigit(), then int() raised a ValueError
+def test_bad_master_port_is_refused(monkeypatch: pytest.MonkeyPatch, port: str) -> None:
     from mplaunch import LaunchRefusedError, parallel
 
-    monkeypatch.setenv("MASTER_PORT", "abc")
-    with pytest.raises(LaunchRefusedError, match="MASTER_PORT='abc' is not a TCP port"):
+    monkeypatch.setenv("MASTER_PORT", port)
+    with pytest.raises(LaunchRefusedError, match=f"MASTER_PORT='{port}' is not a TCP port"):
         parallel(nprocs=2, start_method="fork")(os.getpid)()
+
+
+def test_counts_in_the_environment_are_ascii_whole_numbers() -> None:
+    """OMP_NUM_THREADS="³" (str.isdigit() is true, int() refuses it) failed every launch with a bare
+    ValueError, as did such a SLURM count; each is now read as no number, as "abc" is."""
+    from mplaunch import outer_launcher
+    from mplaunch._parent.policy import wanted_threads
+    from mplaunch._platform.cpus import usable_cpu_count
+    from mplaunch._worker.placement import threads_in
+
+    assert wanted_threads(1, {"OMP_NUM_THREADS": "\u00b3"}) == wanted_threads(1, {}) == usable_cpu_count()
+    assert wanted_threads(1, {"OMP_NUM_THREADS": "3"}) == 3
+    assert threads_in({"OMP_NUM_THREADS": "\u00b3"}) is None and threads_in({"OMP_NUM_THREADS": "3"}) == 3
+    slurm = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "\u00b3", "SLURM_PROCID": "0"}
+    assert outer_launcher(slurm) is None
+
+
+def test_a_kept_environment_leaves_what_only_c_code_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """environ_kept put os.environ back by clearing it and setting every variable again, so after a spawn
+    launch (which sets PYTHONHASHSEED while its workers start) a value set with os.putenv alone, or a
+    removal with os.unsetenv alone, was undone in the C library's table."""
+    import ctypes
+
+    from mplaunch._platform.environ import environ_kept
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    monkeypatch.setenv("KEPT_PUT", "python")
+    monkeypatch.setenv("KEPT_UNSET", "b")
+    monkeypatch.delenv("KEPT_ADDED", raising=False)
+    os.putenv("KEPT_PUT", "c-only")
+    os.unsetenv("KEPT_UNSET")
+    try:
+        with environ_kept():
+            os.environ["KEPT_ADDED"] = "1"
+        assert "KEPT_ADDED" not in os.environ and getenv(b"KEPT_ADDED") is None
+        assert (getenv(b"KEPT_PUT"), getenv(b"KEPT_UNSET")) == (b"c-only", None)
+        assert (os.environ["KEPT_PUT"], os.environ["KEPT_UNSET"]) == ("python", "b")
+    finally:
+        os.putenv("KEPT_PUT", "python")  # as os.environ says, for monkeypatch to undo
+        os.putenv("KEPT_UNSET", "b")
 
 
 def _installed(environ: Any, names: list[str]) -> dict[str, Any]:
