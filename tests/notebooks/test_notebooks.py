@@ -222,7 +222,7 @@ print("RESULT", json.dumps(hello("hello")))
 
 
 CHATTY_CELL = """\
-import logging, signal, subprocess
+import logging, signal, subprocess, time
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", force=True)
 
 def chatty(lines, die=False):
@@ -234,7 +234,12 @@ def chatty(lines, die=False):
     subprocess.run(["echo", f"echo of rank {rank}"], check=True)
     sys.stdout.write(f"\\rprogress of rank {rank}")
     sys.stdout.flush()
-    if die and rank == 1:
+    if die and rank == 0:
+        open("rank0-spoke", "w").close()
+    if die and rank == 1:  # once rank 0 has said all (the launch then stops it)
+        deadline = time.monotonic() + 30
+        while not os.path.exists("rank0-spoke") and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     sys.stdout.write("\\n")
     return rank
