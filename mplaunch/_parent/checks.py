@@ -272,14 +272,19 @@ def check_log_dir(log_dir: str | None) -> None:
 def check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise the ``TypeError`` a plain call would raise for wrong arguments, here, before any worker starts."""
     target = function._mplaunch_target
-    signature = _signature(target)
+    signature, bound = _signature(target)
     if signature is None:  # builtins and other callables without a signature
+        return
+    shape = (len(args), tuple(kwargs))  # all that binding looks at: no value is checked
+    if shape in bound:
         return
     try:
         signature.bind(*args, **kwargs)
     except TypeError as error:
         name = getattr(target, "__qualname__", repr(target))
         raise TypeError(f"{name}(): {error} (checked before launching any worker)") from None
+    if len(bound) < 64:
+        bound.add(shape)
 
 
 def post_mortem_terminal(post_mortem: bool) -> bool:
@@ -304,30 +309,33 @@ def post_mortem_terminal(post_mortem: bool) -> bool:
     return interactive
 
 
-#: ``inspect.signature`` of each launched function, with what it was computed from (code and defaults).
-_SIGNATURES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], inspect.Signature | None]] = (
+#: ``inspect.signature`` of each launched function, with what it was computed from (code and defaults), and
+#: the argument shapes that bound to it (how many positional arguments, which keywords in which order).
+_SIGNATURES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], inspect.Signature | None, set[Any]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _signature(target: Any) -> inspect.Signature | None:
-    """``inspect.signature(target)`` (``None`` when it has none), computed once per function while its code
-    and defaults stay the same: building it walks the parameters and costs a launch more than the check."""
+def _signature(target: Any) -> tuple[inspect.Signature | None, set[tuple[int, tuple[str, ...]]]]:
+    """``inspect.signature(target)`` (``None`` when it has none) and the argument shapes known to bind to it,
+    kept per function while its code and defaults stay the same: building the signature walks the
+    parameters, and binding builds a ``BoundArguments``; each costs a launch more than the check."""
     key = (
         getattr(target, "__code__", None),
         getattr(target, "__defaults__", None),
         getattr(target, "__kwdefaults__", None),
     )
     try:
-        known, signature = _SIGNATURES[target]
+        known, signature, bound = _SIGNATURES[target]
         if known == key and key[0] is not None:
-            return signature
+            return signature, bound
     except (KeyError, TypeError):  # not seen, or not weakly referable
         pass
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):
         signature = None
+    bound = set()
     with contextlib.suppress(TypeError):
-        _SIGNATURES[target] = (key, signature)
-    return signature
+        _SIGNATURES[target] = (key, signature, bound)
+    return signature, bound

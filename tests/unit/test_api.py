@@ -138,6 +138,26 @@ def test_wrong_call_arguments_fail_before_launching() -> None:
         parallel(nprocs=2, start_method="spawn")(bare.__wrapped__)(1, z=2)  # type: ignore[call-arg]  # on purpose
 
 
+def test_arguments_that_bound_once_do_not_let_other_ones_through() -> None:
+    """A call's argument shape (how many positional arguments, which keywords) that bound once is not bound
+    again; another shape of the same function still is, and a changed default makes it bind anew."""
+    from mplaunch._parent.checks import check_arguments
+
+    def two(a: int, b: int = 1) -> None: ...
+
+    fn = parallel(nprocs=2, start_method="fork")(two)
+    for _ in range(2):
+        check_arguments(fn, (1,), {})
+        check_arguments(fn, (1,), {"b": 2})
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        check_arguments(fn, (1, 2, 3), {})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'c'"):
+        check_arguments(fn, (1,), {"c": 2})
+    two.__defaults__ = None  # b is required now: the same shape as before no longer binds
+    with pytest.raises(TypeError, match="missing a required argument: 'b'"):
+        check_arguments(fn, (1,), {})
+
+
 def test_async_functions_and_unreachable_console_ranks_are_refused() -> None:
     async def coroutine() -> None: ...
 
