@@ -36,6 +36,17 @@ def tracker_at_exit(path: str) -> int:
     return 7
 
 
+def register_exit_mark(directory: str, ending: str) -> int:
+    """Register an ``atexit`` handler that leaves ``rank-<pid>`` in ``directory``, then return 0, raise a
+    ``ValueError`` or ``sys.exit(3)`` (``ending``)."""
+    atexit.register(lambda: open(os.path.join(directory, f"rank-{os.getpid()}"), "w").close())
+    if ending == "raise":
+        raise ValueError("the rank's error")
+    if ending == "sys.exit":
+        raise SystemExit(3)
+    return 0
+
+
 def _exit(code: int) -> None:
     raise SystemExit(code)
 

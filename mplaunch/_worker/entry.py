@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 
@@ -65,6 +65,8 @@ _raised: tuple[BaseException, float] | None = None  # what the function raised, 
 _outcome_decided = False  # after this, signals are noted and ignored
 _worker_pid = -1  # this worker's pid, set at start (a process the function forks is not the worker)
 _children_stopped = False  # the last exit handler stopped what the rank started
+_parents_exits_kept = False  # the parent's atexit handlers stay registered, below the rank's own (see _start)
+_leaving: int | None = None  # the exit code with which the rank's last atexit handler ends it (see _finish)
 _environ_made = False  # the rank installed the environment its parent made for it (fork_environs)
 
 
@@ -317,27 +319,41 @@ def _finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: bo
     try:
         if outcome is not None and not written:
             outcome = _write_outcome(spec, rank, outcome)
-        _exit_handlers(spec)
-        close_files()  # what a normal exit does for data: logging.shutdown, open files flushed and closed
+        _exit_handlers(spec, _exit_code(outcome))
+    finally:
+        _leave(_exit_code(outcome))
+
+
+def _leave(code: int) -> NoReturn:
+    """End the rank with exit status ``code``: first what a normal exit does for data (``logging.shutdown``,
+    open files flushed and closed, the standard streams flushed), then ``os._exit``, so that threads the
+    function left running cannot keep the worker (and the call) alive."""
+    try:
+        close_files()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
     finally:
         record_usage()
-        # threads the function left running must not keep the worker (and the call) alive
-        os._exit(_exit_code(outcome))
+        os._exit(code)
 
 
-def _exit_handlers(spec: WorkerSpec) -> None:
+def _exit_handlers(spec: WorkerSpec, code: int | None = None) -> None:
     """Run the ``atexit`` handlers while the processes the rank started still run (an experiment tracker
     finishes its run through its helper process), then stop what is left, then multiprocessing's finalizers,
     in the order a normal interpreter exit has them.
 
     multiprocessing's own exit function joins the rank's non-daemonic children: it runs only once they are
     stopped (:func:`_stop_own_children`, registered first so it runs last), so a child that never ends cannot
-    keep the worker.
+    keep the worker. Where the parent's handlers are still registered below it (``code``: the rank is
+    leaving with that exit status), that handler also runs the finalizers and ends the rank (:func:`_leave`),
+    so that none of the parent's runs.
     """
-    atexit.unregister(multiprocessing.util._exit_function)  # type: ignore[attr-defined]
+    global _leaving
+    if _parents_exits_kept:
+        _leaving = code
+    else:
+        atexit.unregister(multiprocessing.util._exit_function)  # type: ignore[attr-defined] # (called below)
     atexit._run_exitfuncs()  # the user's, then _stop_own_children
     if not _children_stopped:  # a handler that cleared atexit skipped it
         stop_children(min(1.0, spec.grace_period / 2), kill=True)
@@ -346,11 +362,18 @@ def _exit_handlers(spec: WorkerSpec) -> None:
 
 def _stop_own_children(grace_period: float) -> None:
     """The last ``atexit`` handler of a worker: stop what the rank started and what is still running, SIGKILL
-    after ``min(1, grace_period / 2)`` seconds. Does nothing in a process the function forked."""
+    after ``min(1, grace_period / 2)`` seconds; then, if the rank is leaving with the parent's handlers
+    registered below this one, multiprocessing's finalizers and the rank's end (see :func:`_exit_handlers`).
+    Does nothing in a process the function forked."""
     global _children_stopped
     if os.getpid() == _worker_pid:
         stop_children(min(1.0, grace_period / 2), kill=True)
         _children_stopped = True
+        if _leaving is not None:
+            try:
+                multiprocessing.util._exit_function()  # type: ignore[attr-defined]
+            finally:
+                _leave(_leaving)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +429,7 @@ def _start(
     """Signals, parent-death and exit handlers: the first things a worker does. ``on_interrupt``: the
     SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call);
     ``forked``: what the parent made for it before the fork."""
-    global _worker_pid
+    global _worker_pid, _parents_exits_kept
     _worker_pid = os.getpid()
     for signum in _STOP_SIGNALS:  # one the caller ignores (nohup: SIGHUP) is ignored here too
         ignored = signum in spec.ignored_signals and signum != signal.SIGTERM  # SIGTERM: how a launch stops it
@@ -416,8 +439,11 @@ def _start(
     if getsignal(signal.SIGCHLD) == SIG_IGN:  # inherited: the rank's children's codes would be lost
         set_handler(signal.SIGCHLD, SIG_DFL)
     _die_with_parent(spec.parent_pid, spec.start_method)
-    if spec.start_method != "spawn":
-        atexit._clear()  # inherited from the parent or the fork server: not ours to run
+    # the parent's or the fork server's atexit handlers are not the rank's to run. A rank mplaunch forked leaves
+    # them registered (letting go of each writes to it: a page copy apiece) and ends before them (_exit_handlers)
+    _parents_exits_kept = forked is not None and spec.start_method == "fork"
+    if spec.start_method != "spawn" and not _parents_exits_kept:
+        atexit._clear()
     atexit.register(_stop_own_children, spec.grace_period)  # first registered: runs after the user's handlers
     if spec.start_method == "fork":
         keep_inherited(None if forked is None else forked.logging)  # the parent's open files are the parent's to flush

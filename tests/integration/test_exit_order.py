@@ -3,6 +3,7 @@ while it is pickled or unpickled ends in mplaunch's documented errors (issue 21,
 
 from __future__ import annotations
 
+import atexit
 import os
 from pathlib import Path
 
@@ -23,6 +24,36 @@ def test_atexit_handlers_run_while_the_ranks_children_live(start_method: StartMe
     assert result == 7
     with open(path) as file:
         assert file.read() == "final metrics"
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+@pytest.mark.parametrize("ending", ["return", "raise", "sys.exit"])
+def test_a_rank_runs_its_own_exit_handlers_never_the_parents(
+    start_method: StartMethod, ending: str, tmp_path: Path
+) -> None:
+    """A forked rank inherits its parent's ``atexit`` handlers (a forkserver rank, its server's) and must not
+    run them: the parent's "save the results" would run once per rank. The rank's own handlers run, its
+    children still alive, however the function ends."""
+    here = os.getpid()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def parents_handler() -> None:
+        if os.getpid() != here:
+            (marks / f"parent-handler-{os.getpid()}").touch()
+
+    atexit.register(parents_handler)
+    try:
+        fn = parallel(nprocs=1, start_method=start_method, timeout=120)(compat_workers.register_exit_mark)
+        if ending == "return":
+            assert fn(str(marks), ending) == 0
+        else:
+            with pytest.raises((ValueError, WorkerExitedError)):
+                fn(str(marks), ending)
+    finally:
+        atexit.unregister(parents_handler)
+    names = sorted(path.name.split("-")[0] for path in marks.iterdir())
+    assert names == ["rank"], names  # the rank's own handler ran, none of the parent's
 
 
 @pytest.mark.parametrize("start_method", METHODS)
