@@ -445,6 +445,32 @@ def raise_stopped_while_pickled() -> None:
     raise StoppedWhilePickled("the rank's own error")
 
 
+def killed_then_peer_fails(directory: str, after: float = 0.2) -> None:
+    """Rank 1 ends by SIGKILL at once; rank 0 raises ``after`` seconds after rank 1 has ended, as a collective
+    fails of a peer's death (gloo's "Connection closed by peer")."""
+    marker = os.path.join(directory, "rank1.pid")
+    if worker_info().rank == 1:
+        with open(marker + ".tmp", "w") as file:
+            file.write(str(os.getpid()))
+        os.rename(marker + ".tmp", marker)
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with open(marker) as file:
+        pid = int(file.read())
+    while time.monotonic() < deadline:  # until it has ended: a zombie, or reaped and gone
+        try:
+            with open(f"/proc/{pid}/stat") as file:
+                if file.read().rpartition(")")[2].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.005)
+    time.sleep(after)
+    raise ValueError("a collective failed: rank 1 is gone")
+
+
 def raise_on_rank(rank: int) -> None:
     """torch's test_exception_single."""
     if worker_info().rank == rank:

@@ -37,6 +37,7 @@ from mplaunch._wire.records import (
     Raised,
     RankState,
     Stopped,
+    failure_time,
     item_name,
     outcome_name,
     rank_state,
@@ -89,6 +90,7 @@ def exchange(
             limit = min((t for t in (deadline, grace) if t is not None), default=None)
             left = None if limit is None else min(max(0.0, limit - time.monotonic()), LONGEST_WAIT)
             ready = wait(watched, timeout=left)
+            seen = time.monotonic()  # when the ends in ready were seen (see _ended)
             if not ready and limit is not None and time.monotonic() < limit:
                 continue  # a wait cut to poll's longest (24.8 days): the limit is still ahead
             if not ready or (limit is not None and time.monotonic() >= limit):
@@ -128,7 +130,7 @@ def exchange(
                 if rank not in closed and team.conns[rank].poll(0):
                     continue  # its last messages first (a pipe at its end reads as ready too: then recv says so)
                 pending.discard(rank)
-                states[rank] = _ended(team, rank, rank in interrupted)
+                states[rank] = _ended(team, rank, rank in interrupted, seen)
                 team.broken = True
             if grace is None and any(isinstance(s, BaseException) for s in states.values()) and pending:
                 grace = _interrupt(team, pending, number, interrupted)
@@ -178,8 +180,10 @@ def _result(team: Team, number: int, rank: int, interrupted: bool) -> RankState:
     return rank_state(rank, outcome, 0, process.pid, False)
 
 
-def _ended(team: Team, rank: int, stopped: bool) -> RankState:
-    """The state of a rank whose worker ended during a call."""
+def _ended(team: Team, rank: int, stopped: bool, seen: float) -> RankState:
+    """The state of a rank whose worker ended during a call, its end seen at ``seen`` (``time.monotonic()``):
+    the time of its failure if it left no outcome (a signal killed it), not the moment after it was reaped,
+    by which time a peer's collective may have failed of its death."""
     process = team.processes[rank]
     if not team.ended(rank):  # (a pidfd readable: it has ended; its status read, whoever reaped it)
         with signals_held():
@@ -188,7 +192,7 @@ def _ended(team: Team, rank: int, stopped: bool) -> RankState:
         outcome = transport.load(team.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
     except Exception:  # noqa: BLE001 - judged by its exit code alone
         outcome = None
-    team.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()
+    team.failed_at[rank] = failure_time(outcome, process.exitcode, seen)
     return rank_state(rank, outcome, process.exitcode, process.pid, stopped)
 
 

@@ -25,10 +25,10 @@ from mplaunch._platform.ready import readable
 from mplaunch._wire import transport
 from mplaunch._wire.records import (
     Outcome,
-    Raised,
     RankState,
     Returned,
     WorkerSpec,
+    failure_time,
     outcome_name,
     rank_state,
     set_attribute,
@@ -134,6 +134,7 @@ class Supervisor:
             watched = [*pending, *(fd for fd in (stop, listener, notice) if fd is not None)]
             grace = preemption.remaining() if preemption else None
             ready = readable(watched, _earliest(self._next_look(pending.values()), grace))
+            seen = time.monotonic()  # when the ends in ready were seen: a rank without an outcome failed then
             if preemption is not None and preemption.noticed:
                 if preemption.remaining() == 0.0 or self.control.remaining() == 0.0:
                     self._raise_preempted()  # the grace (or the timeout in it) is over, or a second notice came
@@ -152,14 +153,17 @@ class Supervisor:
                 listener = None
             for sentinel in (fd for fd in ready if fd in pending):
                 rank = pending.pop(sentinel)
-                state = self._collect(rank)
+                state = self._collect(rank, seen)
                 if isinstance(state, BaseException):
                     if preemption is not None and preemption.noticed:
                         self._raise_preempted()  # a failure while saving: preempted all the same
                     self._raise_failure(state, rank)
 
-    def _collect(self, rank: int) -> RankState:
-        """Read the outcome of a finished worker and decide its state."""
+    def _collect(self, rank: int, seen: float | None = None) -> RankState:
+        """Read the outcome of a finished worker and decide its state. ``seen``: when its end was seen
+        (``time.monotonic()``; default now), the time of its failure if it left no outcome (a signal killed
+        it): reaping it and reading what it left takes milliseconds, in which a peer's collective can fail
+        because of its death and would seem the earlier failure."""
         process = self.processes[rank]
         # a Ctrl-C there would lose the exit code of the worker it reaps; what unpickling raises is the
         # result's own, never a Ctrl-C
@@ -178,7 +182,8 @@ class Supervisor:
         oom_kills = self.records.oom_kills(rank)
         state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped, oom_kills)
         self.states[rank] = state
-        self.failed_at[rank] = outcome.when if isinstance(outcome, Raised) else time.monotonic()
+        ended = time.monotonic() if seen is None else seen
+        self.failed_at[rank] = failure_time(outcome, process.exitcode, ended)
         return state
 
     def _load(self, rank: int) -> Outcome | None:

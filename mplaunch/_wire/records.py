@@ -272,6 +272,30 @@ def exit_status(code: object) -> int:
     return 1
 
 
+#: Seconds by which the parent may see a rank's end after it happened: the kernel frees the rank's memory
+#: before its end can be seen (milliseconds), and a busy machine wakes the parent late (tens of them). A peer
+#: whose collective fails of the death sees the closed connections at about the same time, then raises.
+NOTICE_SLACK = 0.1
+#: Signals that end a rank from outside or by its own crash, never because a peer failed (unlike SIGABRT,
+#: which NCCL's watchdog raises when a peer is gone, or SIGTERM, how a launch stops a rank).
+_OWN_DEATHS = frozenset(
+    getattr(signal, name) for name in ("SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE") if hasattr(signal, name)
+)
+
+
+def failure_time(outcome: Outcome | None, exitcode: int | None, seen: float) -> float:
+    """When a rank failed, on ``time.monotonic()``'s clock, to find the first failure of a launch: when it
+    raised, by its own clock; for a rank that left no outcome, when its end was ``seen``, and for one a signal
+    of :data:`_OWN_DEATHS` ended (the out-of-memory killer's SIGKILL, a segfault), :data:`NOTICE_SLACK`
+    earlier: such a death is never a peer's consequence, and a peer's collective failing of it must not
+    seem to come first."""
+    if isinstance(outcome, Raised):
+        return outcome.when
+    if outcome is None and exitcode is not None and -exitcode in _OWN_DEATHS:
+        return seen - NOTICE_SLACK
+    return seen
+
+
 def rank_state(
     rank: int,
     outcome: Outcome | None,

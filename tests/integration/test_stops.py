@@ -28,6 +28,65 @@ def launch(function: Callable[..., Any], start_method: StartMethod = "fork", **o
     return run
 
 
+@pytest.mark.parametrize("slowed", ["reaping", "waking"])
+def test_a_rank_killed_by_a_signal_comes_before_its_peers_later_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, slowed: str
+) -> None:
+    """A rank killed by SIGKILL was timed once the parent had reaped it and read what it left, milliseconds
+    after its end was seen; a peer's collective failing of its death in between seemed the first failure and
+    was raised (gloo's "Connection closed by peer", the SIGKILL only in `failures`). On a busy machine the
+    peer also raised before the parent woke to the death at all. A death by SIGKILL, never a peer's
+    consequence, now counts from when its end was seen, less NOTICE_SLACK. Here either the reaping is slowed
+    to 0.6 s (the peer fails 0.2 s after the death), or the parent wakes 0.05 s late (the peer fails at once)."""
+    from mplaunch._parent.report import RankRecords
+    from mplaunch._platform.ready import readable
+
+    if slowed == "reaping":
+        reap = RankRecords.reap
+
+        def slow_reap(self: RankRecords, rank: int, process: Any, pidfd: int | None = None) -> None:
+            if rank == 1:
+                time.sleep(0.6)
+            reap(self, rank, process, pidfd)
+
+        monkeypatch.setattr(RankRecords, "reap", slow_reap)
+    else:
+
+        def late(fds: list[int], timeout: float | None) -> list[int]:
+            ready = readable(fds, timeout)
+            time.sleep(0.05)  # another process had the core
+            return ready
+
+        monkeypatch.setattr("mplaunch._parent.supervise.readable", late)
+    with pytest.raises(WorkerExitedError, match="SIGKILL") as caught:
+        launch(workers.killed_then_peer_fails)(str(tmp_path), 0.2 if slowed == "reaping" else 0.0)
+    assert caught.value.rank == 1
+    assert [type(failure) for failure in caught.value.failures] == [ValueError]  # type: ignore[attr-defined]
+
+
+def test_a_warm_rank_killed_by_a_signal_comes_before_its_peers_later_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The same in a warm call: the killed rank was timed after it was joined and its outcome looked for."""
+    from mplaunch import Workers
+    from mplaunch._parent.team import Team
+
+    ended = Team.ended
+
+    def slow_ended(self: Team, rank: int) -> bool:
+        if rank == 1 and not ended(self, rank):
+            return False
+        if rank == 1:
+            time.sleep(0.6)
+        return ended(self, rank)
+
+    monkeypatch.setattr(Team, "ended", slow_ended)
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=2.0) as warm:
+        with pytest.raises(WorkerExitedError, match="SIGKILL") as caught:
+            warm.run(workers.killed_then_peer_fails, str(tmp_path))
+    assert caught.value.rank == 1
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_a_stop_while_a_rank_records_its_error_keeps_the_error(start_method: StartMethod) -> None:
     """A SIGTERM that landed while a rank pickled the error its function raised (a peer's failure stops it)
