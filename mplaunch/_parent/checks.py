@@ -269,9 +269,12 @@ def check_log_dir(log_dir: str | None) -> None:
         )
 
 
-def check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise the ``TypeError`` a plain call would raise for wrong arguments, here, before any worker starts."""
-    target = function._mplaunch_target
+def check_arguments(
+    function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, before: str = "launching any worker"
+) -> None:
+    """Raise the ``TypeError`` a plain call would raise for wrong arguments, here, before any worker runs it
+    (``before``: before what, for the message)."""
+    target = getattr(function, "_mplaunch_target", function)
     signature, bound = _signature(target)
     if signature is None:  # builtins and other callables without a signature
         return
@@ -282,7 +285,7 @@ def check_arguments(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         signature.bind(*args, **kwargs)
     except TypeError as error:
         name = getattr(target, "__qualname__", repr(target))
-        raise TypeError(f"{name}(): {error} (checked before launching any worker)") from None
+        raise TypeError(f"{name}(): {error} (checked before {before})") from None
     if len(bound) < 64:
         bound.add(shape)
 

@@ -59,7 +59,7 @@ class Workers:
             ``env``, ``preempt_signals``, ``restart_on``, ``restart_delay``) are refused.
 
     Raises:
-        InvalidOptionError: an option is invalid, or refused here.
+        InvalidOptionError: an option is invalid, or refused here (``console_ranks`` naming no rank too).
         LaunchRefusedError: a check before starting failed (main guard, CUDA before fork).
 
     Example:
@@ -95,10 +95,16 @@ class Workers:
                 )
         if config.nnodes is not None and config.nnodes > 1:
             raise InvalidOptionError(f"nnodes={config.nnodes} is not valid for Workers: they run on one node. Pass 1.")
+        nprocs = policy.resolve_nprocs(config.nprocs)
+        if config.console_ranks is not None and not any(rank < nprocs for rank in config.console_ranks):
+            raise InvalidOptionError(
+                f"console_ranks={sorted(config.console_ranks)} names no rank of these workers (ranks 0 to "
+                f"{nprocs - 1}), so no output would reach the console: pick ranks below {nprocs}."
+            )
         checks.check_not_bootstrapping("Workers")
         checks.check_log_dir(config.log_dir)
         self.config = config
-        self.nprocs = policy.resolve_nprocs(config.nprocs)
+        self.nprocs = nprocs
         self.start_method = config.start_method or policy.default_start_method()
         checks.check_cuda_fork(self.start_method)
         checks.check_main_guard(self.start_method, frame, "Workers")
@@ -141,9 +147,11 @@ class Workers:
                 not finish starting within ``rdzv_timeout`` seconds; they were stopped.
             KeyboardInterrupt: Ctrl-C; the call was interrupted.
             RuntimeError: the workers are closed, or this process was forked from the one that made them.
+            TypeError: ``function`` is not callable, or the arguments do not fit its signature (checked
+                here, before the call is sent to the ranks).
         """
         __tracebackhide__ = True  # noqa: F841
-        target = getattr(function, "_mplaunch_target", function)
+        target = _checked(function, args, kwargs)
         try:
             if inspect.isgeneratorfunction(target):
                 return self._stream(target, args, kwargs)
@@ -165,9 +173,10 @@ class Workers:
 
         Raises:
             RuntimeError: this process was forked from the one that made these workers.
+            TypeError: as for :meth:`run`.
         """
         self._held.check_process()
-        target = getattr(function, "_mplaunch_target", function)
+        target = _checked(function, args, kwargs)
         control = LaunchControl(stoppable=True)
         name = getattr(target, "__qualname__", "call")
         if not inspect.isgeneratorfunction(target):
@@ -327,3 +336,20 @@ def _returned(exchange: Any) -> Any:
             next(exchange)
         except StopIteration as stop:
             return stop.value
+
+
+def _checked(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The plain function a call of :meth:`Workers.run` or :meth:`Workers.submit` runs, its arguments checked
+    against its signature here, as a launch checks them.
+
+    Raises:
+        TypeError: ``function`` is not callable, or the arguments do not fit it (as a plain call would say).
+    """
+    target = getattr(function, "_mplaunch_target", function)
+    if not callable(target):
+        raise TypeError(
+            f"Workers.run() and submit() take the function to run on every rank first, not {function!r}: "
+            "pass a function, then its arguments, e.g. workers.run(train_epoch, 0.1)."
+        )
+    checks.check_arguments(target, args, kwargs, before="sending the call to the ranks")
+    return target

@@ -59,6 +59,21 @@ def test_a_global_set_in_one_run_is_read_in_the_next_by_the_same_processes(start
     assert [rank for rank, _, _ in first] == [0, 1]
 
 
+def test_bad_calls_and_options_are_refused_before_the_ranks_see_them() -> None:
+    """run(5) failed with a bare "TypeError: 'int' object is not callable"; wrong arguments failed in every
+    rank; console_ranks naming no rank silently dropped every line. Each is now refused in the caller, as a
+    launch refuses them, and the ranks stay usable."""
+    with pytest.raises(mplaunch.InvalidOptionError, match=r"console_ranks=\[3\] names no rank.*below 2"):
+        Workers(nprocs=2, start_method="fork", console_ranks=[3])
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as warm:
+        for call in (warm.run, warm.submit):
+            with pytest.raises(TypeError, match=r"not 5: pass a function, then its arguments"):
+                call(5)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"rank_and_pid\(\): too many positional arguments.*sending the call"):
+                call(warm_workers.rank_and_pid, 1)
+        assert warm.run(warm_workers.rank_and_pid)[0] == 0
+
+
 def test_a_decorated_function_runs_its_plain_function_and_rank_0s_value_is_returned() -> None:
     decorated = parallel(nprocs=2)(warm_workers.rank_and_pid)
     with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as workers:
