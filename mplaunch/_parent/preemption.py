@@ -40,6 +40,7 @@ class Preemption:
         self.forced = False
         self.reported = False  # a PreemptedError was raised for the notice
         self.origin: int | None = None  # the node whose launching process got the notice (multi-node), if another
+        self._own = False  # this process got a notice itself (a signal, future.preempt()), not only another node's
         self._mapping: mmap.mmap | None = None
         self._read, self._write = os.pipe()
         fcntl.fcntl(self._write, fcntl.F_SETFL, os.O_NONBLOCK)
@@ -68,12 +69,16 @@ class Preemption:
 
     def notify(self, signum: int | None, origin: int | None = None) -> None:
         """The notice (``signum``: the signal, or ``None`` from ``future.preempt()``); a second one forces the end.
-        ``origin``: the node that got it, for a notice passed on by another node of a multi-node launch (such a
-        notice never forces the end: each node's second signal is its own)."""
+        ``origin``: the node that got it, for a notice passed on by another node of a multi-node launch. Such a
+        notice never forces the end: each node's second notice is its own. A scheduler that preempts every
+        node signals each, and a node may hear of another's signal before its own: that is its first.
+        """
         if self.noticed:
             if origin is None:
-                self.forced = True
+                self.forced = self._own
+                self._own = True
         else:
+            self._own = origin is None
             self.signum = signum
             self.origin = origin
             self.noticed_at = time.monotonic()

@@ -171,6 +171,24 @@ def test_the_flag_is_seen_through_a_mapping(tmp_path: Path, monkeypatch: pytest.
             flag.close()
 
 
+def test_a_nodes_own_signal_after_another_nodes_notice_is_its_first() -> None:
+    """A scheduler preempting a two-node job signals both nodes; node 0 heard of node 1's signal first, and
+    its own signal then counted as a second notice: the grace ended at once and no rank saved. Only this
+    process's own second notice forces the end."""
+    notice = Preemption(60)
+    try:
+        notice.notify(signal.SIGTERM, origin=1)  # passed on by node 1
+        notice.notify(signal.SIGTERM)  # this node's own, just after
+        assert not notice.forced and 59 < (notice.remaining() or 0) <= 60
+        assert notice.origin == 1  # (the notice is the one first heard of)
+        notice.notify(signal.SIGTERM, origin=1)
+        assert not notice.forced
+        notice.notify(signal.SIGTERM)  # this node's second
+        assert notice.forced and notice.remaining() == 0.0
+    finally:
+        notice.close()
+
+
 def test_a_notice_before_the_flag_exists_raises_it_when_made(tmp_path: Path) -> None:
     control = LaunchControl(stoppable=True)
     control.preempt()  # future.preempt() before the launch started
