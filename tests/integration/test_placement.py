@@ -40,7 +40,7 @@ def test_one_device_trials_share_two_devices_at_most_two_at_once(tmp_path: Path)
     assert devices.pool().busy() == {0, 1}
     (tmp_path / "release").touch()
     results = [f.result(timeout=120) for f in futures]
-    assert sorted(results) == ["0", "0", "1", "1"]
+    assert set(results) <= {"0", "1"}  # a queued trial takes the device freed first: either, maybe both the same
     spans: list[tuple[float, float, str]] = []
     for n in range(4):
         start, device = (tmp_path / f"t{n}.start").read_text().split()
