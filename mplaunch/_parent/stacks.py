@@ -29,6 +29,7 @@ _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.*)$')
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mplaunch/
 _WORKER_ENTRY = os.path.join(_PACKAGE, "_worker", "entry.py")
+_FORKING = os.path.join(_PACKAGE, "_parent", "processes.py")  # where a forked worker's stack meets its parent's
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _LIBRARIES = ("site-packages", "dist-packages")
 
@@ -85,8 +86,24 @@ def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: fl
         with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as file:
             text = file.read()
             if text:
-                found[rank] = text
+                found[rank] = above_the_fork(text)
     return found
+
+
+def above_the_fork(text: str) -> str:
+    """A forked worker's dump without the frames it inherited: a forked process goes on from its parent's
+    ``os.fork()`` call, so its stack goes down through the parent's launch to the caller's own code, which
+    this process never ran. Each thread's frames from mplaunch's forking function down are left out."""
+    kept: list[str] = []
+    inherited = False
+    for line in text.splitlines(keepends=True):
+        if _THREAD.match(line) or line.startswith("Stack (most recent call first)"):
+            inherited = False
+        elif (match := _FRAME.match(line)) is not None and match["file"] == _FORKING:
+            inherited = True
+        if not inherited:
+            kept.append(line)
+    return "".join(kept)
 
 
 def forget(directory: str, rank: int) -> None:

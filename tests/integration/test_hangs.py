@@ -58,6 +58,7 @@ def test_timeout_names_where_each_rank_was(start_method: str, tmp_path: Path) ->
     assert set(error.stacks) == {0, 1}
     assert "stuck_here" in error.stacks[0]
     assert "barrier" in error.stacks[1]
+    assert all(" in __call__" not in stack for stack in error.stacks.values())  # no frame of the caller's side
     message = str(error)
     assert "rank 0 in stuck_here (" in message
     assert "rank 1 in stuck_or_in_barrier (" in message

@@ -54,6 +54,25 @@ def test_threads_parses_every_frame() -> None:
     assert found[1][0] == stacks.Frame(f"{TORCH}/distributed/distributed_c10d.py", 5356, "barrier")
 
 
+def test_a_forked_workers_dump_leaves_out_the_parents_frames() -> None:
+    """A forked rank's stack went on below its function into the parent's launch and the caller's script
+    (`_api.py ... __call__`, `launch.py line 10 <module>`), frames it inherited and never ran."""
+    forking = os.path.join(PACKAGE, "_parent", "processes.py")
+    inherited = [
+        (f"{STDLIB}/multiprocessing/process.py", 314, "_bootstrap"),
+        (forking, 153, "_fork_all"),
+        (forking, 110, "start_workers"),
+        (os.path.join(PACKAGE, "_api.py"), 98, "__call__"),
+        ("/home/me/project/launch.py", 10, "<module>"),
+    ]
+    main = [*MAIN[:-1], *inherited]
+    text = stacks.above_the_fork(_dump(WATCHER, main, current=1))
+    found = stacks.threads(text)
+    assert found == stacks.threads(_dump(WATCHER, [*MAIN[:-1], inherited[0]], current=1))
+    assert "<module>" not in text and "__call__" not in text and text.count("Thread 0x") == 1
+    assert stacks.above_the_fork(_dump(WATCHER)) == _dump(WATCHER)  # a spawned worker's: nothing inherited
+
+
 def test_the_user_frame_of_the_thread_that_runs_the_function() -> None:
     frame = stacks.innermost_user_frame(_dump(WATCHER, MAIN))
     assert frame is not None
