@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -433,10 +434,31 @@ BIG_ARGUMENT = """
 """
 
 
-def _shm_used() -> int:
-    """Shared memory in use on the machine: /dev/shm's files and memory files (memfd) alike."""
-    with open("/proc/meminfo") as meminfo:
-        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("Shmem:"))
+def _memory_files(pids: list[int], at_least: int) -> set[int]:
+    """The inodes of mplaunch's memory files (memfd) of ``at_least`` bytes or more that ``pids`` hold open or
+    mapped."""
+    found: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    path = f"/proc/{pid}/fd/{fd}"
+                    if os.readlink(path).startswith("/memfd:mplaunch-") and os.stat(path).st_size >= at_least:
+                        found.add(os.stat(path).st_ino)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/memfd:mplaunch-"):
+                    start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                    if end - start >= at_least:
+                        found.add(int(fields[4]))
+    return found
+
+
+def _holders(inodes: set[int]) -> list[int]:
+    """The processes of the machine that still hold a memory file of ``inodes`` open or mapped."""
+    every = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    return [pid for pid in every if pid != os.getpid() and _memory_files([pid], 0) & inodes]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP])
@@ -444,10 +466,11 @@ def test_a_killed_parents_launch_directory_is_removed_without_a_later_launch(sta
     """Issue 16: after SIGKILL (or SIGHUP, SIGQUIT) the launch directory stayed in /dev/shm until some later
     launch cleaned it: a dead job's arguments and results could hold gigabytes of RAM. The parent's reaper
     removes it as soon as the parent is gone, and the memory files of the call go with the last process that
-    holds them."""
-    before = _shm_used()
+    holds them (checked by who holds them: the machine's shared memory in use moved with the tests beside it)."""
     parent, pids = started(BIG_ARGUMENT, "forkserver")
-    assert _shm_used() - before > 200 * 2**20  # the argument is there
+    argument = _memory_files([parent.pid, *pids], 200 * 2**20)
+    assert argument  # the 256 MiB argument, in a memory file the call made
+    assert set(_holders(argument)) >= set(pids)  # (each worker maps it: the look finds holders)
     parent.send_signal(signum)
     parent.communicate(timeout=30)
     assert_gone(pids, within=15.0)
@@ -457,7 +480,9 @@ def test_a_killed_parents_launch_directory_is_removed_without_a_later_launch(sta
     ] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"mplaunch-{parent.pid}-")]
-    assert _shm_used() - before < 64 * 2**20  # back to where it started (other processes may use a little)
+    while (holders := _holders(argument)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not holders  # no process holds the argument: its memory is free
 
 
 QUIET_STOP = """
