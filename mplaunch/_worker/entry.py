@@ -429,8 +429,8 @@ def _start(
     """Signals, parent-death and exit handlers: the first things a worker does. ``on_interrupt``: the
     SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call);
     ``forked``: what the parent made for it before the fork."""
-    global _worker_pid, _parents_exits_kept
-    _worker_pid = os.getpid()
+    global _worker_pid, _parents_exits_kept, _leaving
+    _worker_pid, _leaving = os.getpid(), None
     for signum in _STOP_SIGNALS:  # one the caller ignores (nohup: SIGHUP) is ignored here too
         ignored = signum in spec.ignored_signals and signum != signal.SIGTERM  # SIGTERM: how a launch stops it
         set_handler(signum, SIG_IGN if ignored else _on_signal)
