@@ -38,6 +38,29 @@ def replace_environ(wanted: Mapping[str, str]) -> None:
             environ[name] = value
 
 
+def c_getenv(name: str) -> str | None:
+    """``name``'s value in the C library's table, as C code reads it (CPython's own ``breakpoint()`` does):
+    where ``os.putenv`` or ``os.unsetenv`` alone changed it, ``os.environ`` says otherwise. Off Linux, or
+    without ctypes, ``os.environ``'s."""
+    getenv = _c_getenv()
+    if getenv is None:
+        return os.environ.get(name)
+    value = getenv(os.fsencode(name))
+    return None if value is None else os.fsdecode(value)
+
+
+@functools.lru_cache(maxsize=1)
+def _c_getenv() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        getenv = ctypes.CDLL(None).getenv
+    except (OSError, AttributeError):
+        return None
+    getenv.argtypes, getenv.restype = [ctypes.c_char_p], ctypes.c_char_p
+    return getenv
+
+
 @functools.lru_cache(maxsize=1)
 def _c_environ() -> ctypes.c_void_p | None:
     """The C library's ``environ`` pointer (the table ``getenv`` and ``exec`` read), where ctypes reaches it

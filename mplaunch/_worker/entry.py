@@ -30,7 +30,7 @@ from mplaunch._env import WORKER_VARIABLE, apply_environment, rank_environment, 
 from mplaunch._errors import NodeLostError, RemoteError
 from mplaunch._output.fds import take_fds, terminal_stdin
 from mplaunch._platform import forks
-from mplaunch._platform.environ import ForkEnviron, fork_environs, replace_environ
+from mplaunch._platform.environ import ForkEnviron, c_getenv, fork_environs, replace_environ
 from mplaunch._platform.proctree import become_subreaper, set_parent_death_signal
 from mplaunch._platform.signals import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 from mplaunch._state.sharing import unshare
@@ -409,7 +409,7 @@ def prepare_forks(spec: WorkerSpec, stdin: TextIO | None) -> list[Forked]:
     own = [_rank_fork_changes(spec, rank) for rank in range(spec.nprocs)]
     made = fork_environs(shared, own)
     environs: list[ForkEnviron | None] = [None] * spec.nprocs if made is None else [*made]
-    usual = breakpoint_plan(os.environ.get("PYTHONBREAKPOINT"))
+    usual = breakpoint_plan(c_getenv("PYTHONBREAKPOINT"))  # (CPython's breakpoint() reads the C table)
     return [
         Forked(
             environs[rank],

@@ -241,3 +241,18 @@ def test_pythonbreakpoint_given_through_env_decides_the_ranks_breakpoint(start_m
     )
     assert run.options(env={"PYTHONBREAKPOINT": "0"})() == [True, True]
     assert run() == [False, False]
+
+
+def test_pythonbreakpoint_set_for_c_code_alone_decides_a_forked_ranks_breakpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``os.putenv("PYTHONBREAKPOINT", "0")`` (not in ``os.environ``) turns ``breakpoint()`` off for CPython,
+    which reads the C library's table; a forked rank took mplaunch's hook, as ``os.environ`` has no value."""
+    monkeypatch.delenv("PYTHONBREAKPOINT", raising=False)
+    run = parallel(nprocs=1, start_method="fork", timeout=120)(workers.breakpoint_hook_is_pythons)
+    os.putenv("PYTHONBREAKPOINT", "0")
+    try:
+        assert run() is True
+    finally:
+        os.unsetenv("PYTHONBREAKPOINT")
+    assert run() is False
