@@ -29,7 +29,8 @@ _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.*)$')
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mplaunch/
 _WORKER_ENTRY = os.path.join(_PACKAGE, "_worker", "entry.py")
-_FORKING = os.path.join(_PACKAGE, "_parent", "processes.py")  # where a forked worker's stack meets its parent's
+#: Where a forked worker's stack meets its parent's: mplaunch's forking function (file, function).
+_FORKING = (os.path.join(_PACKAGE, "_parent", "processes.py"), "_fork_all")
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _LIBRARIES = ("site-packages", "dist-packages")
 
@@ -99,7 +100,7 @@ def above_the_fork(text: str) -> str:
     for line in text.splitlines(keepends=True):
         if _THREAD.match(line) or line.startswith("Stack (most recent call first)"):
             inherited = False
-        elif (match := _FRAME.match(line)) is not None and match["file"] == _FORKING:
+        elif (match := _FRAME.match(line)) is not None and (match["file"], match["function"]) == _FORKING:
             inherited = True
         if not inherited:
             kept.append(line)
