@@ -75,9 +75,7 @@ class WorkerImports:
             return False  # e.g. a script that cProfile or trace run in a namespace of their own
         if module_name != "__main__":
             return self.module_importable(module_name)
-        if self.main_file is None:
-            return False
-        return not _defined_under_guard(obj, qualname, self.main_file)
+        return self.main_file is not None and _defined_by_script(obj, qualname, self.main_file)
 
     def needs_value(self, obj: Any) -> bool:
         """Whether ``obj`` (a function or class) must travel by value: it belongs to ``__main__`` and the
@@ -175,9 +173,8 @@ def guard_spans(tree: ast.Module) -> list[tuple[int, int]]:
     return [(node.lineno, node.end_lineno or node.lineno) for node in ast.walk(tree) if _is_guard(node)]
 
 
-def _bind(statements: list[ast.stmt], outside: set[str], inside: set[str], guarded: bool) -> None:
-    """Collect the names that module-level ``statements`` bind, inside or outside a ``__main__`` guard."""
-    names = inside if guarded else outside
+def _bind(statements: list[ast.stmt], names: set[str]) -> None:
+    """Collect the names that module-level ``statements`` bind outside a ``__main__`` guard."""
     for node in statements:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
@@ -188,13 +185,12 @@ def _bind(statements: list[ast.stmt], outside: set[str], inside: set[str], guard
         for target in _targets(node):
             names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
         if _is_guard(node):
-            _bind(node.body, outside, inside, True)
-            _bind(node.orelse, outside, inside, guarded)
+            _bind(node.orelse, names)
             continue
         for field in ("body", "orelse", "finalbody"):
-            _bind(getattr(node, field, []), outside, inside, guarded)
+            _bind(getattr(node, field, []), names)
         for handler in getattr(node, "handlers", []):
-            _bind(handler.body, outside, inside, guarded)
+            _bind(handler.body, names)
 
 
 def _targets(node: ast.stmt) -> list[ast.expr]:
@@ -208,14 +204,14 @@ def _targets(node: ast.stmt) -> list[ast.expr]:
 
 
 class _Source:
-    """What a script's source says about its ``__main__`` guard."""
+    """What a script's source says about its ``__main__`` guard: the guard's line spans, and the names its
+    module-level code binds outside the guard (what a worker's re-run of the script defines)."""
 
     def __init__(self, tree: ast.Module) -> None:
         self.spans = guard_spans(tree)
         outside: set[str] = set()
-        inside: set[str] = set()
-        _bind(tree.body, outside, inside, False)
-        self.guard_only = frozenset(inside - outside)
+        _bind(tree.body, outside)
+        self.outside = frozenset(outside)
 
 
 _sources: dict[tuple[str, float], _Source | None] = {}
@@ -236,13 +232,25 @@ def script_source(path: str) -> _Source | None:
     return _sources[key]
 
 
-def _defined_under_guard(obj: Any, qualname: str, path: str) -> bool:
-    """Whether a ``__main__`` object is made under the script's guard, which a worker's re-run skips."""
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # "<string>", "<stdin>", a file since removed
+        return False
+
+
+def _defined_by_script(obj: Any, qualname: str, path: str) -> bool:
+    """Whether a worker's re-run of the script ``path`` defines the ``__main__`` object ``obj`` itself: its
+    name is bound by the script's module-level code outside the ``__main__`` guard, and its code (for a
+    function) comes from that file, outside the guard. A function defined under the guard, typed at a
+    prompt, ``exec``'d, or defined after the workers started under a name the script does not bind, is not."""
     source = script_source(path)
-    if source is None:
+    if source is None or qualname.split(".")[0] not in source.outside:
         return False
     code = getattr(obj, "__code__", None) or getattr(getattr(obj, "__wrapped__", None), "__code__", None)
-    line = getattr(code, "co_firstlineno", None)
-    if line is not None and any(start <= line <= end for start, end in source.spans):
-        return True
-    return qualname.split(".")[0] in source.guard_only
+    if code is None:
+        return True  # a class: its name is what the script binds
+    if code.co_filename != path and not _same_file(code.co_filename, path):
+        return False
+    line = code.co_firstlineno
+    return not any(start <= line <= end for start, end in source.spans)

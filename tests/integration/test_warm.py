@@ -316,3 +316,30 @@ def test_a_warm_result_that_exits_when_unpickled_is_a_remote_error_and_the_ranks
         with pytest.raises(RemoteError, match=r"cannot be unpickled in the parent: SystemExit: 4"):
             workers.run(compat_workers.result_exiting_when_unpickled)
         assert workers.run(os.getpid) == before[0]
+
+
+_LATE = """
+import sys
+from mplaunch import Workers, parallel
+
+if __name__ == "__main__":
+    method = sys.argv[1]
+    with Workers(nprocs=2, start_method=method, timeout=90, return_all=True) as workers:
+        # defined after the ranks started, in __main__ but not by the script: a worker's __main__ lacks it
+        exec("def late_fn(x):\\n    import mplaunch\\n    return mplaunch.worker_info().rank + x\\n", globals())
+        print("warm", workers.run(late_fn, 10), flush=True)
+    print("launch", parallel(nprocs=2, start_method=method, return_all=True, timeout=90)(late_fn)(20), flush=True)
+"""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_function_defined_after_the_ranks_started_runs_in_them(start_method: str, tmp_path: Path) -> None:
+    """It travelled by reference, and spawn and forkserver ranks failed with "Can't get attribute 'late_fn'
+    on <module '__mp_main__'>"; now what the worker's re-run of the script does not define travels by value,
+    in a warm call and in a launch."""
+    from tests.helpers import run_script, write_script
+
+    done = run_script(write_script(tmp_path, _LATE), start_method)
+    assert done.returncode == 0, done.stderr
+    assert "warm [10, 11]" in done.stdout
+    assert "launch [20, 21]" in done.stdout

@@ -107,6 +107,27 @@ def test_main_objects_follow_how_multiprocessing_prepares_main(tmp_path: Path, m
     assert _imports().needs_value(other["profiled"])
 
 
+def test_a_main_object_the_scripts_rerun_does_not_define_travels_by_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker runs the script again: only what its module-level code defines outside the guard is there.
+    A function exec'd into __main__ (defined after the workers started, at a prompt) is found by name in the
+    parent and was sent by reference: the worker failed with "Can't get attribute 'late_fn'"."""
+    script = tmp_path / "script.py"
+    script.write_text("def top():\n    pass\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    exec(compile(script.read_text(), str(script), "exec"), vars(main))
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    exec("def late_fn():\n    pass\n", vars(main))  # a name the script never binds
+    assert _imports().needs_value(main.late_fn)
+    top = main.top
+    exec("def top():\n    return 1\n", vars(main))  # the script's name, redefined at a prompt
+    assert _imports().needs_value(main.top)
+    main.top = top
+    assert _imports().can_import(main.top)
+
+
 def test_pickled_by_value_even_where_the_parent_finds_it(loaded: types.ModuleType) -> None:
     data, _ = pickling.pickle_object((loaded.twice, loaded.Box(21)), False, _imports())
     del sys.modules["exp"]  # as in a worker, where no "exp" can be imported
