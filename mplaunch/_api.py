@@ -15,7 +15,7 @@ from typing_extensions import ParamSpec, Unpack
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config, replace_options
 from mplaunch._errors import InvalidOptionError, raised_by_design
 from mplaunch._frames import named_original, resolve, user_frame
-from mplaunch._parent import futures, generators, in_process, launch
+from mplaunch._parent import futures, in_process, launch
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.report import RunReport
 from mplaunch._state.snapshot import GlobalState
@@ -88,7 +88,7 @@ class ParallelFunction(Generic[P, T]):
         control = LaunchControl()
         try:
             if inspect.isgeneratorfunction(self.__wrapped__):
-                return generators.launch_stream(self, args, kwargs, self.config, user_frame())  # type: ignore[no-any-return]
+                return launch.launch_stream(self, args, kwargs, self.config, user_frame(), control, self._reported)  # type: ignore[no-any-return]
             return launch.launch(self, args, kwargs, self.config, user_frame(), control)  # type: ignore[no-any-return]
         except BaseException as error:
             if not raised_by_design(error):
@@ -153,8 +153,6 @@ class ParallelFunction(Generic[P, T]):
             (False, True)
         """
         frame = user_frame()
-        if inspect.isgeneratorfunction(self.__wrapped__):
-            return generators.submit_stream(self, args, kwargs, self.config)
         control = LaunchControl(stoppable=True)
         try:
             control.in_process = not launch.check_call(self, args, kwargs, self.config, frame)
@@ -170,10 +168,20 @@ class ParallelFunction(Generic[P, T]):
             except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
                 control.state = None
 
+        name = getattr(self, "__qualname__", "launch")
+        if inspect.isgeneratorfunction(self.__wrapped__):
+            return futures.submit_stream(
+                lambda control: launch.launch_stream(self, args, kwargs, self.config, None, control), control, name
+            )
+
         def run(control: LaunchControl) -> T:
             return launch.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
 
-        return futures.submit(run, control, getattr(self, "__qualname__", "launch"))
+        return futures.submit(run, control, name)
+
+    def _reported(self, report: RunReport) -> None:
+        """Keep the report of a stream that ended (see :attr:`last_report`)."""
+        self.last_report = report
 
     def options(self, **overrides: Unpack[LaunchOptions]) -> ParallelFunction[P, T]:
         """Return this function with some options replaced; this one is left unchanged (as Ray's

@@ -14,13 +14,14 @@ import atexit
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mplaunch._errors import raised_by_design
 from mplaunch._frames import Caller, outside_caller, warnings_for
 from mplaunch._parent.control import LaunchControl, LaunchStopped
+from mplaunch._parent.stream import Queued
 from mplaunch._platform import forks
 
 if TYPE_CHECKING:
@@ -210,6 +211,25 @@ def submit(run: Callable[[LaunchControl], T], control: LaunchControl, name: str)
             _running.discard(future)
         control.close()
         raise
+    return future
+
+
+def submit_stream(
+    start: Callable[[LaunchControl], Iterator[Any]], control: LaunchControl, name: str
+) -> LaunchFuture[Any]:
+    """:func:`submit` of a call that streams values: ``start(control)`` returns its stream, read in the
+    launch thread. The future is of the stream's return value; its ``items`` attribute iterates over the
+    values as they arrive there."""
+    items: Queued[Any] = Queued()
+
+    def run(control: LaunchControl) -> Any:
+        try:
+            return items.feed(start(control))
+        finally:
+            items.end()
+
+    future = submit(run, control, name)
+    future.items = items  # type: ignore[attr-defined]
     return future
 
 

@@ -197,6 +197,22 @@ class RankRecords:
             return None
 
 
+def live_usage(pid: int | None) -> tuple[int, float, float] | None:
+    """A running process's peak resident memory so far (bytes) and CPU time (user, system; seconds), from
+    ``/proc``; ``None`` where it cannot be read (the process ended, no ``/proc``)."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        with open(f"/proc/{pid}/status", "rb") as status:
+            peak = next(line for line in status if line.startswith(b"VmHWM:"))
+    except (OSError, IndexError, StopIteration):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(peak.split()[1]) * 1024, int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
 def _killed(pid: int) -> bool:
     """Whether child ``pid`` ended by SIGKILL (the out-of-memory killer's signal), or may have: it has not
     ended yet (it is then waited for), or its end cannot be looked at. It is not reaped."""

@@ -13,14 +13,16 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, TypeVar
 
 from mplaunch._errors import RemoteTraceback, WorkerFailedError
 from mplaunch._frames import warn_at_user
 from mplaunch._parent.control import LaunchControl
 from mplaunch._recovery_options import RestartOn
+
+T = TypeVar("T")
 
 #: The longest wait between two attempts, in seconds.
 MAX_DELAY = 60.0
@@ -32,22 +34,22 @@ class RestartWarning(RuntimeWarning):
 
 
 def run_attempts(
-    attempt: Callable[[int], list[Any]],
+    attempt: Callable[[int], Generator[T, None, list[Any]]],
     max_restarts: int,
     control: LaunchControl,
     restart_on: RestartOn = None,
     restart_delay: float = 0.0,
-) -> list[Any]:
-    """Call ``attempt(restart_count)`` until it returns, restarting after each worker failure that
-    ``restart_on`` accepts, at most ``max_restarts`` times, while time is left; wait :func:`restart_delays`
-    before each restart. The exception that ends the launch gets an ``earlier_attempts`` attribute: the
-    failures of the attempts before it, oldest first."""
+) -> Generator[T, None, list[Any]]:
+    """Run ``attempt(restart_count)`` (yielding what it yields: a stream's values) until it returns,
+    restarting after each worker failure that ``restart_on`` accepts, at most ``max_restarts`` times, while
+    time is left; wait :func:`restart_delay_of` before each restart. The exception that ends the launch gets
+    an ``earlier_attempts`` attribute: the failures of the attempts before it, oldest first."""
     earlier: list[BaseException] = []
     restart = 0
     while True:
         control.check()
         try:
-            return attempt(restart)
+            return (yield from attempt(restart))
         except Exception as error:
             delay = restart_delay_of(restart + 1, restart_delay)
             remaining = control.remaining()

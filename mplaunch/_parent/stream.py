@@ -1,7 +1,8 @@
 """The values a generator function yields in the ranks, delivered to the caller as they are produced.
 
-A :class:`Stream` wraps one call's exchange with the ranks (see :meth:`mplaunch._parent.team.Team.exchange`):
-each rank writes a value to the launch directory as soon as it is yielded and says so on its pipe, and the
+A :class:`Stream` wraps one call's loop on its ranks (see :meth:`mplaunch._parent.ranks.Ranks.call`), a launch's
+or warm workers': each rank writes a value to the launch directory as soon as it is yielded and says so on its
+pipe, and the
 parent reads it when the caller asks for the next one. After the last value, the call's outcome is decided
 as for any call: the return value (:attr:`Stream.value`), or the first failure, raised as itself.
 """
@@ -36,20 +37,23 @@ class Stream(Generic[T]):
     """
 
     def __init__(
-        self,
-        exchange: Generator[tuple[int, Any], None, Any],
-        finish: Callable[[Any], Any],
-        release: Callable[[], None],
-        return_all: bool,
+        self, exchange: Generator[tuple[int, Any], None, Any], release: Callable[[], None], return_all: bool
     ) -> None:
         self._exchange = exchange
-        self._finish = finish
         self._release = release
         self._return_all = return_all
         self._done = False
         self._pid = os.getpid()  # a process forked from this one has a copy, which must not touch the call
-        self._after: list[Callable[[], None]] = []  # run once the call has ended (a launch closes its workers)
         self.value: Any = None
+
+    def prime(self) -> None:
+        """Run the call until its ranks run (they do whether or not the values are read); what refuses it
+        is raised here."""
+        try:
+            next(self._exchange)
+        except BaseException:
+            self._end()
+            raise
 
     def __iter__(self) -> Stream[T]:
         return self
@@ -70,12 +74,7 @@ class Stream(Generic[T]):
             rank, value = next(self._exchange)
         except StopIteration as stop:
             self._end()
-            try:
-                self.value = self._finish(stop.value)
-            except BaseException as error:
-                if not ours(error):
-                    raise
-                raise error.with_traceback(None) from error.__cause__  # as a call raises it
+            self.value = stop.value
             raise StopIteration(self.value) from None
         except BaseException as error:
             self._end()
@@ -101,11 +100,7 @@ class Stream(Generic[T]):
     def _end(self) -> None:
         if not self._done:
             self._done = True
-            try:
-                self._release()
-            finally:
-                for after in self._after:
-                    after()
+            self._release()
 
     def __enter__(self) -> Stream[T]:
         return self
@@ -150,9 +145,13 @@ class Queued(Generic[T]):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ended = False
 
-    def feed(self, stream: Iterator[T]) -> None:
-        """Put every value of ``stream`` (in the thread that runs it)."""
-        for value in stream:
+    def feed(self, stream: Iterator[T]) -> Any:
+        """Put every value of ``stream`` (in the thread that runs it); return its return value."""
+        while True:
+            try:
+                value = next(stream)
+            except StopIteration as stop:
+                return stop.value
             self._queue.put(value)
 
     def end(self) -> None:

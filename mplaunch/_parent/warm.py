@@ -1,20 +1,28 @@
 """Warm workers: :class:`Workers` starts N ranks once and runs many calls on them, keeping their state.
 
-The ranks are started as a launch's are (the same environment, spec, output, rendezvous store, launch
-directory and reaper; see :mod:`mplaunch._parent.team`), but each serves calls in a loop
-(:mod:`mplaunch._worker.serve`) instead of running one function. The design follows ipyparallel's engines
-and Ray's actors (a process that keeps its state between tasks), with mplaunch's one-copy transport.
+The ranks are a launch's (the same spec, environment, output, rendezvous store, launch directory, reaper and
+engine: :class:`~mplaunch._parent.ranks.Ranks`), but each serves calls in a loop
+(:mod:`mplaunch._worker.serve`) instead of running one function. A call is written once to the launch
+directory as a ``Call`` record; each rank is told on its pipe, runs it in its main thread and answers there.
+The design follows ipyparallel's engines and Ray's actors (a process that keeps its state between tasks), with
+mplaunch's one-copy transport.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import inspect
 import itertools
+import multiprocessing
+import os
+import signal
 import sys
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 from typing_extensions import Unpack
@@ -22,19 +30,30 @@ from typing_extensions import Unpack
 from mplaunch._config import LaunchOptions, ParallelConfig, make_config
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._frames import warn_at_user
-from mplaunch._parent import checks, futures, policy
+from mplaunch._output.pump import routed, worker_fds
+from mplaunch._parent import checks, devices, futures, policy
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.directory import space_hint
-from mplaunch._parent.exchange import start
-from mplaunch._parent.stream import Queued, Stream, ours
-from mplaunch._parent.team import Busy, Held, Team
+from mplaunch._parent.directory import launch_directory, space_hint
+from mplaunch._parent.launch import attempt_spec, drained, launch_spec
+from mplaunch._parent.memory import outcome_files, payload_written
+from mplaunch._parent.preemption import preemption_notice
+from mplaunch._parent.ranks import Ranks, board_for, values
+from mplaunch._parent.report import RankReport, RunReport, live_usage
+from mplaunch._parent.signalling import signal_worker
+from mplaunch._parent.starter import in_starter
+from mplaunch._parent.store import rendezvous
+from mplaunch._parent.stream import Stream, ours
 from mplaunch._parent.terminal import terminal_kept
-from mplaunch._wire import transport
+from mplaunch._platform import forks
+from mplaunch._state.python import warn_not_carried
+from mplaunch._state.snapshot import ForkState, GlobalState
+from mplaunch._wire import flags, transport
 from mplaunch._wire.importable import worker_imports
-from mplaunch._wire.records import Call, RankState, Returned, Stopped, call_name, set_attribute
+from mplaunch._wire.records import EXIT, Call, Payload, RankState, Stopped, call_name
+from mplaunch._worker.serve import serve
 
-#: Options of a launch that warm workers do not honour (yet): refused rather than ignored.
-_LAUNCH_ONLY = ("stall_timeout", "devices", "cpu_binding", "env", "preempt_signals", "restart_on", "restart_delay")
+#: Options a failed call cannot honour: the ranks it would restart hold the state the call needs.
+_NO_RESTARTS = ("max_restarts", "restart_on", "restart_delay")
 
 
 class Workers:
@@ -51,12 +70,16 @@ class Workers:
 
     Args:
         return_all: :meth:`run` returns every rank's value, in a list ordered by rank.
-        **options: the launch options of :func:`~mplaunch.parallel` (``nprocs``, ``start_method``, ``backend``,
-            ``timeout`` (seconds per call), ``rdzv_timeout`` (seconds the ranks may take to start and join
-            their process group, apart from the first call's ``timeout``), ``grace_period``,
-            ``prefix_output``, ``console_ranks``, ``log_dir``, ``post_mortem``); ``nnodes`` > 1,
-            ``max_restarts`` and the options of launches only (``stall_timeout``, ``devices``, ``cpu_binding``,
-            ``env``, ``preempt_signals``, ``restart_on``, ``restart_delay``) are refused.
+        **options: the launch options of :func:`~mplaunch.parallel`. Those that place the ranks (``nprocs``,
+            ``start_method``, ``backend``, ``devices``, ``cpu_binding``, ``env``, output, ``log_dir``) apply
+            when they start; ``timeout``, ``stall_timeout``, ``preempt_signals`` and ``preempt_grace`` apply
+            to each call; ``rdzv_timeout`` bounds the ranks' start, apart from the first call's ``timeout``.
+            ``max_restarts``, ``restart_on``, ``restart_delay`` and ``nnodes`` > 1 are refused (see the
+            options reference's table).
+
+    Attributes:
+        last_report: the :class:`~mplaunch.RunReport` of the last call that ended, else ``None``: each rank's
+            peak memory, and the CPU and wall time the call took.
 
     Raises:
         InvalidOptionError: an option is invalid, or refused here (``console_ranks`` naming no rank too).
@@ -68,48 +91,43 @@ class Workers:
         ...     loss = workers.run(train_epoch, lr=0.1)
     """
 
+    last_report: RunReport | None = None
+
     def __init__(self, *, return_all: bool = False, **options: Unpack[LaunchOptions]) -> None:
         __tracebackhide__ = True  # noqa: F841
         config = make_config(return_all=return_all, **options)
         self._setup(config, sys._getframe(1))
 
-    @classmethod
-    def _of(cls, config: ParallelConfig, frame: Any) -> Workers:
-        """Workers with an already validated configuration (a generator function's launch)."""
-        workers = cls.__new__(cls)
-        workers._setup(config, frame)
-        return workers
-
     def _setup(self, config: ParallelConfig, frame: Any) -> None:
-        if config.max_restarts:
-            raise InvalidOptionError(
-                f"max_restarts={config.max_restarts} is not valid for Workers: the next run() starts again the "
-                "ranks that failed. Pass 0."
-            )
         defaults = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
-        for name in _LAUNCH_ONLY:
-            if name in defaults and getattr(config, name) != defaults[name]:
+        for name in _NO_RESTARTS:
+            if getattr(config, name) != defaults[name]:
                 raise InvalidOptionError(
-                    f"{name}={getattr(config, name)!r} is not valid for Workers: it applies to launches "
-                    f"(@parallel) only. Leave it out (default {defaults[name]!r})."
+                    f"{name}={getattr(config, name)!r} is not valid for Workers(...): a failed call is not run "
+                    "again, as the ranks a restart would start have lost the state it needs; the next call starts "
+                    f"them again. Leave it out (default {defaults[name]!r})."
                 )
         if config.nnodes is not None and config.nnodes > 1:
-            raise InvalidOptionError(f"nnodes={config.nnodes} is not valid for Workers: they run on one node. Pass 1.")
-        nprocs = policy.resolve_nprocs(config.nprocs)
-        if config.console_ranks is not None and not any(rank < nprocs for rank in config.console_ranks):
             raise InvalidOptionError(
-                f"console_ranks={sorted(config.console_ranks)} names no rank of these workers (ranks 0 to "
-                f"{nprocs - 1}), so no output would reach the console: pick ranks below {nprocs}."
+                f"nnodes={config.nnodes} is not valid for Workers(...): they run on one node. Pass 1, or call a "
+                "decorated function on every node."
             )
         checks.check_not_bootstrapping("Workers")
         checks.check_log_dir(config.log_dir)
-        self.config = config
-        self.nprocs = nprocs
+        devices.check_request(config.devices)
         self.start_method = config.start_method or policy.default_start_method()
         checks.check_cuda_fork(self.start_method)
         checks.check_main_guard(self.start_method, frame, "Workers")
-        config = dataclasses.replace(config, post_mortem=checks.post_mortem_terminal(config.post_mortem))
         self.config = config
+        if isinstance(config.nprocs, int):
+            self.nprocs = config.nprocs
+        else:  # "auto": the devices' number, or as a launch counts
+            self.nprocs = policy.resolve_nprocs("auto") if config.devices is None else _count(config.devices)
+        if config.console_ranks is not None and not any(rank < self.nprocs for rank in config.console_ranks):
+            raise InvalidOptionError(
+                f"console_ranks={sorted(config.console_ranks)} names no rank of these workers (ranks 0 to "
+                f"{self.nprocs - 1}), so no output would reach the console: pick ranks below {self.nprocs}."
+            )
         self._numbers = itertools.count()
         self._held = held = Held()
         self._finalizer = weakref.finalize(self, held.close)
@@ -120,7 +138,7 @@ class Workers:
     def pids(self) -> list[int]:
         """The ranks' process ids, by rank (empty once closed)."""
         team = self._held.team
-        return [] if team is None else [p.pid for p in team.processes if p.pid is not None]
+        return [] if team is None else list(team.ranks.pids)
 
     def run(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run ``function(*args, **kwargs)`` on every rank and return rank 0's value.
@@ -143,8 +161,12 @@ class Workers:
                 interrupted; those that died are started again by the next call, with a ``RuntimeWarning``
                 that their state was lost.
             LaunchRefusedError: the function or an argument cannot be sent to the ranks.
-            LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted. Or the ranks did
-                not finish starting within ``rdzv_timeout`` seconds; they were stopped.
+            LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted, and the error carries
+                each rank's stacks. Or the ranks did not finish starting within ``rdzv_timeout`` seconds; they
+                were stopped.
+            StallError: a rank that called :func:`~mplaunch.heartbeat` in the call stopped calling it for
+                ``stall_timeout`` seconds; the call was interrupted.
+            PreemptedError: one of ``preempt_signals`` came during the call (see :func:`~mplaunch.parallel`).
             KeyboardInterrupt: Ctrl-C; the call was interrupted.
             RuntimeError: the workers are closed, or this process was forked from the one that made them.
             TypeError: ``function`` is not callable, or the arguments do not fit its signature (checked
@@ -163,7 +185,8 @@ class Workers:
 
     def submit(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.LaunchFuture[Any]:
         """Run the call in the background; return a :class:`concurrent.futures.Future` of what :meth:`run`
-        returns or raises. ``cancel()`` interrupts the call (not the ranks).
+        returns or raises. ``cancel()`` interrupts the call (not the ranks); ``report`` is its
+        :class:`~mplaunch.RunReport` once it has ended.
 
         For a generator function, the future is of its return value, and its ``items`` attribute iterates
         over the values yielded (as :meth:`run`'s stream), as they arrive.
@@ -179,21 +202,9 @@ class Workers:
         target = _checked(function, args, kwargs)
         control = LaunchControl(stoppable=True)
         name = getattr(target, "__qualname__", "call")
-        if not inspect.isgeneratorfunction(target):
-            return futures.submit(lambda control: self._call(target, args, kwargs, control), control, name)
-        items: Queued[Any] = Queued()
-
-        def run(control: LaunchControl) -> Any:
-            try:
-                stream = self._stream(target, args, kwargs, control)
-                items.feed(stream)
-                return stream.value
-            finally:
-                items.end()
-
-        future = futures.submit(run, control, name)
-        future.items = items  # type: ignore[attr-defined]
-        return future
+        if inspect.isgeneratorfunction(target):
+            return futures.submit_stream(lambda control: self._stream(target, args, kwargs, control), control, name)
+        return futures.submit(lambda control: self._call(target, args, kwargs, control), control, name)
 
     def close(self) -> None:
         """Tell the ranks to leave (their exit handlers run), stop those still running after
@@ -218,7 +229,7 @@ class Workers:
         state = "closed" if self._held.closed else f"pids {self.pids}"
         return f"<mplaunch.Workers nprocs={self.nprocs} start_method={self.start_method!r}, {state}>"
 
-    def _busy(self) -> Any:
+    def _busy(self) -> Busy:
         """Hold the call lock (see :meth:`run`)."""
         held = self._held
         held.check_process()  # before the lock: a thread of the owner may have held it at the fork
@@ -234,7 +245,7 @@ class Workers:
         if held.closed:
             raise RuntimeError("these mplaunch.Workers are closed: make new ones")
         team = held.team
-        if team is None or not team.alive():
+        if team is None or not team.ranks.alive():
             if team is not None:
                 team.close()
             held.team = None
@@ -251,18 +262,17 @@ class Workers:
         number = next(self._numbers)
         fork = self.start_method == "fork"
         imports = None if fork else worker_imports()
+        directory = team.ranks.spec.directory
         try:
             transport.dump(
                 Call(function, args, kwargs, getattr(getattr(function, "__code__", None), "co_filename", None)),
-                team.spec.directory,
+                directory,
                 call_name(number),
                 by_value=fork,
                 imports=imports,
             )
         except OSError as error:
-            raise LaunchRefusedError(
-                f"cannot write the call's arguments: {error}. {space_hint(team.spec.directory)}"
-            ) from error
+            raise LaunchRefusedError(f"cannot write the call's arguments: {error}. {space_hint(directory)}") from error
         except Exception as error:
             culprit = checks.describe_unpicklable(args, kwargs, imports, function)
             raise LaunchRefusedError(
@@ -271,19 +281,38 @@ class Workers:
             ) from error
         return number
 
+    def _exchange(self, team: Team, number: int, control: LaunchControl) -> Generator[tuple[int, Any], None, Any]:
+        """Call ``number`` on ``team``'s ranks, as :meth:`Ranks.call`; its value (or values) at the end."""
+        ranks, config = team.ranks, self.config
+        before = [live_usage(process.pid) for process in ranks.processes]
+        started = time.monotonic()
+        states: dict[int, RankState] = {}
+        if ranks.pump is not None:
+            ranks.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
+        try:
+            with preemption_notice(control, ranks.spec.directory, config.preempt_signals, config.preempt_grace):
+                calling = ranks.call(number, control, config.timeout, config.stall_timeout, config.rdzv_timeout)
+                states = yield from calling
+        finally:
+            report = RunReport((), time.monotonic() - started)
+            if os.getpid() == ranks.pid and not team.closed:  # (closed by another thread, or at exit)
+                team.clean(number)
+                if ranks.pump is not None:
+                    ranks.pump.sync()  # the call's output before its value
+                report = _call_report(ranks, before, states, report.wall_time)
+                if ranks.broken and self._held.team is team:
+                    team.close()  # the next call starts new ranks
+            self.last_report = control.report = report
+        if any(isinstance(state, Stopped) for state in states.values()):
+            raise RuntimeError("the call was stopped: the workers were closed while it ran")
+        found = values(states, ranks.spec.nprocs)
+        return found if config.return_all else found[0]
+
     def _call(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: LaunchControl | None) -> Any:
         with self._busy(), terminal_kept():
             team = self._team()
             number = self._send(team, function, args, kwargs)
-            calling = start(team, number, None if control is None else control.fileno(), self.config.timeout)
-            if control is not None:
-                control.stacks_source = team.stacks  # future.stacks() while the call runs
-            try:
-                states = _returned(calling)
-            finally:
-                if control is not None:
-                    control.stacks_source = None
-            return self._outcome(team, states)
+            return drained(self._exchange(team, number, control or LaunchControl()))
 
     def _stream(
         self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: LaunchControl | None = None
@@ -293,49 +322,189 @@ class Workers:
         try:
             team = self._team()
             number = self._send(team, function, args, kwargs)
-            calling = start(team, number, None if control is None else control.fileno(), self.config.timeout)
-
-            def ended() -> None:
-                if control is not None:
-                    control.stacks_source = None
-                busy.__exit__(None, None, None)
-
-            if control is not None:
-                control.stacks_source = team.stacks  # future.stacks() while the call runs
-            stream: Stream[Any] = Stream(
-                calling, lambda states: self._outcome(team, states), ended, self.config.return_all
-            )
+            calling = self._exchange(team, number, control or LaunchControl())
+            stream: Stream[Any] = Stream(calling, busy.release, self.config.return_all)
+            stream.prime()  # the ranks run the call whether or not its values are read
         except BaseException:
-            if control is not None:
-                control.stacks_source = None
-            busy.__exit__(None, None, None)
+            busy.release()
             raise
         self._held.stream = weakref.ref(stream)
         return stream
 
-    def _outcome(self, team: Team, states: dict[int, RankState]) -> Any:
-        """The call's value from each rank's state, or its first failure raised."""
-        if team.broken and self._held.team is team:
-            team.close()  # the next call starts new ranks
-        failures = {rank: s for rank, s in states.items() if isinstance(s, BaseException)}
-        if failures:
-            first = min(failures, key=lambda r: (team.failed_at.get(r, float("inf")), r))
-            failure = failures.pop(first)
-            set_attribute(failure, "failures", tuple(failures[r] for r in sorted(failures)))
-            raise failure
-        if any(isinstance(s, Stopped) for s in states.values()):
-            raise RuntimeError("the call was stopped: the workers were closed while it ran")
-        values = [s.value if isinstance(s, Returned) else None for _, s in sorted(states.items())]
-        return values if self.config.return_all else values[0]
 
+class Team:
+    """Warm ranks as started once (their :class:`Ranks`), and what lives as long: the launch directory, the
+    rendezvous store, the output pump, the board, the devices and the preemption flag. :meth:`close` ends them.
 
-def _returned(exchange: Any) -> Any:
-    """Run ``exchange`` to its end and return its return value."""
-    while True:
+    Attributes:
+        ranks: the ranks.
+        closed: :meth:`close` was called.
+    """
+
+    def __init__(self, config: ParallelConfig, nprocs: int, start_method: str) -> None:
+        self.pid = os.getpid()  # the owner: in a process forked from it, the team is a copy that acts on nothing
+        self.closed = False
+        self._stack = contextlib.ExitStack()
         try:
-            next(exchange)
-        except StopIteration as stop:
-            return stop.value
+            self.ranks = self._start(config, nprocs, start_method)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, config: ParallelConfig, nprocs: int, start_method: str) -> Ranks:
+        stack = self._stack
+        names = stack.enter_context(devices.held(config.devices, LaunchControl()))
+        directory = stack.enter_context(launch_directory())
+        spec = launch_spec(config, directory, nprocs, start_method, names, stacks=True)
+        store = stack.enter_context(rendezvous(lazy=spec.backend is None))  # a group is joined at the start
+        spec = stack.enter_context(outcome_files(attempt_spec(spec, store)))
+        pump = stack.enter_context(routed(list(range(nprocs)), spec))
+        spec = dataclasses.replace(spec, output_fds=worker_fds(pump, start_method, nprocs))
+        spec, board = stack.enter_context(board_for(spec))
+        stack.callback(flags.create(directory).close)  # for mplaunch.preempted(): raised by a call's notice
+        payload: Payload | None = None
+        if start_method == "fork":
+            payload = Payload(None, (), {}, ForkState.capture())  # type: ignore[arg-type]
+        else:
+            state = GlobalState.capture()
+            if state.python is not None:
+                warn_not_carried(state.python)
+            written = payload_written(Payload(None, (), {}, state), spec, worker_imports(), memory=True)  # type: ignore[arg-type]
+            spec = stack.enter_context(written)
+        ranks = Ranks(spec, store, warm=True, board=board, pump=pump)
+        stack.callback(ranks.close)
+        pipes = [multiprocessing.Pipe(duplex=True) for _ in range(nprocs)]
+        in_starter(lambda: ranks.start(serve, payload, [], pipes))
+        return ranks
+
+    def clean(self, number: int) -> None:
+        """Remove what call ``number`` left in the launch directory (values nobody read, the call)."""
+        directory = self.ranks.spec.directory
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, "post-mortem"))  # the next call's failure may debug
+        prefixes = tuple(f"{dot}{kind}{number}{end}" for dot in ("", ".") for kind, end in _CALL_FILES)
+        with contextlib.suppress(OSError):
+            for entry in os.listdir(directory):
+                if entry.startswith(prefixes):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(directory, entry))
+
+    def close(self) -> None:
+        """Tell the ranks to leave, wait ``grace_period`` seconds for them, stop those still running, and
+        remove everything. Idempotent. In a process forked from the owner (its exit handlers, its garbage
+        collector) only the copy is marked closed: the ranks, their pipes and directory are the owner's."""
+        if self.closed:
+            return
+        self.closed = True
+        if os.getpid() != self.pid:
+            return
+        ranks = self.ranks
+        ranks.closing = True
+        for conn in ranks.conns:
+            with contextlib.suppress(OSError):
+                conn.send((EXIT,))
+        for rank in sorted(ranks.ready):  # a call that runs is interrupted (a rank still starting would die of it)
+            signal_worker(ranks.processes[rank], signal.SIGINT)
+        try:
+            ranks.stop(None)  # their own exit first (finally blocks, exit handlers); SIGKILL after the grace period
+        finally:
+            self._stack.close()
+
+
+#: The files of one call in the launch directory: ``call{N}.``, ``item{N}-``, ``result{N}-``.
+_CALL_FILES = (("call", "."), ("item", "-"), ("result", "-"))
+
+
+def _call_report(ranks: Ranks, before: list[tuple[int, float, float] | None], states: Any, wall: float) -> RunReport:
+    """A warm call's :class:`RunReport`: each rank's peak memory so far and the CPU time the call took (a rank
+    that died in it: its whole account, as a launch's)."""
+    ended = {report.rank: report for report in ranks.report(states)}
+    found = []
+    for rank, process in enumerate(ranks.processes):
+        if rank in ranks.exits:
+            found.append(ended[rank])
+            continue
+        now, then = live_usage(process.pid), before[rank] if rank < len(before) else None
+        found.append(
+            RankReport(
+                rank=rank,
+                pid=process.pid,
+                exitcode=None,
+                signal_name=None,
+                max_rss=None if now is None else now[0],
+                user_time=None if now is None or then is None else now[1] - then[1],
+                system_time=None if now is None or then is None else now[2] - then[2],
+                wall_time=wall,
+                oom=False,
+            )
+        )
+    return RunReport(tuple(found), wall)
+
+
+class Held:
+    """What a :class:`~mplaunch.Workers` owns, apart from it: its team, and the lock of its calls."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # the process whose ranks these are: a process forked from it has copies only
+        self.team: Team | None = None
+        self.closed = False
+        self.lock = threading.Lock()  # one call at a time
+        self.owner: threading.Thread | None = None  # the thread whose call holds the lock
+        # that call's stream, if it is one; weak: a stream dropped after a `break` is freed at once, which closes it
+        self.stream: weakref.ref[Stream[Any]] | None = None
+        _open.add(self)
+        _register_exit()
+
+    def close(self) -> None:
+        """Close the team, for good. Idempotent."""
+        self.closed = True
+        team, self.team = self.team, None
+        if team is not None:
+            team.close()  # in a process forked from the owner, a copy: it leaves the owner's ranks alone
+
+    def check_process(self) -> None:
+        """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
+        forks.check_owner(self.pid, "these mplaunch.Workers", "Make new Workers in this process.")
+
+
+class Busy:
+    """The call lock of one :class:`Held`, noting the thread that holds it."""
+
+    def __init__(self, held: Held) -> None:
+        self._held = held
+
+    def __enter__(self) -> None:
+        self._held.lock.acquire()
+        self._held.owner = threading.current_thread()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        self._held.owner = None
+        self._held.stream = None
+        self._held.lock.release()
+
+
+_open: weakref.WeakSet[Held] = weakref.WeakSet()
+_exit_registered = False
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(_close_all)  # after multiprocessing's handler, so it runs first (last in, first out)
+        _exit_registered = True
+
+
+def _close_all() -> None:
+    """At exit, before ``multiprocessing`` joins its children: close every open set of warm workers."""
+    for held in list(_open):
+        held.close()
+
+
+def _count(devices: int | tuple[int, ...]) -> int:
+    return devices if isinstance(devices, int) else len(devices)
 
 
 def _checked(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -23,18 +23,19 @@ _looked = False  # FLAG_VARIABLE was already tried
 
 
 def _map(path: str, *, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.write(fd, b"\0")
+            os.pwrite(fd, b"\0", 0)  # (a flag warm ranks have mapped is cleared in place, never truncated)
         return mmap.mmap(fd, 1, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the mapping keeps the file's memory
 
 
 def create(directory: str) -> mmap.mmap:
-    """In the parent: create the flag, clear, in ``directory`` and return its mapping (closed by the caller)."""
+    """In the parent: create the flag in ``directory``, or clear the one there (warm workers' next call), and
+    return its mapping (closed by the caller)."""
     return _map(os.path.join(directory, FLAG), create=True)
 
 

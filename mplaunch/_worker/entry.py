@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import inspect
 import multiprocessing
 import multiprocessing.util
 import os
@@ -21,7 +22,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from multiprocessing.connection import Connection
 from typing import Any, NoReturn, TextIO
 
 import torch
@@ -37,6 +39,7 @@ from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, pickling, transport
 from mplaunch._wire.fds import close_memory_files, close_quietly
 from mplaunch._wire.records import (
+    ITEM,
     PAYLOAD,
     REMOTE_RANK0,
     Outcome,
@@ -45,6 +48,7 @@ from mplaunch._wire.records import (
     Returned,
     Signalled,
     WorkerSpec,
+    item_name,
     outcome_name,
 )
 from mplaunch._worker import placement
@@ -170,8 +174,11 @@ def _decide(outcome: Outcome) -> Outcome:
     return outcome
 
 
-def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Outcome:
-    """Restore the parent's state, run the function with private arguments, and return the outcome."""
+def _execute(
+    rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None, conn: Connection | None = None
+) -> Outcome:
+    """Restore the parent's state, run the function with private arguments, and return the outcome; with
+    ``conn``, a generator's values are sent as they are yielded (see :func:`stream_values`)."""
     global _raised, _outcome_decided
     try:
         # devices, CPUs, env=: before anything reads them
@@ -187,6 +194,8 @@ def _execute(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | No
         with process_group(spec.backend, local_rank):
             try:
                 value = function(*args, **kwargs)
+                if conn is not None and inspect.isgenerator(value):
+                    value = stream_values(value, rank, spec, conn, 0)
             except BaseException as error:  # when: before the process group's teardown makes peers fail too
                 _raised = (error, time.monotonic())
                 raise
@@ -239,11 +248,12 @@ def _keep_own_outcome_fd(spec: WorkerSpec) -> None:
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
-def _dump_outcome(spec: WorkerSpec, name: str, outcome: Outcome) -> None:
-    """Write the outcome into this rank's memory file, else as ``name`` in the launch directory."""
-    if spec.outcome_fd is None:
+def _dump_outcome(spec: WorkerSpec, name: str | None, outcome: Outcome) -> None:
+    """Write the outcome as ``name`` in the launch directory, else (``None``) into this rank's memory file."""
+    if name is not None:
         transport.dump(outcome, spec.directory, name)
     else:  # a rank that does not report returns None
+        assert spec.outcome_fd is not None
         plain = type(outcome) is Returned and type(outcome.value) in _SCALARS
         transport.dump_fd(outcome, spec.outcome_fd.fd, plain=plain)
 
@@ -262,14 +272,16 @@ def _must_unshare(spec: WorkerSpec) -> bool:
 
 
 def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | None = None) -> Outcome:
-    """Write the outcome (as ``name``, by default the rank's :func:`outcome_name`); a result that cannot be
-    pickled or written is replaced by the error saying so. Returns what was written."""
-    name = name or outcome_name(rank)
+    """Write the outcome (as ``name`` in the launch directory, a warm call's; by default as the rank's exit
+    outcome, see :func:`_dump_outcome`); a result that cannot be pickled or written is replaced by the error
+    saying so. Returns what was written."""
+    in_directory = name is not None or spec.outcome_fd is None
+    name = (name or outcome_name(rank)) if in_directory else None
     try:
         _dump_outcome(spec, name, outcome)
         return outcome
     except BaseException as error:  # noqa: BLE001 - the result cannot be sent: report that instead
-        if spec.outcome_fd is None:
+        if name is not None:
             transport.remove(spec.directory, name)
         if not isinstance(outcome, Returned):
             raise
@@ -279,7 +291,6 @@ def _write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | No
             exited = dataclasses.replace(exited, message=f"{exited.message} while its result (type {kind}) was pickled")
             _dump_outcome(spec, name, exited)
             return exited
-        in_directory = spec.outcome_fd is None
         how = "pickled"
         if isinstance(error, OSError):
             how = "written to the launch directory" if in_directory else "written to shared memory"
@@ -532,22 +543,60 @@ def set_up(
     install_breakpoint_hook(spec, rank, plan)
 
 
-def run(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None = None) -> None:
-    """The target of every worker process: set up the rank, run the function, write the outcome, exit.
+def run(
+    rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None = None, conn: Connection | None = None
+) -> None:
+    """The target of every launch's worker process: set up the rank, run the function, write the outcome, exit.
 
     The outcome (the return value for reporting ranks, ``None`` for the others, or the exception) is written
     to the launch directory before the process exits; the parent reads it when it sees the process end.
-    ``forked``: what the parent made for this rank before it forked it (:func:`prepare_forks`).
+    ``forked``: what the parent made for this rank before it forked it (:func:`prepare_forks`); ``conn``: the
+    rank's end of its pipe, where a generator function's values are announced as they are yielded.
     """
     outcome: Outcome | None = None
     try:
         set_up(rank, spec, forked=forked)
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
         flags.attach(spec.directory, None if forked is None else forked.flag)  # for mplaunch.preempted()
-        outcome = _execute(rank, rank, spec, payload)
+        outcome = _execute(rank, rank, spec, payload, conn)
     except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by _finish
         pass
     _finish(spec, rank, outcome)
+
+
+def stream_values(
+    generator: Generator[Any, Any, Any], rank: int, spec: WorkerSpec, conn: Connection, number: int
+) -> Any:
+    """Send each value ``generator`` yields (reporting ranks only) as it comes, as a file of the launch
+    directory announced with ``ITEM`` on ``conn``; return its return value."""
+    reporting = rank in spec.reporting_ranks
+    index = 0
+    try:
+        while True:
+            try:
+                item = next(generator)
+            except StopIteration as stop:
+                return stop.value
+            if reporting:
+                transport.dump(item, spec.directory, item_name(number, rank, index))
+                with whole_messages():
+                    conn.send((ITEM, number, index))
+                index += 1
+            del item
+    finally:
+        generator.close()
+
+
+@contextlib.contextmanager
+def whole_messages() -> Iterator[None]:
+    """Hold SIGINT while a message is read or written on a rank's pipe: a ``KeyboardInterrupt`` between the
+    reads of a message's length and of its body would leave the pipe out of step. A SIGINT that came
+    meanwhile raises when the block ends."""
+    previous = pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
+    try:
+        yield
+    finally:
+        pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def elastic_entry(spec: WorkerSpec) -> int:

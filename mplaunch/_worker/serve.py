@@ -20,22 +20,18 @@ import contextlib
 import dis
 import inspect
 import os
-import signal
 import sys
 import time
 import types
-from collections.abc import Generator, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mplaunch._wire import transport
+from mplaunch._wire import flags, transport
 from mplaunch._wire.records import (
     CALL,
     CANCEL,
     DONE,
     EXIT,
-    ITEM,
-    PAYLOAD,
     READY,
     Call,
     Outcome,
@@ -44,10 +40,9 @@ from mplaunch._wire.records import (
     Returned,
     WorkerSpec,
     call_name,
-    item_name,
     result_name,
 )
-from mplaunch._worker import entry
+from mplaunch._worker import entry, placement
 from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.process_group import process_group
 from mplaunch._worker.watch import watch
@@ -70,24 +65,27 @@ def _on_interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt()
 
 
-def serve(rank: int, spec: WorkerSpec, payload: Payload | None, conn: Connection) -> None:
+def serve(rank: int, spec: WorkerSpec, payload: Payload | None, forked: entry.Forked | None, conn: Connection) -> None:
     """The target of every warm worker: set up the rank, serve calls from ``conn`` until told to leave (or
     the parent closes its end), then exit as a launch's worker does.
 
     Args:
         rank: this worker's rank.
         spec: the workers' spec.
-        payload: the parent's state for forked workers (its function is unused); ``None``: read it from the
-            launch directory.
+        payload: the parent's state for forked workers (its function is unused); ``None``: read it as a
+            launch's worker does.
+        forked: what the parent made for this rank before it forked it (see ``entry.prepare_forks``).
         conn: this rank's end of its control pipe.
     """
     outcome: Outcome | None = None
     try:
-        entry.set_up(rank, spec, _on_interrupt)  # a SIGINT while starting must not end the rank
-        watch(spec, rank)  # stacks on request (a submitted call's future.stacks()), NCCL's flight recorder
-        entry._set_threads(spec.num_threads)
+        entry.set_up(rank, spec, _on_interrupt, forked)  # a SIGINT while starting must not end the rank
+        watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
+        flags.attach(spec.directory, None if forked is None else forked.flag)  # for mplaunch.preempted()
+        placement.apply(spec, rank, rank, environ_made=entry._environ_made)  # devices, CPUs, env=
+        entry._set_threads(placement.thread_count(spec, rank))
         if payload is None:
-            payload = transport.load(spec.directory, PAYLOAD, private=True, remove=False)
+            payload = entry._read_payload(spec)
         payload.state.restore()
         del payload
         with process_group(spec.backend, rank):
@@ -132,7 +130,7 @@ def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int, take
             value = function(*call.args, **call.kwargs)
             del call
             if inspect.isgenerator(value):
-                value = _stream(value, rank, spec, conn, number)
+                value = entry.stream_values(value, rank, spec, conn, number)
             _in_call = False
         except BaseException:
             _in_call = False
@@ -158,46 +156,15 @@ def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int, take
     conn.send((DONE, number))
 
 
-@contextlib.contextmanager
-def _whole() -> Iterator[None]:
-    """Hold SIGINT while a message is read or written during a call: a ``KeyboardInterrupt`` between the
-    reads of a message's length and of its body would leave the pipe out of step. A SIGINT that came
-    meanwhile raises when the block ends."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 def _cancelled(conn: Connection, number: int) -> bool:
-    """Whether the message waiting on ``conn`` cancels call ``number`` (only a CANCEL can follow a CALL)."""
-    with _whole():
+    """Whether the message waiting on ``conn`` cancels call ``number``: a CANCEL of it, or an EXIT (the workers
+    are closing: their ``finally`` blocks and exit handlers run before the ranks are stopped)."""
+    with entry.whole_messages():
         message = conn.recv()
     if message[0] == CANCEL:
         return bool(message[1] == number)
     _early.append(message)
-    return False
-
-
-def _stream(generator: Generator[Any, Any, Any], rank: int, spec: WorkerSpec, conn: Connection, number: int) -> Any:
-    """Send each value ``generator`` yields (reporting ranks only) as it comes; return its return value."""
-    reporting = rank in spec.reporting_ranks
-    index = 0
-    try:
-        while True:
-            try:
-                item = next(generator)
-            except StopIteration as stop:
-                return stop.value
-            if reporting:
-                transport.dump(item, spec.directory, item_name(number, rank, index))
-                with _whole():
-                    conn.send((ITEM, number, index))
-                index += 1
-            del item
-    finally:
-        generator.close()
+    return bool(message[0] == EXIT)
 
 
 def _in_main(function: Any, filename: str | None) -> Any:

@@ -98,7 +98,7 @@ def test_large_fork_arguments_are_walked_only_when_the_parent_says_so(
     """Issue 10: a list of 10**6 ints was walked in every fork worker (every page it lives on copied). Now
     the parent answers, once the workers have started, whether it holds a result mapped shared; the workers
     walk their arguments only then (the answer is forced here: this test process's own results vary)."""
-    from mplaunch._parent import launch
+    from mplaunch._parent import ranks
     from mplaunch._worker import entry
 
     walks = tmp_path / "walks"
@@ -110,7 +110,7 @@ def test_large_fork_arguments_are_walked_only_when_the_parent_says_so(
         return real(obj, keep_requested=keep_requested)
 
     monkeypatch.setattr(entry, "unshare", recorded)  # inherited by the forked workers
-    monkeypatch.setattr(launch, "holds_shared_mappings", lambda: shared)
+    monkeypatch.setattr(ranks, "holds_shared_mappings", lambda: shared)
     run = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(len)
     assert run(list(range(10**6))) == [10**6, 10**6]
     assert len(walks.read_text().split()) == 2 if shared else not walks.exists()

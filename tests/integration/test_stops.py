@@ -57,7 +57,7 @@ def test_a_rank_killed_by_a_signal_comes_before_its_peers_later_error(
             time.sleep(0.05)  # another process had the core
             return ready
 
-        monkeypatch.setattr("mplaunch._parent.supervise.readable", late)
+        monkeypatch.setattr("mplaunch._parent.ranks.readable", late)
     with pytest.raises(WorkerExitedError, match="SIGKILL") as caught:
         launch(workers.killed_then_peer_fails)(str(tmp_path), 0.2 if slowed == "reaping" else 0.0)
     assert caught.value.rank == 1
@@ -69,18 +69,16 @@ def test_a_warm_rank_killed_by_a_signal_comes_before_its_peers_later_error(
 ) -> None:
     """The same in a warm call: the killed rank was timed after it was joined and its outcome looked for."""
     from mplaunch import Workers
-    from mplaunch._parent.team import Team
+    from mplaunch._parent.report import RankRecords
 
-    ended = Team.ended
+    reap = RankRecords.reap
 
-    def slow_ended(self: Team, rank: int) -> bool:
-        if rank == 1 and not ended(self, rank):
-            return False
+    def slow_reap(self: RankRecords, rank: int, process: Any, pidfd: int | None = None) -> None:
         if rank == 1:
             time.sleep(0.6)
-        return ended(self, rank)
+        reap(self, rank, process, pidfd)
 
-    monkeypatch.setattr(Team, "ended", slow_ended)
+    monkeypatch.setattr(RankRecords, "reap", slow_reap)
     with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=2.0) as warm:
         with pytest.raises(WorkerExitedError, match="SIGKILL") as caught:
             warm.run(workers.killed_then_peer_fails, str(tmp_path))

@@ -115,7 +115,7 @@ def test_nothing_is_left_after_close() -> None:
     fds = _fds()
     workers = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT)
     pids = workers.pids
-    directory = workers._held.team.spec.directory  # type: ignore[union-attr]
+    directory = workers._held.team.ranks.spec.directory  # type: ignore[union-attr]
     workers.run(warm_workers.bump)
     workers.close()
     workers.close()  # idempotent
@@ -129,7 +129,7 @@ def test_nothing_is_left_after_close() -> None:
 def test_nothing_is_left_after_garbage_collection() -> None:
     workers = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT)
     pids = workers.pids
-    directory = workers._held.team.spec.directory  # type: ignore[union-attr]
+    directory = workers._held.team.ranks.spec.directory  # type: ignore[union-attr]
     del workers
     gc.collect()
     assert _gone(pids, 0.1)
@@ -144,7 +144,7 @@ from tests import warm_workers
 if __name__ == "__main__":
     workers = Workers(nprocs=2, start_method=sys.argv[1], timeout=90)
     workers.run(warm_workers.bump)
-    print(*workers.pids, workers._held.team.spec.directory, flush=True)
+    print(*workers.pids, workers._held.team.ranks.spec.directory, flush=True)
     sys.stdin.read()
 """
 
@@ -300,9 +300,13 @@ def test_closing_while_a_call_runs_in_another_thread_stops_it(tmp_path: Path) ->
     assert _gone(pids, 0.1)
 
 
-def test_options_of_launches_only_are_refused() -> None:
-    with pytest.raises(mplaunch.InvalidOptionError, match="cpu_binding"):
-        Workers(nprocs=2, start_method="fork", cpu_binding="cores")
+def test_options_that_place_the_ranks_apply_and_restarts_are_refused_naming_workers() -> None:
+    """env=, devices=, cpu_binding= and stall_timeout were refused with "it applies to launches (@parallel)
+    only"; they now apply to warm ranks. A restart cannot re-run a call whose state died with its ranks."""
+    with pytest.raises(mplaunch.InvalidOptionError, match=r"max_restarts=1 is not valid for Workers\(\.\.\.\)"):
+        Workers(nprocs=2, start_method="fork", max_restarts=1)
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT, env={"MPLAUNCH_TEST_VAR": "7"}) as workers:
+        assert workers.run(os.getenv, "MPLAUNCH_TEST_VAR") == "7"
 
 
 def test_a_warm_result_that_exits_when_unpickled_is_a_remote_error_and_the_ranks_stay() -> None:

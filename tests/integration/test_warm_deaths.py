@@ -236,7 +236,7 @@ def test_a_warm_rank_killed_between_calls_under_a_reaping_handler_is_started_aga
 def test_closing_warm_workers_under_a_reaping_handler_signals_no_reaped_pid(monkeypatch: pytest.MonkeyPatch) -> None:
     """close() waited the whole grace_period for ranks the handler had reaped, then killed them by pid: a pid
     the kernel may have given to another process meanwhile."""
-    from mplaunch._parent import signalling, team
+    from mplaunch._parent import ranks, signalling
 
     signalled: list[int] = []
     kill_tree = signalling.kill_tree
@@ -245,7 +245,7 @@ def test_closing_warm_workers_under_a_reaping_handler_signals_no_reaped_pid(monk
         signalled.append(process.pid)
         kill_tree(process)
 
-    monkeypatch.setattr(team, "kill_tree", recording)
+    monkeypatch.setattr(ranks, "kill_tree", recording)
     grace = 3.0
     with reaping_sigchld_handler() as reaped:
         warm = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=grace)

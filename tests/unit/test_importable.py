@@ -121,11 +121,11 @@ def test_a_main_object_the_scripts_rerun_does_not_define_travels_by_value(
     monkeypatch.setitem(sys.modules, "__main__", main)
     exec("def late_fn():\n    pass\n", vars(main))  # a name the script never binds
     assert _imports().needs_value(main.late_fn)
-    top = main.top
+    top = vars(main)["top"]
     exec("def top():\n    return 1\n", vars(main))  # the script's name, redefined at a prompt
-    assert _imports().needs_value(main.top)
-    main.top = top
-    assert _imports().can_import(main.top)
+    assert _imports().needs_value(vars(main)["top"])
+    vars(main)["top"] = top
+    assert _imports().can_import(top)
 
 
 def test_pickled_by_value_even_where_the_parent_finds_it(loaded: types.ModuleType) -> None:

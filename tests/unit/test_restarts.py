@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections.abc import Generator
 from typing import Any
 
 import pytest
@@ -18,22 +19,33 @@ from mplaunch._parent.restarts import describe_restart, run_attempts
 def _failing_attempts(control: LaunchControl, failures: list[BaseException], worker: bool = True) -> Any:
     calls: list[int] = []
 
-    def attempt(restart: int) -> list[Any]:
+    def attempt(restart: int) -> Generator[Any, None, list[Any]]:
         calls.append(restart)
         if restart < len(failures):
             if worker:
                 control.failure = failures[restart]
             raise failures[restart]
+        yield f"value of attempt {restart}"  # an attempt's values reach the caller (a stream's)
         return ["done"]
 
     return attempt, calls
+
+
+def _run(attempts: Generator[Any, None, list[Any]]) -> tuple[list[Any], list[Any]]:
+    """What the attempts yielded, and what they returned."""
+    yielded = []
+    while True:
+        try:
+            yielded.append(next(attempts))
+        except StopIteration as stop:
+            return yielded, stop.value
 
 
 def test_worker_failures_are_restarted_until_an_attempt_succeeds() -> None:
     control = LaunchControl()
     attempt, calls = _failing_attempts(control, [ValueError("a"), KeyError("b")])
     with pytest.warns(RestartWarning) as caught:
-        assert run_attempts(attempt, 2, control) == ["done"]
+        assert _run(run_attempts(attempt, 2, control)) == (["value of attempt 2"], ["done"])
     assert calls == [0, 1, 2]
     assert len(caught) == 2
     assert "attempt 1 of 3 failed" in str(caught[0].message)
@@ -46,7 +58,7 @@ def test_other_errors_and_expired_deadlines_end_the_launch_at_once() -> None:
     control = LaunchControl()
     attempt, calls = _failing_attempts(control, [LaunchTimeoutError("late", 1.0, (0,))], worker=False)
     with pytest.raises(LaunchTimeoutError) as caught:
-        run_attempts(attempt, 5, control)
+        _run(run_attempts(attempt, 5, control))
     assert calls == [0]
     assert caught.value.earlier_attempts == ()  # type: ignore[attr-defined]
     control = LaunchControl()
@@ -55,7 +67,7 @@ def test_other_errors_and_expired_deadlines_end_the_launch_at_once() -> None:
         time.sleep(0.001)
     attempt, calls = _failing_attempts(control, [ValueError("a")])
     with pytest.raises(ValueError):
-        run_attempts(attempt, 5, control)
+        _run(run_attempts(attempt, 5, control))
     assert calls == [0]
 
 
@@ -63,7 +75,7 @@ def test_a_stop_request_ends_the_loop_before_the_next_attempt() -> None:
     control = LaunchControl()
     control.request_stop()
     with pytest.raises(LaunchStopped):
-        run_attempts(lambda restart: ["never"], 3, control)
+        _run(run_attempts(_failing_attempts(control, [])[0], 3, control))
 
 
 def test_restart_message_of_a_worker_exit() -> None:

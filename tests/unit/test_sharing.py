@@ -271,8 +271,9 @@ def test_only_kept_results_make_forked_workers_look_into_large_arguments(tmp_pat
     mplaunch mapped shared. Its own shared bookkeeping (the heartbeat board, the preemption flag) is no
     reason: with them mapped in every launch, a list of 10**6 ints cost each worker a 30 ms walk (3.3x raw
     torch.multiprocessing in the benchmark) before."""
-    from mplaunch._parent import launch
+    from mplaunch._parent import ranks
     from mplaunch._wire import flags, mappings
+    from mplaunch._wire.records import WorkerSpec
     from mplaunch._wire.watch import Board
 
     board = Board(str(tmp_path), 2, create=True)
@@ -280,7 +281,7 @@ def test_only_kept_results_make_forked_workers_look_into_large_arguments(tmp_pat
     read, write = os.pipe()
     try:
         before = mappings.holds_shared_mappings()
-        launch._answer_unshare((read, write), 1)
+        ranks._answer_unshare(WorkerSpec(str(tmp_path), 1, "fork", 0, 1, frozenset(), unshare_pipe=(read, write)))
         assert os.read(read, 1) == (b"1" if before else b"0")
         if not before:  # (no result of an earlier test alive in this process)
             assert not mappings.holds_shared_mappings()
@@ -289,7 +290,7 @@ def test_only_kept_results_make_forked_workers_look_into_large_arguments(tmp_pat
         kept = mappings.map_file(fd, 0, mmap.PAGESIZE, private=False)  # a result the caller keeps
         os.close(fd)
         assert mappings.holds_shared_mappings()
-        launch._answer_unshare((read, write), 1)
+        ranks._answer_unshare(WorkerSpec(str(tmp_path), 1, "fork", 0, 1, frozenset(), unshare_pipe=(read, write)))
         assert os.read(read, 1) == b"1"
         del kept
     finally:

@@ -1,0 +1,661 @@
+"""The one engine: a set of started ranks, and the one loop that waits on them.
+
+Every way of calling runs on it: a call, ``submit()`` and a generator function (one :class:`Ranks` per attempt,
+see :mod:`mplaunch._parent.launch`), and :class:`mplaunch.Workers` (one kept between calls, see
+:mod:`mplaunch._parent.warm`). A :class:`Ranks` owns the worker processes of one start: a pidfd for each
+(readable when it ends, whoever reaps it), the parent's end of each rank's pipe (warm ranks, and ranks that
+stream a generator's values), the kernel's account of each (:class:`~mplaunch._parent.usage.RankRecords`), the
+rendezvous store, the board and the output pump; and it stops them, interrupts a call in them and asks them for
+their stacks. :meth:`Ranks.call` is the one event loop of a call: a rank ended, a rank's message (set up, a
+value yielded, a call done), a stop request, a first connection to the store, a preemption notice, the
+deadline, and the heartbeat board.
+
+A rank that runs one function (a launch's) ends with its outcome; a warm rank says ``DONE`` and serves on.
+When a call ends early (a failure, a timeout, a stall, a stop, Ctrl-C), the ranks still running it are left
+as their kind needs: a launch's are stopped (SIGTERM, then SIGKILL after ``grace_period``), a warm call is
+interrupted in its ranks (SIGINT; they stay, unless they do not answer within ``grace_period``).
+
+The design follows CPython's ``concurrent.futures.process`` (one manager loop on result readers and process
+sentinels) and torch elastic's ``PContext`` (one ``wait``; the kinds differ only in how they start and stop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import functools
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from mplaunch._errors import LaunchTimeoutError, StallError
+from mplaunch._output.fds import stdin_for_forks
+from mplaunch._output.pump import Pump
+from mplaunch._parent import stacks
+from mplaunch._parent.control import LaunchControl, LaunchStopped
+from mplaunch._parent.processes import open_pidfd, release, start_workers, started_at
+from mplaunch._parent.report import RankRecords, RankReport
+from mplaunch._parent.signalling import kill_leftovers, kill_tree, send_signal, signal_worker
+from mplaunch._parent.signals import ParentSignalled, signals_held
+from mplaunch._parent.store import Rendezvous
+from mplaunch._platform.ready import LONGEST_WAIT, readable
+from mplaunch._wire import transport
+from mplaunch._wire.mappings import holds_shared_mappings
+from mplaunch._wire.records import (
+    CALL,
+    CANCEL,
+    DONE,
+    ITEM,
+    READY,
+    Outcome,
+    Raised,
+    RankState,
+    Returned,
+    Stopped,
+    WorkerSpec,
+    failure_time,
+    item_name,
+    outcome_name,
+    rank_state,
+    result_name,
+    set_attribute,
+    unreadable_result,
+)
+from mplaunch._wire.watch import BEAT, STACKS_SIGNAL, Board
+from mplaunch._worker.entry import prepare_forks
+
+_INTERRUPTED = 128 + signal.SIGINT  # the exit code a KeyboardInterrupt's record carries
+#: What a call yields once its ranks run it (a stream's call returns then), before any value.
+STARTED = (-1, None)
+
+
+class Ranks:
+    """The worker processes of one start, and what the parent holds of them.
+
+    Args:
+        spec: their spec.
+        store: the rendezvous they meet at (its listener is watched until a rank connects), or ``None``.
+        warm: the ranks serve calls (:mod:`mplaunch._worker.serve`) instead of running one function and exiting.
+        board: the board they beat on and leave their usage on, or ``None``.
+        pump: the output pump draining their fd 1 and 2, or ``None``.
+
+    Attributes:
+        processes: the workers, by rank.
+        pids: their process ids, by rank.
+        conns: by rank, the parent's end of its pipe (warm ranks, ranks that stream), else empty.
+        ready: the warm ranks that said they are set up.
+        broken: a warm rank died or was stopped: the next call needs new ranks.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        store: Rendezvous | None,
+        *,
+        warm: bool = False,
+        board: Board | None = None,
+        pump: Pump | None = None,
+    ) -> None:
+        self.spec, self.store, self.warm, self.board, self.pump = spec, store, warm, board, pump
+        self.pid = os.getpid()  # the owner: in a process forked from it, this is a copy that acts on nothing
+        self.processes: list[BaseProcess] = []
+        self.pids: list[int] = []
+        self.conns: list[Connection] = []
+        self.ready: set[int] = set()
+        self.broken = False
+        self.closing = False  # warm ranks being closed (by another thread, or at exit): a call that runs ends
+        self.exits: dict[int, tuple[RankState, float]] = {}  # ranks whose worker ended: state, failure time
+        self.stopped: set[int] = set()  # ranks the launch stopped (their end is not a failure of theirs)
+        self.killed: set[int] = set()  # ranks killed with their tree after the grace period
+        self.records = RankRecords(board, spec.start_method)
+        self._pidfds: dict[int, int] = {}
+        self._signalling = threading.Lock()  # a stacks request (another thread) against closing the pidfds
+        self._dumping = threading.Lock()  # one stacks collection at a time
+
+    # -- start -------------------------------------------------------------------------------------------
+
+    def start(
+        self,
+        target: Callable[..., None],
+        payload: Any,
+        preload: list[str] = [],  # noqa: B006 - never changed
+        conns: Sequence[tuple[Connection, Connection]] = (),
+    ) -> None:
+        """Start ``spec.nprocs`` workers running ``target(rank, spec, payload, forked, conn)``; ``conns``: per
+        rank, a pipe (the parent's end, the rank's end), closed here once the rank has its copy."""
+        spec = self.spec
+        self.conns = [ours for ours, _ in conns]
+        try:
+            with stdin_for_forks(spec.start_method) as stdin, _unshare_pipe(spec) as spec:
+                # (under fork: what each rank takes as its stdin, and what the parent made for each)
+                forked = prepare_forks(spec, stdin) if spec.start_method == "fork" else [None] * spec.nprocs
+                rank_args = [(forked[rank], conns[rank][1] if conns else None) for rank in range(spec.nprocs)]
+                start_workers(spec, payload, preload, self._started, target=target, rank_args=rank_args)
+                _answer_unshare(spec)
+        finally:
+            for _, theirs in conns:
+                theirs.close()
+        if self.pump is not None:
+            self.pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
+
+    def _started(self, process: BaseProcess) -> None:
+        """Take the worker just started as the next rank, with a pidfd to wait for its end on (Linux 5.3+).
+
+        multiprocessing's sentinel is the read end of a pipe whose write end the worker holds; a process that
+        another thread of the user forks meanwhile inherits that end too and would hold the launch until it
+        exits, whereas a pidfd depends on nothing the worker's neighbours hold. It is opened now, before
+        anything can reap the worker, so its pid cannot have been given to another process yet."""
+        rank = len(self.processes)
+        self.processes.append(process)
+        if process.pid is not None:
+            self.pids.append(process.pid)
+        with contextlib.suppress(AttributeError, OSError):  # no pidfds here: the sentinel it is
+            self._pidfds[rank] = open_pidfd(process)
+        self.records.started(rank, process.pid, started_at(process))
+        if self.pump is not None and process.pid is not None:
+            self.pump.pids[rank] = process.pid  # for prefix_output templates with {pid}
+
+    # -- the ranks' ends ---------------------------------------------------------------------------------
+
+    def end_fd(self, rank: int) -> int:
+        """A descriptor that becomes readable when ``rank``'s worker ends."""
+        return self._pidfds.get(rank, self.processes[rank].sentinel)
+
+    def has_ended(self, rank: int) -> bool:
+        """Whether ``rank``'s worker has ended (also when someone else reaped it), without reaping it."""
+        return rank in self.exits or bool(readable([self.end_fd(rank)], 0))
+
+    def alive(self) -> bool:
+        """Whether every worker still runs (none died or was stopped)."""
+        return not self.broken and not any(self.has_ended(rank) for rank in range(len(self.processes)))
+
+    def collect(self, rank: int, seen: float | None = None) -> tuple[RankState, float]:
+        """Reap ``rank``'s ended worker, read the outcome it left at its exit and decide its state; return it
+        with the time of its failure (see :func:`failure_time`; ``seen``: when its end was seen, default now:
+        reaping it and reading what it left takes milliseconds, in which a peer's collective can fail because
+        of its death and would seem the earlier failure). Once per rank."""
+        if rank in self.exits:
+            return self.exits[rank]
+        process = self.processes[rank]
+        seen = time.monotonic() if seen is None else seen
+        # a Ctrl-C there would lose the exit code of the worker it reaps; what unpickling raises is the
+        # result's own, never a Ctrl-C
+        with signals_held():
+            self.records.reap(rank, process, self._pidfds.get(rank))
+            try:
+                outcome = self._load(rank)
+            except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
+                if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+                    raise  # this process's open-files limit, not the result's fault: the launch names the limit
+                self.exits[rank] = (unreadable_result(rank, process.pid, error), seen)
+                return self.exits[rank]
+        if outcome is None and rank not in self.killed and self.spec.master_port:
+            kill_leftovers(rank, self.spec.master_port)  # it ended without stopping what it started
+        oom_kills = self.records.oom_kills(rank)
+        state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped, oom_kills)
+        self.exits[rank] = (state, failure_time(outcome, process.exitcode, seen))
+        if self.warm:
+            self.broken = True
+        return self.exits[rank]
+
+    def _load(self, rank: int) -> Outcome | None:
+        """The outcome ``rank`` left at its exit: from its memory file (mapped, then held only by the value's
+        mappings), or from the launch directory (read into this process's memory, then unlinked)."""
+        if self.spec.outcome_fds is not None:
+            found: Outcome | None = transport.load_fd(self.spec.outcome_fds[rank].fd, private=False, missing_ok=True)
+        else:
+            found = transport.load(self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
+        return found
+
+    # -- acting on the ranks -----------------------------------------------------------------------------
+
+    def stop(self, signum: int | None = signal.SIGTERM) -> None:
+        """Send ``signum`` (SIGTERM, or the signal the parent got and forwards; ``None``: none, the ranks were
+        told to leave) to every live worker (each then stops what it started); SIGKILL a worker still alive
+        after ``grace_period`` seconds with everything it started
+        (:func:`~mplaunch._parent.signalling.kill_tree`); reap all. Idempotent."""
+        if os.getpid() != self.pid:
+            return
+        alive = [r for r in range(len(self.processes)) if not self.has_ended(r)]
+        try:
+            for rank in alive:
+                if signum is not None:
+                    self.stopped.add(rank)
+                    signal_worker(self.processes[rank], signum)
+            deadline = time.monotonic() + self.spec.grace_period
+            while alive and time.monotonic() < deadline:
+                readable([self.end_fd(rank) for rank in alive], max(0.0, deadline - time.monotonic()))
+                alive = [rank for rank in alive if not self.has_ended(rank)]
+        finally:
+            for rank in alive:
+                if not self.has_ended(rank):
+                    self.killed.add(rank)
+                    kill_tree(self.processes[rank])
+            with signals_held():
+                for rank, process in enumerate(self.processes):
+                    self.records.reap(rank, process, self._pidfds.get(rank))
+            if self.warm:
+                self.broken = True
+
+    def interrupt(self, ranks: Iterable[int], number: int) -> set[int]:
+        """Interrupt call ``number`` in the warm ``ranks`` still alive (``CANCEL``, then SIGINT to the rank's
+        main thread); return those interrupted. A rank that has ended is not (its death is its own)."""
+        interrupted = set()
+        for rank in ranks:
+            if self.has_ended(rank):
+                continue
+            interrupted.add(rank)
+            with contextlib.suppress(OSError):
+                self.conns[rank].send((CANCEL, number))
+            signal_worker(self.processes[rank], signal.SIGINT)
+        return interrupted
+
+    def stacks(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
+        """Every live rank's Python stacks (all threads), by rank, within ``DUMP_BOUND`` seconds; the workers
+        keep running. ``ranks``: only these. Empty in a process forked from the owner. Thread-safe."""
+        if os.getpid() != self.pid:
+            return {}
+        with self._dumping:
+            wanted = range(len(self.processes)) if ranks is None else ranks
+            senders = {rank: functools.partial(self._send_dump, rank) for rank in wanted if rank not in self.exits}
+            return stacks.collect(self.spec.directory, senders)
+
+    def _send_dump(self, rank: int) -> None:
+        """Signal ``rank``'s worker to dump its stacks (through its pidfd: never another process)."""
+        with self._signalling:
+            process, pidfd = self.processes[rank], self._pidfds.get(rank)
+            if process.pid is None or STACKS_SIGNAL is None or (pidfd is None and rank in self.exits):
+                raise ProcessLookupError(process.pid)
+            send_signal(process.pid, pidfd, STACKS_SIGNAL)
+
+    def report(self, states: dict[int, RankState] | None = None) -> tuple[RankReport, ...]:
+        """Each rank's :class:`~mplaunch.RankReport` (``states``: the call's, for the out-of-memory verdict)."""
+        found = {rank: state for rank, (state, _) in self.exits.items()}
+        return self.records.report(self.processes, {**found, **(states or {})}, self.stopped)
+
+    def close(self) -> None:
+        """Stop what still runs, close the pipes and pidfds, let go of the processes. Idempotent."""
+        self.stop()
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        with self._signalling:
+            for fd in self._pidfds.values():
+                os.close(fd)
+            self._pidfds.clear()
+        for process in self.processes:
+            release(process)
+
+    # -- a call ------------------------------------------------------------------------------------------
+
+    def call(
+        self,
+        number: int,
+        control: LaunchControl,
+        timeout: float | None,
+        stall_timeout: float | None = None,
+        start_timeout: float | None = None,
+    ) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
+        """Run call ``number`` to its end: tell warm ranks to run it (a launch's ranks run theirs already),
+        yield ``(rank, value)`` for each value a reporting rank yields, as it comes, and return each rank's
+        state; raise the first failure (in time) with the others on its ``failures``.
+
+        Args:
+            number: the call's number (0 for a launch's ranks), under which warm ranks read it.
+            control: its stop request, its deadline (one for every attempt of a launch) and its preemption.
+            timeout: seconds from its start (a warm call: from when every rank is set up) to its deadline.
+            stall_timeout: seconds a rank that has beaten may stay silent (with a board), or ``None``.
+            start_timeout: seconds warm ranks not yet set up may take, or ``None``.
+
+        Raises:
+            BaseException: the first failure, after the ranks still running the call were left (see the
+                module docstring).
+            LaunchTimeoutError: ``timeout`` passed; it carries the running ranks' stacks.
+            StallError: a rank stalled; it carries every running rank's stacks.
+            PreemptedError: the call was preempted, once its grace is over.
+            LaunchStopped: ``control`` asked for a stop.
+        """
+        return _Call(self, number, control, timeout, stall_timeout, start_timeout).run()
+
+
+class _Call:
+    """The state of one call on a :class:`Ranks` while its loop runs (see :meth:`Ranks.call`)."""
+
+    def __init__(
+        self,
+        ranks: Ranks,
+        number: int,
+        control: LaunchControl,
+        timeout: float | None,
+        stall_timeout: float | None,
+        start_timeout: float | None,
+    ) -> None:
+        self.ranks, self.number, self.control = ranks, number, control
+        self.timeout = timeout
+        self.stall_timeout = stall_timeout if ranks.board is not None else None
+        nprocs = ranks.spec.nprocs
+        self.starting = ranks.warm and len(ranks.ready) < nprocs
+        self.start_timeout = start_timeout
+        self.start_deadline = time.monotonic() + start_timeout if self.starting and start_timeout else None
+        self.pending = set(range(nprocs))
+        self.states: dict[int, RankState] = {}
+        self.failed_at: dict[int, float] = {}
+        self.interrupted: set[int] = set()
+        self.closed: set[int] = set()  # ranks whose pipe reached its end (they died): their pidfds tell
+
+    def run(self) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
+        ranks, control = self.ranks, self.control
+        if not self.starting:
+            control.start_clock(self.timeout)
+        if ranks.warm:
+            takes_ctrl_c = threading.current_thread() is threading.main_thread()  # else only our CANCEL stops it
+            for conn in ranks.conns:
+                with contextlib.suppress(OSError):  # a rank that died: its pidfd tells
+                    conn.send((CALL, self.number, takes_ctrl_c))
+            if ranks.board is not None:
+                for rank in range(ranks.spec.nprocs):  # a beat of an earlier call is not this call's
+                    ranks.board.set(rank, BEAT, 0.0)
+            yield STARTED  # the ranks run the call whether or not its values are read
+        control.stacks_source = ranks.stacks
+        try:
+            while self.pending:
+                if ranks.closing:
+                    raise _closed_error()
+                yield from self._step(self._limit())
+                self._check_limits()
+                if any(isinstance(state, BaseException) for state in self.states.values()):
+                    self._leave()  # the first failure: the ranks still running the call stop
+        except ParentSignalled as received:
+            self._leave(received.signum)  # forwarded: the workers are stopped with the signal the parent got
+            raise
+        except BaseException as error:
+            if ranks.closing:  # the ranks are being stopped by whoever closes them
+                if isinstance(error, (GeneratorExit, KeyboardInterrupt, RuntimeError)):
+                    raise
+                raise _closed_error() from None
+            if os.getpid() == ranks.pid:  # (a forked child collecting its copy of a stream acts on nothing)
+                self._leave()
+            raise
+        finally:
+            control.stacks_source = None
+        if ranks.closing:
+            raise _closed_error()
+        return self._outcome()
+
+    # -- waiting -----------------------------------------------------------------------------------------
+
+    def _limit(self) -> float | None:
+        """Seconds until the next moment the loop must look without an event: the deadline, the start
+        deadline, the end of a preemption's grace, or the next moment a rank could be stalled."""
+        control, preemption = self.control, self.control.preemption
+        limits = [control.remaining(), None if preemption is None else preemption.remaining()]
+        if self.start_deadline is not None:
+            limits.append(max(0.0, self.start_deadline - time.monotonic()))
+        limits.append(self._next_stall_look())
+        known = [limit for limit in limits if limit is not None]
+        return min(min(known), LONGEST_WAIT) if known else None
+
+    def _step(self, limit: float | None, leaving: bool = False) -> Generator[tuple[int, Any], None, None]:
+        """Wait up to ``limit`` seconds for what happens next and act on all of it; yield the values yielded.
+        ``leaving``: the call is being left; a stop request or a notice no longer matters."""
+        ranks, control = self.ranks, self.control
+        ends = {ranks.end_fd(rank): rank for rank in self.pending}
+        conns = {ranks.conns[rank].fileno(): rank for rank in self.pending - self.closed} if ranks.conns else {}
+        preemption = None if leaving else control.preemption
+        stop = None if leaving else control.fileno()
+        listener = None if ranks.store is None else ranks.store.fileno()
+        notice = None if preemption is None else preemption.fileno()
+        extra = (stop, listener, notice)
+        ready = readable([*ends, *conns, *(fd for fd in extra if fd is not None)], limit)
+        seen = time.monotonic()  # when the ends in ready were seen: a rank without an outcome failed then
+        if notice is not None and notice in ready and preemption is not None:
+            preemption.drain()  # the ranks were told through the flag
+        if stop is not None and stop in ready:
+            raise LaunchStopped()
+        if listener is not None and listener in ready and ranks.store is not None:
+            ranks.store.serve()  # a worker connected: start the store it waits for
+        for fd in (fd for fd in ready if fd in conns):
+            yield from self._message(conns[fd])
+        for rank in (ends[fd] for fd in ready if fd in ends):
+            if rank in self.pending and (rank in self.closed or not ranks.conns or not ranks.conns[rank].poll(0)):
+                self._ended(rank, seen)  # (its last messages first: a pipe at its end reads as ready too)
+
+    def _message(self, rank: int) -> Generator[tuple[int, Any], None, None]:
+        """Read and act on one message of ``rank``; yield the value it yielded, if that is what it said."""
+        ranks = self.ranks
+        try:
+            message = ranks.conns[rank].recv()
+        except (EOFError, OSError):
+            self.closed.add(rank)  # it ended: its pidfd says so
+            return
+        if message[0] == READY:
+            ranks.ready.add(rank)
+            if self.starting and len(ranks.ready) == ranks.spec.nprocs:
+                self.starting, self.start_deadline = False, None  # every rank is set up: the call's time starts
+                self.control.start_clock(self.timeout)
+        elif message[0] == ITEM and message[1] == self.number:
+            name = item_name(self.number, rank, message[2])
+            value = transport.load(ranks.spec.directory, name, private=False, remove=True)
+            yield rank, value  # yielded before any interruption reached the rank
+        elif message[0] == DONE and message[1] == self.number:
+            self._done(rank)
+
+    def _done(self, rank: int) -> None:
+        """A warm rank's outcome of this call is written: read it."""
+        process = self.ranks.processes[rank]
+        self.pending.discard(rank)
+        try:
+            with signals_held():  # what unpickling raises is the result's own, never a Ctrl-C
+                outcome: Outcome = transport.load(
+                    self.ranks.spec.directory, result_name(self.number, rank), private=False, remove=True
+                )
+        except BaseException as error:  # noqa: BLE001 - a class this process cannot import, a SystemExit...
+            self.states[rank], self.failed_at[rank] = unreadable_result(rank, process.pid, error), time.monotonic()
+            return
+        if rank in self.interrupted and isinstance(outcome, Raised) and outcome.exit_code == _INTERRUPTED:
+            self.states[rank] = Stopped(rank)
+            return
+        if isinstance(outcome, Raised):
+            self.failed_at[rank] = outcome.when
+        self.states[rank] = rank_state(rank, outcome, 0, process.pid, False)
+
+    def _ended(self, rank: int, seen: float | None = None) -> None:
+        """``rank``'s worker ended during the call: its state is the outcome it left at its exit."""
+        self.pending.discard(rank)
+        self.states[rank], self.failed_at[rank] = self.ranks.collect(rank, seen)
+
+    # -- limits ------------------------------------------------------------------------------------------
+
+    def _check_limits(self) -> None:
+        """Raise what a passed limit calls for: the end of a preemption's grace, the start deadline, the
+        deadline, a stalled rank."""
+        preemption, control = self.control.preemption, self.control
+        if preemption is not None and preemption.noticed and self.pending:
+            if preemption.remaining() == 0.0 or control.remaining() == 0.0:
+                self._leave()  # the grace (or the timeout in it) is over, or a second notice came
+        elif self.start_deadline is not None and time.monotonic() >= self.start_deadline:
+            self.ranks.stop()  # a rank still importing would die of a SIGINT, printing a traceback
+            raise _start_timeout_error(self.ranks, self.start_timeout or 0.0)
+        elif control.remaining() == 0.0 and self.pending:
+            found = self._stacks()
+            raise LaunchTimeoutError(
+                f"the {_what(self.ranks)} did not finish within timeout={self.timeout or 0.0:g} s; ranks "
+                f"{sorted(self.pending)} were still running and have been {_left(self.ranks)}."
+                f"{_where(found, self.ranks.spec.log_dir, sorted(self.pending))} Raise `timeout`, or look "
+                "for a rank stuck in a collective.",
+                self.timeout or 0.0,
+                tuple(sorted(self.pending)),
+                found,
+            )
+        elif preemption is None or not preemption.noticed:  # saving may be silent: the grace bounds it
+            self._check_stalls()
+
+    def _next_stall_look(self) -> float | None:
+        """Seconds until the next moment a running rank could be stalled, else ``None``."""
+        board = self.ranks.board
+        if self.stall_timeout is None or board is None:
+            return None
+        now = time.monotonic()
+        beats = [beat for rank in self.pending if (beat := board.get(rank, BEAT)) > 0.0]
+        # none beating yet: a rank that beats now could be stalled in stall_timeout seconds, no sooner
+        due = min((beat + self.stall_timeout - now for beat in beats), default=self.stall_timeout)
+        return max(due, 0.0) + 0.005
+
+    def _check_stalls(self) -> None:
+        """Raise :class:`StallError` for the most silent running rank silent for ``stall_timeout`` seconds."""
+        board = self.ranks.board
+        if self.stall_timeout is None or board is None:
+            return
+        now = time.monotonic()
+        silent = [(now - beat, rank) for rank in self.pending if (beat := board.get(rank, BEAT)) > 0.0]
+        stalled = [(seconds, rank) for seconds, rank in silent if seconds >= self.stall_timeout]
+        if not stalled:
+            return
+        seconds, rank = max(stalled, key=lambda found: (found[0], -found[1]))
+        pid = self.ranks.processes[rank].pid
+        running = sorted(self.pending)
+        found = self._stacks()
+        failure = StallError(
+            f"rank {rank} (pid {pid}) stalled: its last mplaunch.heartbeat() was {seconds:.1f} s ago, more than "
+            f"stall_timeout={self.stall_timeout:g} s; every rank has been {_left(self.ranks)}."
+            f"{_where(found, self.ranks.spec.log_dir, running)}",
+            rank,
+            pid,
+            seconds,
+            self.stall_timeout,
+            found,
+        )
+        self.control.failure = failure
+        raise failure
+
+    def _stacks(self) -> dict[int, str]:
+        """The running ranks' stacks (at most ``DUMP_BOUND`` seconds), also written to ``log_dir``."""
+        found = self.ranks.stacks(sorted(self.pending))
+        stacks.write_to_log_dir(self.ranks.spec.log_dir, found)
+        return found
+
+    # -- the end -----------------------------------------------------------------------------------------
+
+    def _leave(self, signum: int = signal.SIGTERM) -> None:
+        """Leave the ranks still running the call: a launch's are stopped with ``signum`` and collected; a warm
+        call is interrupted in its ranks, whose answers are awaited for ``grace_period`` seconds (then they are
+        all stopped)."""
+        ranks = self.ranks
+        if not self.pending:
+            return
+        if not ranks.warm:
+            ranks.stop(signum)
+            for rank in sorted(self.pending):
+                self._ended(rank)
+            return
+        self.interrupted |= ranks.interrupt(self.pending - self.interrupted, self.number)
+        deadline = time.monotonic() + ranks.spec.grace_period
+        while self.pending and time.monotonic() < deadline:
+            for _ in self._step(max(0.0, deadline - time.monotonic()), leaving=True):
+                pass  # a value yielded while the call is left is dropped
+        if self.pending:
+            ranks.stop()
+            for rank in sorted(self.pending):
+                self._ended(rank)
+
+    def _outcome(self) -> dict[int, RankState]:
+        """Each rank's state, once every rank has answered; or the preemption or the first failure raised."""
+        preemption = self.control.preemption
+        if preemption is not None and preemption.noticed:
+            raise preemption.error(self.states, self.ranks.spec.nprocs)
+        failures = {rank: state for rank, state in self.states.items() if isinstance(state, BaseException)}
+        if failures:
+            first = min(failures, key=lambda rank: (self.failed_at.get(rank, float("inf")), rank))
+            failure = failures.pop(first)
+            set_attribute(failure, "failures", tuple(failures[rank] for rank in sorted(failures)))
+            self.control.failure = failure
+            raise failure from failure.__cause__
+        return self.states
+
+
+@contextlib.contextmanager
+def board_for(spec: WorkerSpec) -> Iterator[tuple[WorkerSpec, Board | None]]:
+    """The board (heartbeats, usage) of one start of ranks, zeroed, where ``spec`` asks for one; unmapped
+    after. Yields the spec without a board where none can be made (the ranks then run unwatched)."""
+    board = None
+    if spec.board:
+        try:
+            board = Board(spec.directory, spec.nprocs, create=True)
+        except (OSError, ValueError):
+            spec = dataclasses.replace(spec, board=False)
+    try:
+        yield spec, board
+    finally:
+        if board is not None:
+            board.close()
+
+
+@contextlib.contextmanager
+def _unshare_pipe(spec: WorkerSpec) -> Iterator[WorkerSpec]:
+    """Under fork with large arguments, the pipe on which the parent tells the ranks, once they are forked,
+    whether to look in their arguments for memory to make private (see :func:`_answer_unshare`); closed
+    after (a rank whose parent failed to answer reads its end and looks)."""
+    if spec.start_method != "fork" or spec.unshare is not None:
+        yield spec
+        return
+    pipe = os.pipe()
+    try:
+        yield dataclasses.replace(spec, unshare_pipe=pipe)
+    finally:
+        for fd in pipe:
+            os.close(fd)
+
+
+def _answer_unshare(spec: WorkerSpec) -> None:
+    """Tell forked workers with large arguments whether to look in them for memory to make private: whether
+    this process holds a result mapped shared by mplaunch. Memory the user shared (``share_memory_()``) stays
+    shared (``keep_requested``), and mplaunch's own shared bookkeeping (the heartbeat board, the preemption
+    flag) holds no argument, so ``/proc/self/maps``, which lists all of them, is not the question."""
+    if spec.unshare_pipe is not None:
+        os.write(spec.unshare_pipe[1], (b"1" if holds_shared_mappings() else b"0") * spec.nprocs)
+
+
+def values(states: dict[int, RankState], nprocs: int) -> list[Any]:
+    """The reporting ranks' values in rank order (``None`` for the others)."""
+    return [state.value if isinstance(state := states.get(rank), Returned) else None for rank in range(nprocs)]
+
+
+def _what(ranks: Ranks) -> str:
+    return "call" if ranks.warm else "launch"
+
+
+def _left(ranks: Ranks) -> str:
+    return "interrupted" if ranks.warm else "stopped"
+
+
+def _closed_error() -> RuntimeError:
+    return RuntimeError("the mplaunch.Workers were closed while this call ran; its ranks were stopped")
+
+
+def _start_timeout_error(ranks: Ranks, timeout: float) -> LaunchTimeoutError:
+    """The error of warm ranks that were not set up within ``timeout`` seconds of their start."""
+    starting = sorted(set(range(ranks.spec.nprocs)) - ranks.ready)
+    return LaunchTimeoutError(
+        f"ranks {starting} did not finish starting within rdzv_timeout={timeout:g} s; every rank has been "
+        "stopped, and the next call starts them again. Raise `rdzv_timeout`, or look for a rank stuck while "
+        "importing or joining its process group.",
+        timeout,
+        tuple(starting),
+    )
+
+
+def _where(found: dict[int, str], log_dir: str | None, running: list[int]) -> str:
+    """The sentences of an error message that say where each rank was, from their stacks."""
+    missing = [rank for rank in running if rank not in found]
+    silent = f" Ranks {missing} sent no stacks (still starting, or no dump within 1 s)." if missing else ""
+    if not found:
+        return silent
+    kept = f" and in {os.path.join(log_dir, 'rank{N}.stacks')} (N: the rank)" if log_dir is not None else ""
+    where = f" Where each rank was: {stacks.summary(found)} (every thread's stack is on the error's `stacks`{kept})."
+    return where + silent
