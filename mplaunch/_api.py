@@ -309,95 +309,15 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
 
     Args:
         function: the function to decorate; given only in the bare form.
-        **options: the launch options below, by keyword; each option's default is
-            :class:`~mplaunch.ParallelConfig`'s.
-        nprocs: worker processes per call, an int >= 1, or ``"auto"`` (the default): the number of visible
-            CUDA devices when CUDA is available, else the number of usable CPU cores.
-        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names), or ``None``
-            (default): ``fork`` in an interactive session (REPL, IPython, Jupyter) where fork exists and CUDA
-            is not initialised, ``spawn`` otherwise.
-        return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value.
-        timeout: seconds the whole call may take before every worker is stopped, or ``None`` for no limit.
-            Before the stop, each rank's Python stacks are collected (about a second at most):
-            :class:`~mplaunch.LaunchTimeoutError` carries them and names where each rank was. Multi-node: each
-            node stops its own workers when it expires, without stacks.
-        stall_timeout: seconds a rank that has called :func:`~mplaunch.heartbeat` (e.g. once a step) may go
-            without calling it again; then every rank's stacks are collected, the workers are stopped and
-            :class:`~mplaunch.StallError` names the rank (a worker failure: ``max_restarts`` restarts it).
-            A rank that never calls ``heartbeat()`` is not watched. ``None`` (default): no rank is watched.
-            One-node launches only.
-        grace_period: seconds between SIGTERM and SIGKILL when workers are stopped early.
-        backend: a ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl when CUDA
-            is available with a device per worker, else gloo): each worker calls ``init_process_group`` with
-            it before the function (binding ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group``
-            after it, also when it raises. ``None`` (default): the function manages process groups itself.
-        prefix_output: prefix every line a worker writes to its stdout or stderr (file descriptors 1 and 2:
-            ``print``, logging, C code, subprocesses) with ``[rank N] `` (``True``), or with a template of
-            the fields ``rank``, ``local_rank``, ``node_rank`` and ``pid``, e.g. ``"{rank}|{pid} "``.
-        console_ranks: ranks whose output reaches the console, e.g. ``[0]``; ``None`` (default): all. The
-            other ranks' output is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``).
-        log_dir: directory (created if needed) where each rank's output is also written to ``rank{N}.log``,
-            overwritten at each call (a restart appends to it, after a ``--- restart N ---`` line); stacks
-            collected on a timeout or a stall go to ``rank{N}.stacks``; with ``backend="nccl"``, NCCL's
-            flight recorder dumps there on a collective's timeout (``nccl_trace_rank_{N}``).
-        nnodes: number of nodes (machines) taking part, each running this call with ``nprocs`` workers;
-            ``None`` (default) reads ``MPLAUNCH_NNODES`` (or SLURM's, in an ``srun`` step with one task per
-            node), else 1. With more than one, the call launches through
-            ``torch.distributed.launcher.api.elastic_launch`` with c10d rendezvous, and returns rank 0's value
-            on every node (with ``return_all``, this node's ranks' values). A node whose launching process
-            dies is named by the others: they stop their workers and raise :class:`~mplaunch.NodeLostError`.
-        node_rank: this node's index (``MPLAUNCH_NODE_RANK``, ``SLURM_NODEID``); informative, as c10d
-            rendezvous orders the nodes itself.
-        rdzv_endpoint: ``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
-            (``MPLAUNCH_RDZV_ENDPOINT``; default port 29400).
-        max_restarts: times all workers are stopped and started again after a worker failure (torchrun's
-            ``--max-restarts``): each restart is announced with a :class:`~mplaunch.RestartWarning`, workers
-            read the count from ``worker_info().restart_count`` (``TORCHELASTIC_RESTART_COUNT``) to resume from
-            a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries
-            the earlier ones in ``earlier_attempts``. The failure that causes a restart is written to stderr
-            with its rank and traceback. Multi-node: passed on to elastic.
-        rdzv_timeout: seconds to wait for all ``nnodes`` nodes to join before ``LaunchTimeoutError``; for
-            :class:`~mplaunch.Workers`, seconds their ranks may take to start, apart from the first call's
-            ``timeout``.
-        devices: the call's CUDA devices: a list of indices among the visible ones (``[2, 3]``), a count of
-            any free ones (``2``), or ``None`` (default): every visible device, not pooled. The ranks see
-            exactly these, in order, through ``CUDA_VISIBLE_DEVICES`` (named as this process's own
-            ``CUDA_VISIBLE_DEVICES`` names them), so ``cuda:LOCAL_RANK`` is each rank's device;
-            ``nprocs="auto"`` is their number. One pool per process: a launch whose devices another launch
-            holds waits (a submitted one stays pending, not running) and they are released when it ends.
-            An index or count this process cannot see is an ``InvalidOptionError`` at the call.
-        cpu_binding: ``"cores"``: each rank pinned to its own disjoint set of whole cores within this
-            process's affinity mask, with ``OMP_NUM_THREADS`` its size unless set; ``"numa"``: each rank
-            pinned to one NUMA node's cores (round-robin; the node of its GPU first with ``devices=``), its
-            memory preferred there; ``None`` (default): the parent's affinity. The parent's never changes.
-        env: extra environment variables for the ranks, set after torchrun's: a mapping, or a function of
-            the rank returning one (called in the parent before any worker starts; in each worker in a
-            multi-node launch). Setting a torchrun variable, ``MASTER_ADDR``/``MASTER_PORT``, or
-            ``CUDA_VISIBLE_DEVICES`` with ``devices=``, is an ``InvalidOptionError``. The parent's
-            ``os.environ`` is not changed.
-        preempt_signals: signals that preempt the call instead of stopping it, e.g. ``(signal.SIGTERM,)`` or
-            SLURM's ``(signal.SIGUSR1,)``; ``()`` (default): none. When the parent receives one, no rank is
-            signalled: :func:`mplaunch.preempted` becomes true in every rank (and its DataLoader workers and
-            process group keep working), the ranks get ``preempt_grace`` seconds to save and return, the rest
-            are then stopped, and the call raises :class:`~mplaunch.PreemptedError`, also when every rank
-            returned. A second signal ends the grace at once. Handled when the call runs in the main thread;
-            a submitted launch is preempted with ``future.preempt()``. On a multi-node launch, each node's
-            launching process handles the signals it gets and passes the notice to the other nodes through
-            the rendezvous store; each node counts its own grace and raises ``PreemptedError`` (see the
-            preemption guide). SIGKILL and SIGSTOP cannot be caught and are refused.
-        preempt_grace: seconds the ranks get, once preempted, to save and return (default 60).
-        restart_on: the failures ``max_restarts`` restarts: exception classes (e.g.
-            ``(ConnectionError, WorkerExitedError)``; a worker killed by a signal is a ``WorkerExitedError``),
-            or a predicate ``(failure) -> bool`` called in the parent (never pickled); ``None`` (default): every
-            failure. Another failure is raised at once, with the attempts so far in ``earlier_attempts``. One
-            node only: ``InvalidOptionError`` with ``nnodes > 1``, where each node's torch elastic agent
-            restarts on its own.
-        restart_delay: seconds before the first restart (default 0), doubled for each further one, at most
-            60; the wait counts against ``timeout`` and ends at once on ``cancel()``, Ctrl-C or a preemption.
-            One node only: ``InvalidOptionError`` with ``nnodes > 1``.
-        post_mortem: the first rank that raises opens pdb at its failing line, on the caller's terminal,
-            before the launch stops the others (``q`` or ``c`` ends the session; the failure is then raised
-            as usual). Without a terminal (a notebook), a ``RuntimeWarning`` points to :meth:`debug`.
+        return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value (a
+            parameter of its own: it changes the return type).
+        **options: the launch options, by keyword: ``nprocs``, ``start_method``, ``timeout``,
+            ``stall_timeout``, ``grace_period``, ``backend``, ``prefix_output``, ``console_ranks``, ``log_dir``,
+            ``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``max_restarts``, ``rdzv_timeout``, ``devices``,
+            ``cpu_binding``, ``env``, ``preempt_signals``, ``preempt_grace``, ``restart_on``,
+            ``restart_delay``, ``post_mortem``. Each is a field of :class:`~mplaunch.ParallelConfig`, which
+            gives its meaning, unit and default; the options reference's table says in which ways of calling
+            each one works.
 
     Returns:
         A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that

@@ -56,80 +56,171 @@ class LaunchOptions(TypedDict, total=False):
     post_mortem: bool
 
 
+#: The ways of calling, as the options reference's table names them: a call of a decorated function,
+#: ``fn.submit()``, a decorated generator function, ``Workers(...)``, a decorated function's own options in
+#: ``Workers.run``/``submit``, and a launch on more than one node.
+MODES = ("call", "submit()", "generator function", "Workers(...)", "Workers.run/submit", "multi-node")
+#: The options that apply to each call of warm workers rather than to their ranks' start: a decorated
+#: function's own values of these apply to its call in ``Workers.run``/``submit``.
+PER_CALL = ("return_all", "timeout", "stall_timeout", "preempt_signals", "preempt_grace")
+
+_RESTARTED = "the ranks a restart would start have lost the state a failed call needs; the next call starts them again"
+_THREAD = (
+    "a submitted call runs in a thread, and Python runs signal handlers in the main thread only: call "
+    "future.preempt() from your own handler, e.g. signal.signal(signal.SIGTERM, lambda *_: future.preempt())"
+)
+_ONE_NODE = "Workers run on one node"
+_ONE_NODE_STREAM = "a generator function runs on one node, and there is no rendezvous of nodes to name or bound"
+_WITH_NODES = {"call": "with nnodes > 1", "submit()": "with nnodes > 1"}
+
+
+def _option(default: Any, *, refused: Mapping[str, str] | None = None, note: Mapping[str, str] | None = None) -> Any:
+    """A field of :class:`ParallelConfig`, with where it applies: ``refused``, per mode of :data:`MODES`, why
+    that mode cannot honour it (a value other than the default is refused there, naming the mode); ``note``,
+    per mode, how it applies there (for the table)."""
+    return dataclasses.field(default=default, metadata={"refused": dict(refused or {}), "note": dict(note or {})})
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
-    """The launch options of one decorated function, validated when made: a ``ParallelConfig`` cannot exist with
-    an invalid value. :func:`~mplaunch.parallel` makes one from its keyword options, and
-    ``ParallelFunction.options`` with :func:`dataclasses.replace`; every field's default is the option's.
-
-    Attributes:
-        nprocs: number of worker processes started by one call, or ``"auto"`` (see :func:`resolve_nprocs`).
-        start_method: ``"spawn"``, ``"fork"``, ``"forkserver"``, or ``None`` to choose at call time.
-        return_all: return a list of every rank's value ordered by rank instead of rank 0's value.
-        timeout: seconds the whole launch may take (restarts included), or ``None`` for no limit.
-        stall_timeout: seconds a rank that has called :func:`~mplaunch.heartbeat` may go without calling it
-            again before the launch counts it stalled (:class:`~mplaunch.StallError`), or ``None`` to watch
-            no rank.
-        grace_period: seconds a worker gets between SIGTERM and SIGKILL when the launch stops it.
-        backend: process-group backend each worker initialises around the function (``"gloo"``,
-            ``"nccl"``, ``"auto"``, ...), or ``None`` to leave process groups to the function.
-        prefix_output: prefix each line a worker writes with ``[rank N] `` (``True``), or with a template
-            of the fields ``rank``, ``local_rank``, ``node_rank`` and ``pid`` (e.g. ``"{rank}|{pid} "``).
-        console_ranks: the ranks whose output reaches the console, or ``None`` for every rank (any collection
-            of ints is accepted and kept as a ``frozenset``).
-        log_dir: a directory where each rank's output is also written to ``rank{N}.log``, or ``None`` (any
-            path is accepted and kept as an absolute ``str``).
-        nnodes: number of nodes, or ``None`` to read it from the environment (one node if unset).
-        node_rank: this node's index, or ``None`` (informative: c10d rendezvous orders the nodes).
-        rdzv_endpoint: ``host[:port]`` of the c10d rendezvous on a multi-node launch.
-        max_restarts: how often all workers are restarted after a failure (by mplaunch on one node, by
-            torch.distributed.elastic on several), as torchrun's ``--max-restarts``.
-        rdzv_timeout: seconds to wait for every node to join a multi-node launch, and for the ranks of
-            :class:`~mplaunch.Workers` to start (not counted in their first call's ``timeout``).
-        devices: the CUDA devices of each call: a number of free ones, their indices (kept as a tuple), or
-            ``None`` for every visible device, not pooled.
-        cpu_binding: ``"cores"`` (each rank on its own cores), ``"numa"`` (each rank on one NUMA node's
-            cores), or ``None`` (the parent's affinity).
-        env: extra variables for every rank (kept as a ``dict``), or a function of the rank returning them.
-        preempt_signals: signals that preempt the launch instead of stopping it (any iterable of signal numbers
-            is accepted and kept as a tuple of :class:`signal.Signals`; ``()``: none). Handled by each node
-            of a multi-node launch, which passes the notice on to the others.
-        preempt_grace: seconds the ranks get, once preempted, to save and return before they are stopped.
-        restart_on: the failures ``max_restarts`` restarts: ``None`` for every failure, exception classes (a
-            class is kept as a one-class tuple), or a predicate ``(failure) -> bool`` run in the parent. One
-            node only.
-        restart_delay: seconds before the first restart, doubled for each further one, at most 60. One node
-            only.
-        post_mortem: open pdb, on the caller's terminal, at the failing frame of the first rank that raises.
+    """The launch options of one decorated function (``fn.config``) or of warm workers, validated when made: a
+    ``ParallelConfig`` cannot exist with an invalid value. :func:`~mplaunch.parallel` makes one from its
+    keyword options, ``ParallelFunction.options`` with :func:`dataclasses.replace`; every field's default is
+    the option's. The text of each option below is the one source of the options reference, whose table says
+    in which ways of calling each option works.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
             allowed. (An unknown field name is a ``TypeError``, as for any call.)
     """
 
-    nprocs: int | Literal["auto"] = "auto"
-    start_method: StartMethod | None = None
-    return_all: bool = False
-    timeout: float | None = None
-    stall_timeout: float | None = None
-    grace_period: float = 5.0
-    backend: str | None = None
-    prefix_output: bool | str = False
-    console_ranks: frozenset[int] | None = None
-    log_dir: str | None = None
-    nnodes: int | None = None
-    node_rank: int | None = None
-    rdzv_endpoint: str | None = None
-    max_restarts: int = 0
-    rdzv_timeout: float = 600.0
-    devices: int | tuple[int, ...] | None = None
-    cpu_binding: Literal["cores", "numa"] | None = None
-    env: dict[str, str] | Callable[[int], Mapping[str, str]] | None = None
-    preempt_signals: tuple[signal.Signals, ...] = ()
-    preempt_grace: float = 60.0
-    restart_on: RestartOn = None
-    restart_delay: float = 0.0
-    post_mortem: bool = False
+    nprocs: int | Literal["auto"] = _option("auto")
+    """Worker processes per call (per node): a whole number >= 1, or ``"auto"``: the call's devices with
+    ``devices=``, else the visible CUDA devices when there are any, else the usable CPU cores (the affinity
+    mask, capped by a container's CPU quota)."""
+    start_method: StartMethod | None = _option(None)
+    """``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names); ``None``: ``fork`` in an
+    interactive session (REPL, IPython, Jupyter) where fork exists and CUDA is not initialised, else
+    ``spawn``."""
+    return_all: bool = _option(False, note={"generator function": "(rank, value) pairs", "multi-node": "this node's"})
+    """Return a list of every rank's value, ordered by rank, instead of rank 0's value."""
+    timeout: float | None = _option(None, note={"Workers(...)": "per call", "Workers.run/submit": "its call"})
+    """Seconds the whole call may take (restarts included), or ``None`` for no limit. Then each rank's stacks
+    are collected (about a second at most), the ranks are stopped (a warm call is interrupted), and
+    ``LaunchTimeoutError`` carries the stacks and names where each rank was. Multi-node: each node stops its
+    own workers, without stacks."""
+    stall_timeout: float | None = _option(
+        None,
+        refused={"multi-node": "torch elastic's agent watches the ranks of each node; heartbeat() does nothing there"},
+        note={"Workers(...)": "per call", "Workers.run/submit": "its call"},
+    )
+    """Seconds a rank that has called ``mplaunch.heartbeat()`` may go without calling it again; then every
+    rank's stacks are collected, the ranks are stopped and ``StallError`` names the rank (a worker failure:
+    ``max_restarts`` restarts it). A rank that never beats is not watched; ``None``: none is."""
+    grace_period: float = _option(5.0)
+    """Seconds between SIGTERM and SIGKILL when the ranks are stopped early (a warm call: between the
+    interrupt and the stop)."""
+    backend: str | None = _option(None)
+    """A ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl with a CUDA device
+    per rank, else gloo): each rank runs ``init_process_group`` with it before the function (binding
+    ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group`` after it, also when it raises (warm
+    ranks: once, around all their calls). ``None``: the function manages process groups itself."""
+    prefix_output: bool | str = _option(False)
+    """Prefix every line a rank writes to its stdout or stderr (fd 1 and 2: ``print``, logging, C code,
+    subprocesses) with ``[rank N] `` (``True``), or with a template of the fields ``rank``, ``local_rank``,
+    ``node_rank`` and ``pid``, e.g. ``"{rank}|{pid} "``."""
+    console_ranks: frozenset[int] | None = _option(None)
+    """The ranks whose output reaches the console, e.g. ``[0]`` (any collection of ints; kept as a
+    ``frozenset``); the others' is dropped unless ``log_dir`` is set (as torchrun's
+    ``--local-ranks-filter``). ``None``: every rank's."""
+    log_dir: str | None = _option(None)
+    """A directory (created before any rank starts) where each rank's output also goes to ``rank{N}.log``,
+    overwritten at each call (a restart appends, after a ``--- restart N ---`` line); the stacks of a timeout
+    or a stall go to ``rank{N}.stacks``; with ``backend="nccl"``, NCCL's flight recorder dumps there on a
+    collective's timeout. Any path; kept absolute."""
+    nnodes: int | None = _option(
+        None,
+        refused={
+            "generator function": "a generator's values stream from the ranks of one node: return them instead",
+            "Workers(...)": _ONE_NODE,
+        },
+    )
+    """Machines taking part, each running the call with ``nprocs`` ranks; ``None``: ``MPLAUNCH_NNODES`` (or
+    SLURM's, in an ``srun`` step with one task per node), else 1. With more than one, the call launches
+    through torch elastic with c10d rendezvous, and returns rank 0's value on every node."""
+    node_rank: int | None = _option(
+        None, refused={"generator function": _ONE_NODE_STREAM, "Workers(...)": _ONE_NODE}, note=_WITH_NODES
+    )
+    """This node's index (``MPLAUNCH_NODE_RANK``, ``SLURM_NODEID``); informative, as c10d rendezvous orders
+    the nodes itself."""
+    rdzv_endpoint: str | None = _option(
+        None, refused={"generator function": _ONE_NODE_STREAM, "Workers(...)": _ONE_NODE}, note=_WITH_NODES
+    )
+    """``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
+    (``MPLAUNCH_RDZV_ENDPOINT``; default port 29400)."""
+    max_restarts: int = _option(0, refused={"Workers(...)": _RESTARTED})
+    """Times all ranks are stopped and started again after a worker failure (torchrun's
+    ``--max-restarts``): each restart is announced with a ``RestartWarning``, ranks read the count from
+    ``worker_info().restart_count`` to resume from a checkpoint, ``timeout`` bounds all attempts together,
+    and the failure raised at the end carries the earlier ones in ``earlier_attempts``. A generator
+    function's values of a failed attempt were delivered; the next attempt's follow them. Multi-node: torch
+    elastic's restarts."""
+    rdzv_timeout: float = _option(
+        600.0,
+        refused={"generator function": _ONE_NODE_STREAM},
+        note={**_WITH_NODES, "Workers(...)": "the ranks' start"},
+    )
+    """Seconds to wait for every node to join a multi-node launch; for ``Workers``, seconds their ranks may
+    take to start, apart from the first call's ``timeout``."""
+    devices: int | tuple[int, ...] | None = _option(None)
+    """The call's CUDA devices: indices among the visible ones (``[2, 3]``, kept as a tuple), a count of any
+    free ones (``2``), or ``None``: every visible device, not pooled. The ranks see exactly these, in order,
+    through ``CUDA_VISIBLE_DEVICES``, so ``cuda:LOCAL_RANK`` is each rank's device. One pool per process: a
+    launch whose devices another holds waits for them (a submitted one stays pending)."""
+    cpu_binding: Literal["cores", "numa"] | None = _option(None)
+    """``"cores"``: each rank pinned to its own whole cores within this process's affinity mask, with
+    ``OMP_NUM_THREADS`` their number unless set; ``"numa"``: each rank pinned to one NUMA node's cores
+    (round-robin; its GPU's node first with ``devices=``), its memory preferred there; ``None``: the parent's
+    affinity, which never changes."""
+    env: dict[str, str] | Callable[[int], Mapping[str, str]] | None = _option(None)
+    """Extra environment variables for the ranks, set after torchrun's: a mapping (kept as a ``dict``), or a
+    function of the rank returning one (called in the parent before any rank starts; in each rank on
+    several nodes). Setting a torchrun variable, ``MASTER_ADDR``/``MASTER_PORT``, or
+    ``CUDA_VISIBLE_DEVICES`` with ``devices=`` is refused. The parent's ``os.environ`` is not changed."""
+    preempt_signals: tuple[signal.Signals, ...] = _option(
+        (), refused={"submit()": _THREAD}, note={"Workers(...)": "per call", "Workers.run/submit": "its call (run)"}
+    )
+    """Signals that preempt the call instead of stopping it, e.g. ``(signal.SIGTERM,)`` or SLURM's
+    ``(signal.SIGUSR1,)`` (any iterable of signal numbers; kept as a tuple of ``signal.Signals``); ``()``:
+    none. When the calling process gets one, no rank is signalled: ``mplaunch.preempted()`` becomes true in
+    every rank, the ranks get ``preempt_grace`` seconds to save and return, the rest are then stopped, and
+    the call raises ``PreemptedError``. A second signal ends the grace at once. Multi-node: each node
+    handles its own signals and passes the notice to the others. SIGKILL and SIGSTOP cannot be caught."""
+    preempt_grace: float = _option(60.0, note={"Workers(...)": "per call", "Workers.run/submit": "its call"})
+    """Seconds the ranks get, once preempted, to save and return (default 60)."""
+    restart_on: RestartOn = _option(
+        None,
+        refused={
+            "Workers(...)": _RESTARTED,
+            "multi-node": "torch elastic's agent on each node restarts that node's ranks on its own",
+        },
+    )
+    """The failures ``max_restarts`` restarts: exception classes (e.g. ``(ConnectionError,
+    WorkerExitedError)``; a class is kept as a one-class tuple), or a predicate ``(failure) -> bool`` called
+    in the parent (never pickled); ``None``: every failure. Another failure is raised at once."""
+    restart_delay: float = _option(
+        0.0,
+        refused={
+            "Workers(...)": _RESTARTED,
+            "multi-node": "torch elastic's agent on each node restarts that node's ranks on its own, at once",
+        },
+    )
+    """Seconds before the first restart, doubled for each further one, at most 60; the wait counts against
+    ``timeout`` and ends at once on ``cancel()``, Ctrl-C or a preemption."""
+    post_mortem: bool = _option(False)
+    """The first rank that raises opens pdb at its failing line, on the caller's terminal, before the others
+    are stopped (``q`` or ``c`` ends the session). Without a terminal (a notebook), a ``RuntimeWarning``
+    points to ``fn.debug()``."""
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
@@ -188,6 +279,66 @@ class ParallelConfig:
 
 #: The option names, in the order of :class:`ParallelConfig`'s fields (one list for the decorator and options()).
 OPTIONS = tuple(field.name for field in dataclasses.fields(ParallelConfig))
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
+
+
+#: How the messages name each mode of :data:`MODES`.
+_MODE_NAMES = {
+    "call": "a call",
+    "submit()": "submit()",
+    "generator function": "a generator function",
+    "Workers(...)": "Workers(...)",
+    "Workers.run/submit": "Workers.run/submit",
+    "multi-node": "a launch on more than one node",
+}
+
+
+def refused_in(mode: str) -> dict[str, str]:
+    """The options that ``mode`` (one of :data:`MODES`) refuses, with why."""
+    return {f.name: reason for f in dataclasses.fields(ParallelConfig) if (reason := f.metadata["refused"].get(mode))}
+
+
+def check_mode(config: ParallelConfig, mode: str, what: str | None = None) -> None:
+    """Refuse each option of ``config`` that ``mode`` (one of :data:`MODES`) cannot honour and that is set to
+    another value than its default (``nnodes``: to more than one node); ``what``: how the message names the
+    mode, if not as :data:`MODES` does.
+
+    Raises:
+        InvalidOptionError: the first such option; the message names it, its value, the mode and why.
+    """
+    for name, reason in refused_in(mode).items():
+        value = getattr(config, name)
+        default = _DEFAULTS[name]
+        if value == default or (name == "nnodes" and value == 1):
+            continue
+        raise InvalidOptionError(
+            f"{name}={value!r} is not valid for {what or _MODE_NAMES[mode]}: {reason}. Leave it out "
+            f"(default {default!r})."
+        )
+
+
+def call_config(own: ParallelConfig, workers: ParallelConfig, name: str) -> ParallelConfig:
+    """The options of a call of the decorated function ``name`` (its options: ``own``) on warm workers (theirs:
+    ``workers``): the workers', with the function's own options of :data:`PER_CALL` that it sets.
+
+    Raises:
+        InvalidOptionError: the function sets an option that decides how the ranks were started (``nprocs``,
+            ``start_method``, ``env``...) to another value than the workers'.
+    """
+    overrides = {}
+    for field in dataclasses.fields(ParallelConfig):
+        value, theirs = getattr(own, field.name), getattr(workers, field.name)
+        if value == field.default or value == theirs:
+            continue
+        if field.name in PER_CALL:
+            overrides[field.name] = value
+            continue
+        raise InvalidOptionError(
+            f"{field.name}={value!r} is set on {name}, and Workers.run/submit runs it on ranks that were started "
+            f"with {field.name}={theirs!r}: set it on Workers(...), pass {name}.__wrapped__, or call {name}(...) "
+            "for a launch of its own."
+        )
+    return dataclasses.replace(workers, **overrides) if overrides else workers
 
 
 def make_config(**options: Any) -> ParallelConfig:

@@ -1081,3 +1081,68 @@ def devnull_descriptors() -> list[int]:
             if int(name) > 2 and os.readlink(f"/proc/self/fd/{name}") == os.devnull:
                 found.append(int(name))
     return found
+
+
+# The probes of the options table (tests/integration/test_option_modes.py): each shows an option's effect in
+# what it returns, raises, writes or prints.
+
+#: Set by a test in the parent before it launches: a forked rank inherits the value, a spawned one imports None.
+INHERITED: str | None = None
+
+
+def seen(directory: str) -> dict[str, Any]:
+    """What this rank sees of the options that place it; prints a line and notes its start in ``directory``."""
+    import torch.distributed as dist
+
+    info = worker_info()
+    print(f"probe line of rank {info.rank}", flush=True)
+    _append(os.path.join(directory, f"starts-{info.rank}"), f"{time.monotonic()} {info.restart_count}")
+    return {
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "restart_count": info.restart_count,
+        "inherited": INHERITED,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "env": os.environ.get("MPLAUNCH_PROBE"),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def fail_once(directory: str, kind: str) -> dict[str, Any]:
+    """Raise ``ValueError`` (``kind="value"``) or ``KeyError`` in the first attempt; :func:`seen` in the next."""
+    if worker_info().restart_count == 0:
+        _append(os.path.join(directory, f"starts-{worker_info().rank}"), f"{time.monotonic()} 0")
+        raise (ValueError if kind == "value" else KeyError)("first attempt")
+    return seen(directory)
+
+
+def ignore_stops_and_sleep(seconds: float) -> None:
+    """Ignore SIGTERM and SIGINT (a launch's stop, a warm call's interrupt), then sleep: only SIGKILL ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stuck_here(seconds)
+
+
+def wait_for_preemption(directory: str, run_on: bool) -> int:
+    """Say this rank runs (``ready-N``), then wait until ``mplaunch.preempted()``; return, or with ``run_on``
+    sleep on past any grace."""
+    import mplaunch
+
+    rank = worker_info().rank
+    _write(os.path.join(directory, f"ready-{rank}"), "")
+    deadline = time.monotonic() + 60
+    while not mplaunch.preempted():
+        if time.monotonic() > deadline:
+            raise TimeoutError("never preempted")
+        time.sleep(0.01)
+    if run_on:
+        stuck_here(60)
+    return rank
+
+
+def yielding(function: Any, *args: Any) -> Any:
+    """A generator of ``function(*args)``: yields its value once, and returns it."""
+    value = function(*args)
+    yield value
+    return value

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import threading
@@ -73,6 +74,16 @@ def _signals_to_handle(preempt_signals: tuple[int, ...]) -> str:
     return ",".join(names)
 
 
+def _shutdown_timeout(grace_period: float) -> dict[str, Any]:
+    """``grace_period`` as elastic's ``shutdown_timeout``: whole seconds between its SIGTERM and SIGKILL of
+    the workers it stops (30 by default), where this torch's ``LaunchConfig`` takes it."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" not in {field.name for field in dataclasses.fields(LaunchConfig)}:
+        return {}
+    return {"shutdown_timeout": max(1, math.ceil(grace_period))}
+
+
 def launch_nodes(
     spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig, preemption: Preemption | None = None
 ) -> list[Any]:
@@ -104,6 +115,7 @@ def launch_nodes(
         start_method=spec.start_method,
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(spec.directory, "elastic")),
         signals_to_handle=_signals_to_handle(config.preempt_signals),
+        **_shutdown_timeout(config.grace_period),
     )
     failed: dict[int, Any] = {}
     exchanged = (

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mplaunch._config import ParallelConfig
+from mplaunch._config import ParallelConfig, check_mode, refused_in
 from mplaunch._env import NodeSetup, node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._frames import named_original
@@ -129,6 +129,7 @@ def check_call(
     checks.check_not_bootstrapping(_name(function))
     if outer_launcher() is not None:
         return False
+    check_mode(config, "submit()")
     checks.check_arguments(function, args, kwargs)
     checks.check_main_guard(config.start_method or policy.default_start_method(), frame, _name(function))
     devices.check_request(config.devices)
@@ -150,6 +151,8 @@ def _launch(
     *,
     streams: bool = False,
 ) -> Generator[tuple[int, Any], None, Any]:
+    if streams:
+        check_mode(config, "generator function")
     checks.check_arguments(function, args, kwargs)
     checks.check_log_dir(config.log_dir)
     with devices.held(config.devices, control) as names:  # waits while another launch holds the devices
@@ -199,14 +202,15 @@ class _Plan:
         """The checks of this launch that depend on its resolved options."""
         config, nodes = self.config, self.nodes
         if nodes is not None:
-            _check_single_node(config, self.streams)
+            check_mode(config, "multi-node", f"a launch on nnodes={nodes.nnodes}")
+            if self.streams:
+                raise InvalidOptionError(
+                    f"a generator function runs on one node, and this launch has nnodes={nodes.nnodes} (from "
+                    "MPLAUNCH_NNODES or SLURM's variables): "
+                    f"{refused_in('generator function')['nnodes']}, or run it on one node."
+                )
         checks.check_cuda_fork(self.start_method)
         checks.check_main_guard(self.start_method, frame, _name(self.function))
-        if nodes is not None and config.stall_timeout is not None:
-            raise InvalidOptionError(
-                f"stall_timeout={config.stall_timeout:g} watches the ranks of a one-node launch, and this launch "
-                f"has nnodes={nodes.nnodes}: leave stall_timeout=None (heartbeat() does nothing there)."
-            )
         world_size = self.nprocs * (nodes.nnodes if nodes else 1)
         if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
             raise InvalidOptionError(
@@ -298,6 +302,7 @@ def launch_spec(
     nodes: NodeSetup | None = None,
     unshare: bool | None = True,
     stacks: bool = True,
+    board: bool | None = None,
 ) -> WorkerSpec:
     """The worker spec of a launch or of warm workers (the one builder): what every worker needs to know,
     decided from the options here, before any worker starts.
@@ -340,7 +345,9 @@ def launch_spec(
         # the workers' own usage, for the report: a fork server's are not this process's children,
         # another thread that starts a process may reap a spawned one first (forked ones are not listed),
         # and a caller's SIGCHLD handler may reap any of them first
-        board=config.stall_timeout is not None or start_method != "fork" or sigchld_handled(),
+        board=board
+        if board is not None
+        else config.stall_timeout is not None or start_method != "fork" or sigchld_handled(),
     )
 
 
@@ -369,29 +376,6 @@ def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
         if original is not None and imports.can_import(original):
             return original
     return function._mplaunch_target
-
-
-def _check_single_node(config: ParallelConfig, streams: bool) -> None:
-    """Refuse the options a multi-node launch does not support: there, each node's torch elastic agent decides
-    its own restarts, and a node whose ranks are healthy restarts them when another node rejoins."""
-    given = [
-        f"{name}={getattr(config, name)!r}"
-        for name, default in (("restart_on", None), ("restart_delay", 0.0))
-        if getattr(config, name) != default
-    ]
-    if given:
-        raise InvalidOptionError(
-            f"{', '.join(given)} is not supported with more than one node: torch elastic's agent on each node "
-            "restarts that node's workers on its own, so a filter would judge different failures on different "
-            "nodes (a rank's error on one, the collective errors it causes on the others), and a node that "
-            "refuses or waits looks lost to the others. Leave it out (max_restarts restarts after every failure "
-            "there, at once), or run on one node."
-        )
-    if streams:
-        raise InvalidOptionError(
-            "a generator function's values stream from the ranks of one node, and this launch has more than one: "
-            "return the values instead (rank 0's reach every node), or run it on one node."
-        )
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
-from mplaunch._errors import PreemptedError
+from mplaunch._errors import InvalidOptionError, PreemptedError
 from mplaunch._parent.control import LaunchControl
 from mplaunch._wire import flags
 from mplaunch._wire.records import RankState, Returned, Stopped
@@ -146,19 +146,30 @@ def notice_name(signum: int | None) -> str:
 @contextlib.contextmanager
 def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterator[None]:
     """While the launch runs, let ``signals`` notify ``preemption`` instead of their handlers; put the handlers
-    back after. Python runs signal handlers in the main thread only, so another thread (a submitted launch)
-    installs nothing: ``future.preempt()`` is its notice. A signal noticed too late for any rank to see (the
-    launch returned all the same) goes on to the handler it had before."""
-    if not signals or threading.current_thread() is not threading.main_thread():
+    back after. A signal noticed too late for any rank to see (the launch returned all the same) goes on to the
+    handler it had before.
+
+    Raises:
+        InvalidOptionError: ``signals`` and this is not the main thread, where Python runs signal handlers.
+    """
+    if not signals:
         yield
         return
+    if threading.current_thread() is not threading.main_thread():
+        raise InvalidOptionError(
+            f"preempt_signals={signals!r} cannot be handled by this call: it runs in a thread other than the main "
+            "thread, and Python runs signal handlers in the main thread only. Leave preempt_signals out, and "
+            "preempt the call from your own handler: submit it and call future.preempt()."
+        )
     owner = os.getpid()
     previous: dict[int, Any] = {}
+    ended: list[bool] = []  # the launch is over: a handler left behind passes its signal on
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != owner:  # a forked worker before its own set-up: as in a fresh process
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
+        if os.getpid() != owner or ended:  # a forked worker before its own set-up, or a handler left behind
+            old = previous.get(signum) if os.getpid() == owner else None
+            signal.signal(signum, signal.SIG_DFL if old is None else old)
+            signal.raise_signal(signum)  # (to the handler put back)
             return
         preemption.notify(signum)
 
@@ -170,15 +181,19 @@ def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterato
         preemption.reported = True  # the call ends with an error, which the caller sees: nothing to pass on
         raise
     finally:
-        for signum, old in previous.items():
-            signal.signal(signum, signal.SIG_DFL if old is None else old)
-        if (
-            preemption.noticed
-            and not preemption.reported
-            and preemption.origin is None
-            and preemption.signum in previous
-        ):
-            signal.raise_signal(preemption.signum)
+        ended.append(True)
+        # a stream may end in another thread (async for): there each handler puts the old one back itself,
+        # on the next signal, from the main thread, where handlers run
+        if threading.current_thread() is threading.main_thread():
+            for signum, old in previous.items():
+                signal.signal(signum, signal.SIG_DFL if old is None else old)
+            if (
+                preemption.noticed
+                and not preemption.reported
+                and preemption.origin is None
+                and preemption.signum in previous
+            ):
+                signal.raise_signal(preemption.signum)
 
 
 @contextlib.contextmanager

@@ -301,6 +301,7 @@ class Ranks:
         timeout: float | None,
         stall_timeout: float | None = None,
         start_timeout: float | None = None,
+        report_all: bool = False,
     ) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
         """Run call ``number`` to its end: tell warm ranks to run it (a launch's ranks run theirs already),
         yield ``(rank, value)`` for each value a reporting rank yields, as it comes, and return each rank's
@@ -312,6 +313,7 @@ class Ranks:
             timeout: seconds from its start (a warm call: from when every rank is set up) to its deadline.
             stall_timeout: seconds a rank that has beaten may stay silent (with a board), or ``None``.
             start_timeout: seconds warm ranks not yet set up may take, or ``None``.
+            report_all: every warm rank sends its value (else those of the spec's ``reporting_ranks``).
 
         Raises:
             BaseException: the first failure, after the ranks still running the call were left (see the
@@ -321,7 +323,7 @@ class Ranks:
             PreemptedError: the call was preempted, once its grace is over.
             LaunchStopped: ``control`` asked for a stop.
         """
-        return _Call(self, number, control, timeout, stall_timeout, start_timeout).run()
+        return _Call(self, number, control, timeout, stall_timeout, start_timeout).run(report_all)
 
 
 class _Call:
@@ -349,7 +351,7 @@ class _Call:
         self.interrupted: set[int] = set()
         self.closed: set[int] = set()  # ranks whose pipe reached its end (they died): their pidfds tell
 
-    def run(self) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
+    def run(self, report_all: bool) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
         ranks, control = self.ranks, self.control
         if not self.starting:
             control.start_clock(self.timeout)
@@ -357,7 +359,7 @@ class _Call:
             takes_ctrl_c = threading.current_thread() is threading.main_thread()  # else only our CANCEL stops it
             for conn in ranks.conns:
                 with contextlib.suppress(OSError):  # a rank that died: its pidfd tells
-                    conn.send((CALL, self.number, takes_ctrl_c))
+                    conn.send((CALL, self.number, takes_ctrl_c, report_all))
             if ranks.board is not None:
                 for rank in range(ranks.spec.nprocs):  # a beat of an earlier call is not this call's
                     ranks.board.set(rank, BEAT, 0.0)

@@ -78,7 +78,8 @@ class RunReport:
         for r in self.ranks:
             memory = "?" if r.max_rss is None else f"{r.max_rss / 2**20:.0f} MiB"
             cpu = "?" if r.user_time is None or r.system_time is None else f"{r.user_time + r.system_time:.2f} s"
-            end = (r.signal_name or f"exit {r.exitcode}") + (" (stopped by the launch)" if r.stopped else "")
+            end = "running" if r.exitcode is None and r.signal_name is None else r.signal_name or f"exit {r.exitcode}"
+            end += " (stopped by the launch)" if r.stopped else ""
             wall = "?" if r.wall_time is None else f"{r.wall_time:.2f} s"
             lines.append(f"rank {r.rank} (pid {r.pid}): {end}, peak RSS {memory}, CPU {cpu}, wall {wall}")
         return "\n".join(lines)

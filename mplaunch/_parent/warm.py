@@ -27,7 +27,7 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from mplaunch._config import LaunchOptions, ParallelConfig, make_config
+from mplaunch._config import LaunchOptions, ParallelConfig, call_config, check_mode, make_config
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._frames import warn_at_user
 from mplaunch._output.pump import routed, worker_fds
@@ -51,9 +51,6 @@ from mplaunch._wire import flags, transport
 from mplaunch._wire.importable import worker_imports
 from mplaunch._wire.records import EXIT, Call, Payload, RankState, Stopped, call_name
 from mplaunch._worker.serve import serve
-
-#: Options a failed call cannot honour: the ranks it would restart hold the state the call needs.
-_NO_RESTARTS = ("max_restarts", "restart_on", "restart_delay")
 
 
 class Workers:
@@ -99,19 +96,7 @@ class Workers:
         self._setup(config, sys._getframe(1))
 
     def _setup(self, config: ParallelConfig, frame: Any) -> None:
-        defaults = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
-        for name in _NO_RESTARTS:
-            if getattr(config, name) != defaults[name]:
-                raise InvalidOptionError(
-                    f"{name}={getattr(config, name)!r} is not valid for Workers(...): a failed call is not run "
-                    "again, as the ranks a restart would start have lost the state it needs; the next call starts "
-                    f"them again. Leave it out (default {defaults[name]!r})."
-                )
-        if config.nnodes is not None and config.nnodes > 1:
-            raise InvalidOptionError(
-                f"nnodes={config.nnodes} is not valid for Workers(...): they run on one node. Pass 1, or call a "
-                "decorated function on every node."
-            )
+        check_mode(config, "Workers(...)")
         checks.check_not_bootstrapping("Workers")
         checks.check_log_dir(config.log_dir)
         devices.check_request(config.devices)
@@ -173,11 +158,11 @@ class Workers:
                 here, before the call is sent to the ranks).
         """
         __tracebackhide__ = True  # noqa: F841
-        target = _checked(function, args, kwargs)
+        target, config = self._checked(function, args, kwargs)
         try:
             if inspect.isgeneratorfunction(target):
-                return self._stream(target, args, kwargs)
-            return self._call(target, args, kwargs, None)
+                return self._stream(target, args, kwargs, config)
+            return self._call(target, args, kwargs, config, None)
         except BaseException as error:
             if not ours(error):
                 raise
@@ -199,12 +184,15 @@ class Workers:
             TypeError: as for :meth:`run`.
         """
         self._held.check_process()
-        target = _checked(function, args, kwargs)
+        target, config = self._checked(function, args, kwargs)
+        check_mode(config, "submit()", "Workers.submit()")
         control = LaunchControl(stoppable=True)
         name = getattr(target, "__qualname__", "call")
         if inspect.isgeneratorfunction(target):
-            return futures.submit_stream(lambda control: self._stream(target, args, kwargs, control), control, name)
-        return futures.submit(lambda control: self._call(target, args, kwargs, control), control, name)
+            return futures.submit_stream(
+                lambda control: self._stream(target, args, kwargs, config, control), control, name
+            )
+        return futures.submit(lambda control: self._call(target, args, kwargs, config, control), control, name)
 
     def close(self) -> None:
         """Tell the ranks to leave (their exit handlers run), stop those still running after
@@ -228,6 +216,30 @@ class Workers:
     def __repr__(self) -> str:
         state = "closed" if self._held.closed else f"pids {self.pids}"
         return f"<mplaunch.Workers nprocs={self.nprocs} start_method={self.start_method!r}, {state}>"
+
+    def _checked(
+        self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Callable[..., Any], ParallelConfig]:
+        """The plain function a call of :meth:`run` or :meth:`submit` runs, its arguments checked against its
+        signature here, as a launch checks them, and the call's options: these workers', with a decorated
+        function's own options of each call (see :func:`~mplaunch._config.call_config`).
+
+        Raises:
+            TypeError: ``function`` is not callable, or the arguments do not fit it (as a plain call would say).
+            InvalidOptionError: a decorated function sets an option that decides how the ranks were started to
+                another value than these workers'.
+        """
+        target = getattr(function, "_mplaunch_target", function)
+        if not callable(target):
+            raise TypeError(
+                f"Workers.run() and submit() take the function to run on every rank first, not {function!r}: "
+                "pass a function, then its arguments, e.g. workers.run(train_epoch, 0.1)."
+            )
+        checks.check_arguments(target, args, kwargs, before="sending the call to the ranks")
+        own = getattr(function, "config", None)
+        if target is function or not isinstance(own, ParallelConfig):
+            return target, self.config
+        return target, call_config(own, self.config, getattr(function, "__name__", "the function"))
 
     def _busy(self) -> Busy:
         """Hold the call lock (see :meth:`run`)."""
@@ -281,9 +293,12 @@ class Workers:
             ) from error
         return number
 
-    def _exchange(self, team: Team, number: int, control: LaunchControl) -> Generator[tuple[int, Any], None, Any]:
-        """Call ``number`` on ``team``'s ranks, as :meth:`Ranks.call`; its value (or values) at the end."""
-        ranks, config = team.ranks, self.config
+    def _exchange(
+        self, team: Team, number: int, config: ParallelConfig, control: LaunchControl
+    ) -> Generator[tuple[int, Any], None, Any]:
+        """Call ``number`` on ``team``'s ranks with the call's options, as :meth:`Ranks.call`; its value (or
+        values) at the end."""
+        ranks = team.ranks
         before = [live_usage(process.pid) for process in ranks.processes]
         started = time.monotonic()
         states: dict[int, RankState] = {}
@@ -291,7 +306,9 @@ class Workers:
             ranks.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
         try:
             with preemption_notice(control, ranks.spec.directory, config.preempt_signals, config.preempt_grace):
-                calling = ranks.call(number, control, config.timeout, config.stall_timeout, config.rdzv_timeout)
+                calling = ranks.call(
+                    number, control, config.timeout, config.stall_timeout, config.rdzv_timeout, config.return_all
+                )
                 states = yield from calling
         finally:
             report = RunReport((), time.monotonic() - started)
@@ -308,22 +325,34 @@ class Workers:
         found = values(states, ranks.spec.nprocs)
         return found if config.return_all else found[0]
 
-    def _call(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: LaunchControl | None) -> Any:
+    def _call(
+        self,
+        function: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        config: ParallelConfig,
+        control: LaunchControl | None,
+    ) -> Any:
         with self._busy(), terminal_kept():
             team = self._team()
             number = self._send(team, function, args, kwargs)
-            return drained(self._exchange(team, number, control or LaunchControl()))
+            return drained(self._exchange(team, number, config, control or LaunchControl()))
 
     def _stream(
-        self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], control: LaunchControl | None = None
+        self,
+        function: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        config: ParallelConfig,
+        control: LaunchControl | None = None,
     ) -> Stream[Any]:
         busy = self._busy()
         busy.__enter__()
         try:
             team = self._team()
             number = self._send(team, function, args, kwargs)
-            calling = self._exchange(team, number, control or LaunchControl())
-            stream: Stream[Any] = Stream(calling, busy.release, self.config.return_all)
+            calling = self._exchange(team, number, config, control or LaunchControl())
+            stream: Stream[Any] = Stream(calling, busy.release, config.return_all)
             stream.prime()  # the ranks run the call whether or not its values are read
         except BaseException:
             busy.release()
@@ -355,7 +384,8 @@ class Team:
         stack = self._stack
         names = stack.enter_context(devices.held(config.devices, LaunchControl()))
         directory = stack.enter_context(launch_directory())
-        spec = launch_spec(config, directory, nprocs, start_method, names, stacks=True)
+        # stacks and a board always: a call may come with its own timeout or stall_timeout
+        spec = launch_spec(config, directory, nprocs, start_method, names, stacks=True, board=True)
         store = stack.enter_context(rendezvous(lazy=spec.backend is None))  # a group is joined at the start
         spec = stack.enter_context(outcome_files(attempt_spec(spec, store)))
         pump = stack.enter_context(routed(list(range(nprocs)), spec))
@@ -505,20 +535,3 @@ def _close_all() -> None:
 
 def _count(devices: int | tuple[int, ...]) -> int:
     return devices if isinstance(devices, int) else len(devices)
-
-
-def _checked(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The plain function a call of :meth:`Workers.run` or :meth:`Workers.submit` runs, its arguments checked
-    against its signature here, as a launch checks them.
-
-    Raises:
-        TypeError: ``function`` is not callable, or the arguments do not fit it (as a plain call would say).
-    """
-    target = getattr(function, "_mplaunch_target", function)
-    if not callable(target):
-        raise TypeError(
-            f"Workers.run() and submit() take the function to run on every rank first, not {function!r}: "
-            "pass a function, then its arguments, e.g. workers.run(train_epoch, 0.1)."
-        )
-    checks.check_arguments(target, args, kwargs, before="sending the call to the ranks")
-    return target

@@ -173,9 +173,11 @@ def item_name(number: int, rank: int, index: int) -> str:
 
 
 #: Control messages on a warm rank's pipe (small tuples; the objects travel as files, see above).
-#: Parent to rank: ``(CALL, number, takes_ctrl_c)`` run call ``number`` (a SIGINT to the caller's group
-#: interrupts it only if ``takes_ctrl_c``: it was made from the caller's main thread); ``(CANCEL, number)``
-#: it is no longer wanted (sent before the SIGINT that interrupts it); ``(EXIT,)`` leave. Rank to parent:
+#: Parent to rank: ``(CALL, number, takes_ctrl_c, report_all)`` run call ``number`` (a SIGINT to the caller's
+#: group interrupts it only if ``takes_ctrl_c``: it was made from the caller's main thread; every rank sends its
+#: value with ``report_all``); ``(CANCEL, number)``
+#: it is no longer wanted (sent before the SIGINT that interrupts it); ``(EXIT,)`` leave (a call that runs is
+#: interrupted). Rank to parent:
 #: ``(READY,)`` the rank is set up (once, before its first call); ``(ITEM, number, index)`` a value was
 #: yielded; ``(DONE, number)`` the outcome is written.
 CALL, CANCEL, EXIT, ITEM, DONE, READY = "call", "cancel", "exit", "item", "done", "ready"

@@ -195,7 +195,7 @@ def _execute(
             try:
                 value = function(*args, **kwargs)
                 if conn is not None and inspect.isgenerator(value):
-                    value = stream_values(value, rank, spec, conn, 0)
+                    value = stream_values(value, rank, rank in spec.reporting_ranks, spec, conn, 0)
             except BaseException as error:  # when: before the process group's teardown makes peers fail too
                 _raised = (error, time.monotonic())
                 raise
@@ -565,11 +565,10 @@ def run(
 
 
 def stream_values(
-    generator: Generator[Any, Any, Any], rank: int, spec: WorkerSpec, conn: Connection, number: int
+    generator: Generator[Any, Any, Any], rank: int, reporting: bool, spec: WorkerSpec, conn: Connection, number: int
 ) -> Any:
-    """Send each value ``generator`` yields (reporting ranks only) as it comes, as a file of the launch
-    directory announced with ``ITEM`` on ``conn``; return its return value."""
-    reporting = rank in spec.reporting_ranks
+    """Send each value ``generator`` yields in rank ``rank`` (where it is ``reporting``) as it comes, as a file
+    of the launch directory announced with ``ITEM`` on ``conn``; return its return value."""
     index = 0
     try:
         while True:

@@ -108,15 +108,19 @@ def _loop(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         if message[0] == EXIT:
             return
         if message[0] == CALL:
-            _serve_call(rank, spec, conn, message[1], message[2] if len(message) > 2 else True)
+            _serve_call(rank, spec, conn, *message[1:])
         # a CANCEL of a call already done is stale: ignored
 
 
 _early: list[tuple[Any, ...]] = []  # a message read ahead while looking for a CANCEL (an EXIT)
 
 
-def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int, takes_ctrl_c: bool = True) -> None:
-    """Run call ``number``, write its outcome, and say so."""
+def _serve_call(
+    rank: int, spec: WorkerSpec, conn: Connection, number: int, takes_ctrl_c: bool, report_all: bool
+) -> None:
+    """Run call ``number``, write its outcome (the value where this rank reports: every rank with
+    ``report_all``), and say so."""
+    reporting = report_all or rank in spec.reporting_ranks
     global _in_call, _takes_ctrl_c, _current
     _takes_ctrl_c, _current = takes_ctrl_c, (conn, number)
     raised_at = None
@@ -130,13 +134,13 @@ def _serve_call(rank: int, spec: WorkerSpec, conn: Connection, number: int, take
             value = function(*call.args, **call.kwargs)
             del call
             if inspect.isgenerator(value):
-                value = entry.stream_values(value, rank, spec, conn, number)
+                value = entry.stream_values(value, rank, reporting, spec, conn, number)
             _in_call = False
         except BaseException:
             _in_call = False
             raised_at = time.monotonic()
             raise
-        outcome: Outcome = Returned(os.getpid(), value if rank in spec.reporting_ranks else None)
+        outcome: Outcome = Returned(os.getpid(), value if reporting else None)
         del value
     except BaseException as error:  # noqa: BLE001 - every failure of the call is its outcome
         if entry._signal_received is not None:

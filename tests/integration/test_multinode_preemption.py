@@ -38,12 +38,14 @@ NODE = """
     if __name__ == "__main__":
         handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)]
         env = dict(os.environ)
+        # a submitted launch takes no preempt_signals (its thread cannot handle them): the caller's own handler
+        signals = (signal.SIGTERM,) if sys.argv[6] == "call" else ()
         launch = parallel(nprocs=1, start_method=sys.argv[5], nnodes=2, rdzv_endpoint=sys.argv[1], backend="gloo",
-                          timeout=120, rdzv_timeout=60, preempt_signals=(signal.SIGTERM,),
+                          timeout=120, rdzv_timeout=60, preempt_signals=signals,
                           preempt_grace=float(sys.argv[3]))(work)
         arguments = (sys.argv[2], [int(r) for r in sys.argv[4].split(",") if r], os.getpid())
         try:
-            if sys.argv[6] == "submit":  # a submitted launch installs no handler: the caller's own preempts it
+            if sys.argv[6] == "submit":  # the caller's own handler preempts it
                 future = launch.submit(*arguments)
                 signal.signal(signal.SIGTERM, lambda signum, frame: future.preempt())
                 handlers[1] = signal.getsignal(signal.SIGTERM)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,40 @@ def test_a_warm_rank_killed_by_a_signal_comes_before_its_peers_later_error(
         with pytest.raises(WorkerExitedError, match="SIGKILL") as caught:
             warm.run(workers.killed_then_peer_fails, str(tmp_path))
     assert caught.value.rank == 1
+
+
+def test_a_warm_rank_killed_as_its_peer_fails_is_never_taken_for_one_the_call_interrupted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A warm rank killed by SIGKILL while its peer failed (its collective broke of the death) was reported as
+    the peer's error whenever the parent read the peer's answer before it saw the death (4 times in 40 with
+    gloo): the dead rank was counted among those the call interrupted, and an interrupted rank's end is no
+    failure. Here the parent sees each end 0.05 s late (under NOTICE_SLACK), as a loaded machine wakes it."""
+    from mplaunch import Workers
+
+    first_seen: dict[int, float] = {}
+
+    def late(ready: list[Any]) -> list[Any]:
+        kept = []
+        for item in ready:
+            if isinstance(item, int) and os.readlink(f"/proc/self/fd/{item}") == "anon_inode:[pidfd]":
+                if time.monotonic() - first_seen.setdefault(item, time.monotonic()) < 0.05:
+                    continue
+            kept.append(item)
+        return kept
+
+    for name in ("mplaunch._parent.ranks.readable", "mplaunch._parent.exchange.wait"):  # (the call's wait, before)
+        with contextlib.suppress(ImportError, AttributeError):
+            real = __import__("pydoc").locate(name)
+            monkeypatch.setattr(name, lambda fds, timeout=None, real=real: late(real(fds, timeout)))
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=2.0) as warm:
+        for _ in range(3):
+            with pytest.raises(WorkerExitedError, match="SIGKILL") as caught, warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the ranks start again: their state is lost
+                warm.run(workers.killed_then_peer_fails, str(tmp_path), 0.0)
+            assert caught.value.rank == 1
+            (tmp_path / "rank1.pid").unlink()
+            first_seen.clear()
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

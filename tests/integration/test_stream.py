@@ -118,3 +118,27 @@ def test_large_yielded_tensors_travel_like_results() -> None:
     assert all(bool((v == v[0]).all()) for v in values)
     # read from the data file into this process's memory: nothing stays charged to /dev/shm (issue 21)
     assert not any(mappings.in_shared_mapping(v.data_ptr()) for v in values)
+
+
+def test_a_generator_with_stall_timeout_and_a_warm_call_both_report_usage() -> None:
+    """A generator function ran on warm workers: stall_timeout was refused ("it applies to launches (@parallel)
+    only") and no call of warm workers had a report. Now a stalled generator's launch raises StallError with a
+    report, and so does a warm call; each rank's peak memory and CPU time are there."""
+    from mplaunch import StallError
+    from tests import workers
+
+    stalling = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, stall_timeout=0.5)(workers.yielding)
+    stream = stalling(workers.beat_then_fall_silent, 1, 3, 0.05)
+    with pytest.raises(StallError, match="rank 1") as caught:
+        list(stream)
+    report = caught.value.report
+    assert report is not None
+    assert report is stalling.last_report
+    assert [rank.rank for rank in report.ranks] == [0, 1]
+    assert all(rank.max_rss and rank.stopped for rank in report.ranks), report
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT) as warm:
+        warm.run(warm_workers.rank_and_pid)
+        report = warm.last_report
+    assert report is not None
+    assert [(rank.rank, rank.exitcode) for rank in report.ranks] == [(0, None), (1, None)]  # they serve on
+    assert all(rank.max_rss and rank.user_time is not None for rank in report.ranks), report

@@ -253,15 +253,3 @@ def test_preempted_error_carries_what_happened_and_pickles() -> None:
 
 def _nothing() -> None:
     pass
-
-
-@pytest.mark.parametrize(
-    "options",
-    [{"restart_on": (ConnectionError,)}, {"restart_delay": 1.0}],
-    ids=["restart_on", "restart_delay"],
-)
-def test_multi_node_launches_refuse_the_one_node_options(options: dict[str, Any]) -> None:
-    decorate: Any = parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint="127.0.0.1:1", timeout=5, **options)
-    run = decorate(_nothing)
-    with pytest.raises(InvalidOptionError, match=f"{next(iter(options))}=.*not supported with more than one node"):
-        run()

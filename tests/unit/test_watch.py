@@ -271,15 +271,6 @@ def test_stall_timeout_is_validated(value: object) -> None:
     assert ParallelConfig(stall_timeout=2).stall_timeout == 2.0
 
 
-def test_stall_timeout_is_refused_for_a_multi_node_launch() -> None:
-    from mplaunch import parallel
-    from tests import workers
-
-    run = parallel(nprocs=1, start_method="fork", nnodes=2, rdzv_endpoint="127.0.0.1:1", stall_timeout=5)(workers.sleep)
-    with pytest.raises(InvalidOptionError, match="stall_timeout=5 watches the ranks of a one-node launch"):
-        run(0)
-
-
 @pytest.mark.parametrize(("backend", "log_dir"), [("nccl", "/logs"), ("gloo", "/logs"), ("nccl", None)])
 def test_nccl_flight_recorder_points_at_log_dir(
     monkeypatch: pytest.MonkeyPatch, backend: str, log_dir: str | None
