@@ -26,14 +26,14 @@ from mplaunch._errors import (
 )
 from mplaunch._parent.checks import record_cuda_init
 from mplaunch._parent.futures import LaunchFuture
-from mplaunch._parent.report import RankReport, RunReport
 from mplaunch._parent.restarts import RestartWarning
 from mplaunch._parent.stream import Stream
 from mplaunch._parent.warm import Workers
+from mplaunch._reports import RankReport, RunReport
 from mplaunch._spawn_compat import spawn
 from mplaunch._state.sharing import unshare
 from mplaunch._state.snapshot import GlobalState, register_state, unregister_state
-from mplaunch._worker.watch import heartbeat
+from mplaunch._worker.heartbeat import heartbeat
 
 __all__ = [
     "FailureInfo",

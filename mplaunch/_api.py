@@ -17,7 +17,7 @@ from mplaunch._errors import InvalidOptionError, raised_by_design
 from mplaunch._frames import named_original, resolve, user_frame
 from mplaunch._parent import futures, in_process, launch
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.report import RunReport
+from mplaunch._reports import RunReport
 from mplaunch._state.snapshot import GlobalState
 
 P = ParamSpec("P")

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mplaunch._parent.report import RunReport
+    from mplaunch._reports import RunReport
 
 __all__ = [
     "FailureInfo",
@@ -345,3 +345,11 @@ def failure_info(error: BaseException) -> FailureInfo | None:
         earlier_attempts=tuple(getattr(error, "earlier_attempts", ())),
         report=getattr(error, "report", None),
     )
+
+
+def set_attribute(error: BaseException, name: str, value: Any) -> None:
+    """Set an attribute on an exception that may refuse it (slots, read-only properties)."""
+    try:
+        setattr(error, name, value)
+    except (AttributeError, TypeError):
+        pass

@@ -1,6 +1,6 @@
 r"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread.
 
-Each worker's fd 1 and fd 2 are the write ends of two pipes (see :mod:`mplaunch._output.fds`). A thread of the
+Each worker's fd 1 and fd 2 are the write ends of two pipes (see :mod:`mplaunch._output.rank_streams`). A thread of the
 parent reads them all and writes whole lines, with the ``[rank N] `` prefix, to the parent's ``sys.stdout``
 and ``sys.stderr`` (the objects current when the launch began, so a Jupyter cell shows them) for the ranks of
 ``console_ranks``, and every rank's two streams to ``log_dir/rank{N}.log``.
@@ -26,12 +26,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from mplaunch._errors import LaunchRefusedError
-from mplaunch._output.fds import RANK_MARK, RankFds
 from mplaunch._output.lines import Sink, consoles, flush
-from mplaunch._wire.fds import InheritedFd
+from mplaunch._output.rank_streams import RANK_MARK
+from mplaunch._wire.inherited import InheritedFd
+from mplaunch._wire.spec import RankFds
 
 if TYPE_CHECKING:
-    from mplaunch._wire.records import WorkerSpec
+    from mplaunch._wire.spec import LaunchSpec
 
 #: Seconds a rank's text waits for another rank's open line to end before that line is cut.
 HOLD = 0.1
@@ -351,13 +352,13 @@ def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:
 
 
 @contextlib.contextmanager
-def routed(ranks: list[int | None], spec: WorkerSpec) -> Iterator[Pump | None]:
-    """A :class:`Pump` for the launch when its output is routed (see :func:`should_route`), else ``None``;
-    closed (drained) on exit."""
+def routed(ranks: list[int | None], spec: LaunchSpec, restart: int = 0) -> Iterator[Pump | None]:
+    """A :class:`Pump` for an attempt (``restart``) of the launch when its output is routed (see
+    :func:`should_route`), else ``None``; closed (drained) on exit."""
     if not should_route(spec.prefix_output, spec.console_ranks, spec.log_dir):
         yield None
         return
-    pump = Pump(ranks, spec.prefix_output, spec.console_ranks, spec.log_dir, spec.restart_count)
+    pump = Pump(ranks, spec.prefix_output, spec.console_ranks, spec.log_dir, restart)
     try:
         yield pump
     finally:

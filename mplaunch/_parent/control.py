@@ -14,7 +14,7 @@ from mplaunch._state.snapshot import GlobalState
 
 if TYPE_CHECKING:
     from mplaunch._parent.preemption import Preemption
-    from mplaunch._parent.report import RankReport, RunReport
+    from mplaunch._reports import RankReport, RunReport
 
 
 class LaunchStopped(BaseException):

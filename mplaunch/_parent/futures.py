@@ -25,7 +25,7 @@ from mplaunch._parent.stream import Queued
 from mplaunch._platform import forks
 
 if TYPE_CHECKING:
-    from mplaunch._parent.report import RunReport
+    from mplaunch._reports import RunReport
 
 T = TypeVar("T")
 

@@ -2,12 +2,11 @@
 ranks and run the call on them (:mod:`mplaunch._parent.ranks`), restarting them after a failure
 (:mod:`mplaunch._parent.restarts`). A call, ``submit()`` and a generator function are this one driver: a
 call drains it, a generator function's :class:`~mplaunch.Stream` reads the values its ranks yield as they come.
-Multi-node launches hand the ranks to torch elastic (:mod:`mplaunch._multinode.elastic`)."""
+Multi-node launches hand the ranks to torch elastic (:mod:`mplaunch._parent.nodes.elastic`)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing
 import os
 import sys
@@ -19,7 +18,7 @@ import torch
 
 from mplaunch._config import ParallelConfig, check_mode, refused_in
 from mplaunch._env import NodeSetup, node_setup, outer_launcher
-from mplaunch._errors import InvalidOptionError, LaunchRefusedError
+from mplaunch._errors import InvalidOptionError, LaunchRefusedError, set_attribute
 from mplaunch._frames import named_original
 from mplaunch._output.pump import routed, worker_fds
 from mplaunch._parent import checks, devices, placement, policy, stacks
@@ -27,21 +26,22 @@ from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory
 from mplaunch._parent.in_process import run_in_process
 from mplaunch._parent.limits import open_files_explained, short_socket_directory
-from mplaunch._parent.memory import outcome_files, payload_written
+from mplaunch._parent.memfiles import Written, outcome_files, payload_written
+from mplaunch._parent.parent_signals import ignored_signals, parent_signals, sigchld_handled
 from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.ranks import STARTED, Ranks, board_for, values
-from mplaunch._parent.report import RunReport
 from mplaunch._parent.restarts import run_attempts
-from mplaunch._parent.signals import ignored_signals, parent_signals, sigchld_handled
 from mplaunch._parent.store import rendezvous
 from mplaunch._parent.stream import Stream
 from mplaunch._parent.terminal import terminal_kept
+from mplaunch._reports import RunReport
 from mplaunch._state.python import warn_not_carried
 from mplaunch._state.sharing import unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.importable import WorkerImports, worker_imports
-from mplaunch._wire.records import Payload, WorkerSpec, outcome_name, set_attribute
+from mplaunch._wire.records import Payload, outcome_name
+from mplaunch._wire.spec import AttemptSpec, LaunchSpec, RankFds
 from mplaunch._worker.entry import run
 
 
@@ -223,30 +223,38 @@ class _Plan:
         self.payload = Payload(_function_reference(self.function, self.imports), self.args, self.kwargs, state)
 
     @contextlib.contextmanager
-    def spec_written(self, directory: str) -> Iterator[WorkerSpec]:
-        """The launch's worker spec, the payload written for workers that cannot inherit it."""
+    def spec_written(self, directory: str) -> Iterator[LaunchSpec]:
+        """The launch's spec, with the payload written for workers that cannot inherit it, and its board."""
         config, nodes, payload = self.config, self.nodes, self.payload
-        spec = launch_spec(
-            config,
-            directory,
-            self.nprocs,
-            self.start_method,
-            self.names,
-            nodes=nodes,
-            unshare=not self.forked or unshare_verdict((payload.args, payload.kwargs), keep_requested=True),
-            stacks=config.timeout is not None or config.stall_timeout is not None or self.control.stacks_wanted,
-        )
-        if spec.backend == "nccl" and not torch.cuda.is_available():
-            raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
-        if self.forked:
-            yield spec
-            return
-        with payload_written(payload, spec, self.imports, memory=nodes is None, keep_shared=nodes is None) as spec:
-            yield spec
+        with contextlib.ExitStack() as held:
+            written = Written()
+            if not self.forked:
+                memory = nodes is None
+                written = held.enter_context(
+                    payload_written(
+                        payload, directory, self.start_method, self.imports, memory=memory, keep_shared=memory
+                    )
+                )
+            wanted = nodes is None and (
+                config.stall_timeout is not None or self.start_method != "fork" or sigchld_handled()
+            )
+            self.board = held.enter_context(board_for(directory, self.nprocs, wanted))
+            yield launch_spec(
+                config,
+                directory,
+                self.nprocs,
+                self.start_method,
+                self.names,
+                nodes=nodes,
+                unshare=not self.forked or unshare_verdict((payload.args, payload.kwargs), keep_requested=True),
+                stacks=config.timeout is not None or config.stall_timeout is not None or self.control.stacks_wanted,
+                board=self.board is not None,
+                payload=written,
+            )
 
-    def on_nodes(self, spec: WorkerSpec) -> list[Any]:
+    def on_nodes(self, spec: LaunchSpec) -> list[Any]:
         """This node's share of a multi-node launch (torch elastic runs its ranks)."""
-        from mplaunch._multinode.elastic import launch_nodes
+        from mplaunch._parent.nodes.elastic import launch_nodes
 
         assert self.nodes is not None
         if self.start_method == "forkserver":
@@ -256,7 +264,7 @@ class _Plan:
             return launch_nodes(spec, self.nodes, config, notice)
 
     def attempt(
-        self, spec: WorkerSpec, restart: int, notice: Preemption
+        self, spec: LaunchSpec, restart: int, notice: Preemption
     ) -> Generator[tuple[int, Any], None, list[Any]]:
         """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt; none
         once the launch was preempted (e.g. while it waited to restart)."""
@@ -264,17 +272,15 @@ class _Plan:
         control.restarts = restart
         if notice.noticed:
             raise notice.error({}, 0)
-        for rank in range(spec.nprocs if restart else 0):  # a first attempt's directory is new, and empty
-            transport.remove(spec.directory, outcome_name(rank))
-            stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
+        if restart:  # a first attempt's directory is new, and empty
+            self._forget_attempt(spec)
         within = config.timeout if control.deadline is None else control.remaining()
         with contextlib.ExitStack() as stack:
             store = stack.enter_context(rendezvous(resolve_within=within))
-            spec = stack.enter_context(outcome_files(attempt_spec(spec, store, restart, config.max_restarts)))
-            pump = stack.enter_context(routed(list(range(spec.nprocs)), spec))
-            spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
-            spec, board = stack.enter_context(board_for(spec))
-            ranks = Ranks(spec, store, board=board, pump=pump)
+            outcome_fds = stack.enter_context(outcome_files(spec.nprocs))
+            pump = stack.enter_context(routed(list(range(spec.nprocs)), spec, restart))
+            attempt = attempt_spec(store, restart, worker_fds(pump, spec.start_method, spec.nprocs))
+            ranks = Ranks(spec, attempt, store, outcome_fds=outcome_fds, board=self.board, pump=pump)
             stack.callback(self._closed, ranks)
             pipes = [multiprocessing.Pipe(duplex=False) for _ in range(spec.nprocs)] if self.streams else []
             ranks.start(run, self.payload if self.forked else None, _preload(self.imports, self.function), pipes)
@@ -282,6 +288,14 @@ class _Plan:
                 yield STARTED
             states = yield from ranks.call(0, control, config.timeout, config.stall_timeout)
             return values(states, spec.nprocs)
+
+    def _forget_attempt(self, spec: LaunchSpec) -> None:
+        """Before a restart: no outcome, dump file or heartbeat of the earlier attempt is left."""
+        for rank in range(spec.nprocs):
+            transport.remove(spec.directory, outcome_name(rank))
+            stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
+        if self.board is not None:
+            self.board.clear()
 
     def _closed(self, ranks: Ranks) -> None:
         """Stop and let go of the attempt's ranks; keep their report."""
@@ -302,20 +316,26 @@ def launch_spec(
     nodes: NodeSetup | None = None,
     unshare: bool | None = True,
     stacks: bool = True,
-    board: bool | None = None,
-) -> WorkerSpec:
-    """The worker spec of a launch or of warm workers (the one builder): what every worker needs to know,
-    decided from the options here, before any worker starts.
+    board: bool = False,
+    payload: Written | None = None,
+) -> LaunchSpec:
+    """The spec of a launch or of warm workers (the one builder): what every worker needs to know, decided
+    from the options here, before any worker starts; ``payload``: where the call was written, ``board``:
+    whether the ranks have one.
 
     Raises:
-        InvalidOptionError: ``env=``'s function returned a bad mapping.
-        LaunchRefusedError: ``cpu_binding`` has fewer CPUs than ranks to share.
+        InvalidOptionError: ``env=``'s function returned a bad mapping, or cannot be pickled for the workers.
+        LaunchRefusedError: ``cpu_binding`` has fewer CPUs than ranks to share; ``backend="nccl"`` without CUDA.
     """
     wanted_threads = policy.wanted_threads(nprocs)  # read once: the cgroup's CPU quota is four files
     num_threads = policy.worker_threads(nprocs, start_method, wanted_threads)
     multinode = nodes is not None
     world_size = nprocs * (nodes.nnodes if nodes else 1)
-    return WorkerSpec(
+    backend = policy.resolve_backend(config.backend, nprocs, None if names is None else len(names))
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
+    threads_kept = "OMP_NUM_THREADS" not in os.environ and num_threads >= wanted_threads
+    return LaunchSpec(
         directory=directory,
         nprocs=nprocs,
         start_method=start_method,
@@ -323,43 +343,36 @@ def launch_spec(
         num_threads=num_threads,
         reporting_ranks=frozenset(range(world_size)) if config.return_all else frozenset({0}),
         environ=dict(os.environ) if start_method == "forkserver" and not multinode else None,
-        backend=policy.resolve_backend(config.backend, nprocs, None if names is None else len(names)),
+        backend=backend,
         prefix_output=config.prefix_output,
-        post_mortem=checks.post_mortem_terminal(config.post_mortem),
         console_ranks=config.console_ranks,
         log_dir=config.log_dir,
         grace_period=config.grace_period,
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
         unshare=unshare,
-        placements=placement.plan(
-            config,
-            nprocs,
-            names,
-            multinode=multinode,
-            threads_kept="OMP_NUM_THREADS" not in os.environ and num_threads >= wanted_threads,
-        ),
-        env_function=placement.env_function(config, start_method) if multinode else None,
         ignored_signals=ignored_signals(),
+        placements=placement.plan(config, nprocs, names, multinode=multinode, threads_kept=threads_kept),
+        env_function=placement.env_function(config, start_method) if multinode else None,
+        post_mortem=checks.post_mortem_terminal(config.post_mortem),
         # a cost only some launches need: a plain call without a timeout never asks for stacks
         stacks=stacks,
-        # the workers' own usage, for the report: a fork server's are not this process's children,
-        # another thread that starts a process may reap a spawned one first (forked ones are not listed),
-        # and a caller's SIGCHLD handler may reap any of them first
-        board=board
-        if board is not None
-        else config.stall_timeout is not None or start_method != "fork" or sigchld_handled(),
+        board=board,
+        max_restarts=config.max_restarts,
+        # how long a node other than rank 0's waits for rank 0's result
+        result_wait=config.timeout if config.timeout is not None else config.rdzv_timeout,
+        payload_fd=None if payload is None else payload.fd,
+        start_objects=() if payload is None else payload.start_objects,
     )
 
 
-def attempt_spec(spec: WorkerSpec, store: Any, restart: int = 0, max_restarts: int = 0) -> WorkerSpec:
-    """``spec`` for one start of its ranks: where they meet, and which attempt it is."""
-    return dataclasses.replace(
-        spec,
+def attempt_spec(store: Any, restart: int, output_fds: tuple[RankFds, ...] | None) -> AttemptSpec:
+    """The spec of one start of the ranks: where they meet, which attempt it is, what replaces fd 1 and 2."""
+    return AttemptSpec(
         master_addr=store.addr,
         master_port=store.port,
         agent_store=store.agent_store,
         restart_count=restart,
-        max_restarts=max_restarts,
+        output_fds=output_fds,
     )
 
 

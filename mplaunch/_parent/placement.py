@@ -1,6 +1,6 @@
 """The placement of each rank of a launch, decided in the parent before any worker starts: the launch's devices
 (``devices=``), each rank's CPUs (``cpu_binding=``) and its extra variables (``env=``). Each worker applies its
-own (:mod:`mplaunch._worker.placement`); the parent's environment and affinity are never changed."""
+own (:mod:`mplaunch._worker.apply_placement`); the parent's environment and affinity are never changed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from mplaunch._env import check_extra_env
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._parent import devices as device_pool
 from mplaunch._platform import topology
-from mplaunch._wire.placement import RankPlacement
+from mplaunch._wire.spec import RankPlacement
 
 
 def plan(

@@ -21,8 +21,9 @@ from typing import Any
 
 from mplaunch._errors import InvalidOptionError, PreemptedError
 from mplaunch._parent.control import LaunchControl
+from mplaunch._parent.outcomes import RankState, Stopped
 from mplaunch._wire import flags
-from mplaunch._wire.records import RankState, Returned, Stopped
+from mplaunch._wire.records import Returned
 
 
 class Preemption:

@@ -9,7 +9,6 @@ starts."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -27,13 +26,14 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from mplaunch._output.fds import hold_stdin
+from mplaunch._output.rank_streams import hold_stdin
 from mplaunch._parent.limits import check_exec_environment, short_socket_directory, start_refused
-from mplaunch._parent.signals import signals_held
+from mplaunch._parent.parent_signals import signals_held
 from mplaunch._platform import forks
 from mplaunch._platform.environ import environ_kept
-from mplaunch._wire.fds import MAKING
-from mplaunch._wire.records import Payload, WorkerSpec
+from mplaunch._wire.inherited import MAKING
+from mplaunch._wire.records import Payload
+from mplaunch._wire.spec import WorkerSpec
 from mplaunch._worker.entry import run
 
 #: Held while a launch starts its workers: one launch forks at a time. Where multiprocessing starts them, it
@@ -60,7 +60,7 @@ def _forget_fork_server() -> None:
 
 
 def start_workers(
-    spec: WorkerSpec,
+    specs: Sequence[WorkerSpec],
     payload: Payload | None,
     preload: list[str],
     started: Callable[[BaseProcess], None],
@@ -68,20 +68,21 @@ def start_workers(
     target: Callable[..., None] = run,
     rank_args: Sequence[tuple[Any, ...]] = (),
 ) -> None:
-    """Start ``spec.nprocs`` workers, rank 0 first, each running ``target`` (a launch's
-    :func:`mplaunch._worker.entry.run`); hand each to ``started`` as soon as it runs (the supervisor opens
-    its pidfd before anything can reap it).
+    """Start one worker per spec of ``specs``, rank 0 first, each running ``target`` (a launch's
+    :func:`mplaunch._worker.entry.run`); hand each to ``started`` as soon as it runs (the engine opens its
+    pidfd before anything can reap it).
 
     Args:
-        spec: the launch's worker spec (start method, nprocs, ...).
+        specs: each rank's worker spec (the launch's start method, nprocs, ...).
         payload: the call, for forked workers to inherit; ``None`` where workers read it from the launch
             directory.
         preload: modules the fork server imports once, when this launch starts it.
         started: called with each started process, in rank order.
-        target: what each worker runs, called as ``target(rank, spec, payload, *rank_args[rank])``.
+        target: what each worker runs, called as ``target(rank, specs[rank], payload, *rank_args[rank])``.
         rank_args: per rank, more arguments for ``target`` (e.g. a warm worker's end of its pipe);
             empty: none.
     """
+    spec = specs[0].launch
     context = mp.get_context(spec.start_method)
     rank = 0
     try:
@@ -96,7 +97,7 @@ def start_workers(
             processes = [
                 kind(
                     target=target,
-                    args=(rank, _for_rank(spec, rank), payload, *(rank_args[rank] if rank_args else ())),
+                    args=(rank, specs[rank], payload, *(rank_args[rank] if rank_args else ())),
                     name=f"mplaunch-rank{rank}",
                     daemon=False,
                 )
@@ -271,14 +272,6 @@ class _ForkProcess(multiprocessing.context.ForkProcess):
     @staticmethod
     def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
         return _ForkPopen(process_obj)
-
-
-def _for_rank(spec: WorkerSpec, rank: int) -> WorkerSpec:
-    """The spec one worker gets: its own outcome's memory file, not the table of all (a fork server takes at
-    most 256 descriptors per worker)."""
-    if spec.outcome_fds is None:
-        return spec
-    return dataclasses.replace(spec, outcome_fds=None, outcome_fd=spec.outcome_fds[rank])
 
 
 def _forkserver_running() -> bool:

@@ -34,18 +34,23 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from mplaunch._errors import LaunchTimeoutError, StallError
-from mplaunch._output.fds import stdin_for_forks
+from mplaunch._errors import LaunchTimeoutError, StallError, set_attribute
 from mplaunch._output.pump import Pump
+from mplaunch._output.rank_streams import stdin_for_forks
 from mplaunch._parent import stacks
 from mplaunch._parent.control import LaunchControl, LaunchStopped
+from mplaunch._parent.outcomes import RankState, Stopped, failure_time, rank_state, unreadable_result
+from mplaunch._parent.parent_signals import ParentSignalled, signals_held
+from mplaunch._parent.prefork import prepare_forks
 from mplaunch._parent.processes import open_pidfd, release, start_workers, started_at
-from mplaunch._parent.report import RankRecords, RankReport
 from mplaunch._parent.signalling import kill_leftovers, kill_tree, send_signal, signal_worker
-from mplaunch._parent.signals import ParentSignalled, signals_held
 from mplaunch._parent.store import Rendezvous
+from mplaunch._parent.usage import RankRecords
 from mplaunch._platform.ready import LONGEST_WAIT, readable
+from mplaunch._reports import RankReport
 from mplaunch._wire import transport
+from mplaunch._wire.board import BEAT, STACKS_SIGNAL, Board
+from mplaunch._wire.inherited import InheritedFd
 from mplaunch._wire.mappings import holds_shared_mappings
 from mplaunch._wire.records import (
     CALL,
@@ -55,20 +60,12 @@ from mplaunch._wire.records import (
     READY,
     Outcome,
     Raised,
-    RankState,
     Returned,
-    Stopped,
-    WorkerSpec,
-    failure_time,
     item_name,
     outcome_name,
-    rank_state,
     result_name,
-    set_attribute,
-    unreadable_result,
 )
-from mplaunch._wire.watch import BEAT, STACKS_SIGNAL, Board
-from mplaunch._worker.entry import prepare_forks
+from mplaunch._wire.spec import AttemptSpec, LaunchSpec, WorkerSpec
 
 _INTERRUPTED = 128 + signal.SIGINT  # the exit code a KeyboardInterrupt's record carries
 #: What a call yields once its ranks run it (a stream's call returns then), before any value.
@@ -79,7 +76,10 @@ class Ranks:
     """The worker processes of one start, and what the parent holds of them.
 
     Args:
-        spec: their spec.
+        spec: the launch's spec.
+        attempt: this start's.
+        outcome_fds: by rank, the memory file each writes its outcome into at its exit, or ``None`` (the
+            launch directory).
         store: the rendezvous they meet at (its listener is watched until a rank connects), or ``None``.
         warm: the ranks serve calls (:mod:`mplaunch._worker.serve`) instead of running one function and exiting.
         board: the board they beat on and leave their usage on, or ``None``.
@@ -95,14 +95,17 @@ class Ranks:
 
     def __init__(
         self,
-        spec: WorkerSpec,
+        spec: LaunchSpec,
+        attempt: AttemptSpec,
         store: Rendezvous | None,
         *,
+        outcome_fds: tuple[InheritedFd, ...] | None = None,
         warm: bool = False,
         board: Board | None = None,
         pump: Pump | None = None,
     ) -> None:
-        self.spec, self.store, self.warm, self.board, self.pump = spec, store, warm, board, pump
+        self.spec, self.attempt, self.outcome_fds = spec, attempt, outcome_fds
+        self.store, self.warm, self.board, self.pump = store, warm, board, pump
         self.pid = os.getpid()  # the owner: in a process forked from it, this is a copy that acts on nothing
         self.processes: list[BaseProcess] = []
         self.pids: list[int] = []
@@ -129,15 +132,23 @@ class Ranks:
     ) -> None:
         """Start ``spec.nprocs`` workers running ``target(rank, spec, payload, forked, conn)``; ``conns``: per
         rank, a pipe (the parent's end, the rank's end), closed here once the rank has its copy."""
-        spec = self.spec
+        spec, nprocs = self.spec, self.spec.nprocs
         self.conns = [ours for ours, _ in conns]
         try:
-            with stdin_for_forks(spec.start_method) as stdin, _unshare_pipe(spec) as spec:
+            with stdin_for_forks(spec.start_method) as stdin, _unshare_pipe(spec) as pipe:
+                attempt = dataclasses.replace(self.attempt, unshare_pipe=pipe) if pipe else self.attempt
+                # (a rank gets its own outcome file, not the table of all: a fork server takes at most 256
+                # descriptors per worker)
+                specs = [
+                    WorkerSpec(spec, attempt, None if self.outcome_fds is None else self.outcome_fds[rank])
+                    for rank in range(nprocs)
+                ]
                 # (under fork: what each rank takes as its stdin, and what the parent made for each)
-                forked = prepare_forks(spec, stdin) if spec.start_method == "fork" else [None] * spec.nprocs
-                rank_args = [(forked[rank], conns[rank][1] if conns else None) for rank in range(spec.nprocs)]
-                start_workers(spec, payload, preload, self._started, target=target, rank_args=rank_args)
-                _answer_unshare(spec)
+                forked = prepare_forks(specs[0], stdin) if spec.start_method == "fork" else [None] * nprocs
+                rank_args = [(forked[rank], conns[rank][1] if conns else None) for rank in range(nprocs)]
+                start_workers(specs, payload, preload, self._started, target=target, rank_args=rank_args)
+                if pipe is not None:
+                    _answer_unshare(pipe, nprocs)
         finally:
             for _, theirs in conns:
                 theirs.close()
@@ -195,8 +206,8 @@ class Ranks:
                     raise  # this process's open-files limit, not the result's fault: the launch names the limit
                 self.exits[rank] = (unreadable_result(rank, process.pid, error), seen)
                 return self.exits[rank]
-        if outcome is None and rank not in self.killed and self.spec.master_port:
-            kill_leftovers(rank, self.spec.master_port)  # it ended without stopping what it started
+        if outcome is None and rank not in self.killed and self.attempt.master_port:
+            kill_leftovers(rank, self.attempt.master_port)  # it ended without stopping what it started
         oom_kills = self.records.oom_kills(rank)
         state = rank_state(rank, outcome, process.exitcode, process.pid, rank in self.stopped, oom_kills)
         self.exits[rank] = (state, failure_time(outcome, process.exitcode, seen))
@@ -207,8 +218,8 @@ class Ranks:
     def _load(self, rank: int) -> Outcome | None:
         """The outcome ``rank`` left at its exit: from its memory file (mapped, then held only by the value's
         mappings), or from the launch directory (read into this process's memory, then unlinked)."""
-        if self.spec.outcome_fds is not None:
-            found: Outcome | None = transport.load_fd(self.spec.outcome_fds[rank].fd, private=False, missing_ok=True)
+        if self.outcome_fds is not None:
+            found: Outcome | None = transport.load_fd(self.outcome_fds[rank].fd, private=False, missing_ok=True)
         else:
             found = transport.load(self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
         return found
@@ -582,45 +593,42 @@ class _Call:
 
 
 @contextlib.contextmanager
-def board_for(spec: WorkerSpec) -> Iterator[tuple[WorkerSpec, Board | None]]:
-    """The board (heartbeats, usage) of one start of ranks, zeroed, where ``spec`` asks for one; unmapped
-    after. Yields the spec without a board where none can be made (the ranks then run unwatched)."""
+def board_for(directory: str, nprocs: int, wanted: bool) -> Iterator[Board | None]:
+    """The board (heartbeats, usage) of a launch or of warm workers, zeroed, where it is ``wanted``; unmapped
+    after. ``None`` where none can be made: the ranks then run unwatched."""
     board = None
-    if spec.board:
-        try:
-            board = Board(spec.directory, spec.nprocs, create=True)
-        except (OSError, ValueError):
-            spec = dataclasses.replace(spec, board=False)
+    if wanted:
+        with contextlib.suppress(OSError, ValueError):
+            board = Board(directory, nprocs, create=True)
     try:
-        yield spec, board
+        yield board
     finally:
         if board is not None:
             board.close()
 
 
 @contextlib.contextmanager
-def _unshare_pipe(spec: WorkerSpec) -> Iterator[WorkerSpec]:
+def _unshare_pipe(spec: LaunchSpec) -> Iterator[tuple[int, int] | None]:
     """Under fork with large arguments, the pipe on which the parent tells the ranks, once they are forked,
     whether to look in their arguments for memory to make private (see :func:`_answer_unshare`); closed
     after (a rank whose parent failed to answer reads its end and looks)."""
     if spec.start_method != "fork" or spec.unshare is not None:
-        yield spec
+        yield None
         return
     pipe = os.pipe()
     try:
-        yield dataclasses.replace(spec, unshare_pipe=pipe)
+        yield pipe
     finally:
         for fd in pipe:
             os.close(fd)
 
 
-def _answer_unshare(spec: WorkerSpec) -> None:
+def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
     """Tell forked workers with large arguments whether to look in them for memory to make private: whether
     this process holds a result mapped shared by mplaunch. Memory the user shared (``share_memory_()``) stays
     shared (``keep_requested``), and mplaunch's own shared bookkeeping (the heartbeat board, the preemption
     flag) holds no argument, so ``/proc/self/maps``, which lists all of them, is not the question."""
-    if spec.unshare_pipe is not None:
-        os.write(spec.unshare_pipe[1], (b"1" if holds_shared_mappings() else b"0") * spec.nprocs)
+    os.write(pipe[1], (b"1" if holds_shared_mappings() else b"0") * nprocs)
 
 
 def values(states: dict[int, RankState], nprocs: int) -> list[Any]:

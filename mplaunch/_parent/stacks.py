@@ -1,5 +1,5 @@
 """Every live rank's Python stacks, on request: each worker dumps them with :mod:`faulthandler` when it gets
-:data:`~mplaunch._wire.watch.STACKS_SIGNAL` (see :mod:`mplaunch._worker.watch`); and where each rank was, in
+:data:`~mplaunch._wire.board.STACKS_SIGNAL` (see :mod:`mplaunch._worker.heartbeat`); and where each rank was, in
 one line: the innermost frame of the user's code in the thread that runs the function.
 
 The idea of dumping every thread without the GIL from a signal handler is CPython's ``faulthandler`` (as
@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from mplaunch._wire.watch import stacks_name, stacks_pending_name
+from mplaunch._wire.board import stacks_name, stacks_pending_name
 
 #: Seconds the parent waits for the dumps (all ranks together): stacks never delay a stop by more.
 DUMP_BOUND = 1.0
@@ -28,7 +28,12 @@ _STEADY = 3  # looks without growth after which a dump is complete
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.*)$')
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mplaunch/
-_WORKER_ENTRY = os.path.join(_PACKAGE, "_worker", "entry.py")
+#: The worker's frames that call the user's function: a launch's rank, a warm call, a multi-node rank.
+_RUNS_FUNCTION = {
+    (os.path.join(_PACKAGE, "_worker", "entry.py"), "execute"),
+    (os.path.join(_PACKAGE, "_worker", "serve.py"), "_serve_call"),
+    (os.path.join(_PACKAGE, "_worker", "elastic.py"), "elastic_entry"),
+}
 #: Where a forked worker's stack meets its parent's: mplaunch's forking function (file, function).
 _FORKING = (os.path.join(_PACKAGE, "_parent", "processes.py"), "_fork_all")
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -55,7 +60,7 @@ def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: fl
 
     Args:
         directory: the launch directory, where each rank's dump file is.
-        senders: per rank, a function that sends it :data:`~mplaunch._wire.watch.STACKS_SIGNAL` (raising
+        senders: per rank, a function that sends it :data:`~mplaunch._wire.board.STACKS_SIGNAL` (raising
             ``OSError`` when the worker is gone).
         bound: seconds to wait for every dump together.
 
@@ -166,7 +171,7 @@ def innermost_user_frame(text: str) -> Frame | None:
 
 def _runs_function(frame: Frame) -> bool:
     """Whether ``frame`` is the worker entry's frame that calls the user's function."""
-    return frame.file == _WORKER_ENTRY and frame.function in ("_execute", "run", "elastic_entry")
+    return (frame.file, frame.function) in _RUNS_FUNCTION
 
 
 def summary(stacks: Mapping[int, str]) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import inspect
 import itertools
 import multiprocessing
@@ -35,21 +34,23 @@ from mplaunch._parent import checks, devices, futures, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory, space_hint
 from mplaunch._parent.launch import attempt_spec, drained, launch_spec
-from mplaunch._parent.memory import outcome_files, payload_written
+from mplaunch._parent.memfiles import outcome_files, payload_written
+from mplaunch._parent.outcomes import RankState, Stopped
 from mplaunch._parent.preemption import preemption_notice
 from mplaunch._parent.ranks import Ranks, board_for, values
-from mplaunch._parent.report import RankReport, RunReport, live_usage
 from mplaunch._parent.signalling import signal_worker
 from mplaunch._parent.starter import in_starter
 from mplaunch._parent.store import rendezvous
 from mplaunch._parent.stream import Stream, ours
 from mplaunch._parent.terminal import terminal_kept
+from mplaunch._parent.usage import live_usage
 from mplaunch._platform import forks
+from mplaunch._reports import RankReport, RunReport
 from mplaunch._state.python import warn_not_carried
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import flags, transport
 from mplaunch._wire.importable import worker_imports
-from mplaunch._wire.records import EXIT, Call, Payload, RankState, Stopped, call_name
+from mplaunch._wire.records import EXIT, Call, Payload, call_name
 from mplaunch._worker.serve import serve
 
 
@@ -384,24 +385,26 @@ class Team:
         stack = self._stack
         names = stack.enter_context(devices.held(config.devices, LaunchControl()))
         directory = stack.enter_context(launch_directory())
-        # stacks and a board always: a call may come with its own timeout or stall_timeout
-        spec = launch_spec(config, directory, nprocs, start_method, names, stacks=True, board=True)
-        store = stack.enter_context(rendezvous(lazy=spec.backend is None))  # a group is joined at the start
-        spec = stack.enter_context(outcome_files(attempt_spec(spec, store)))
-        pump = stack.enter_context(routed(list(range(nprocs)), spec))
-        spec = dataclasses.replace(spec, output_fds=worker_fds(pump, start_method, nprocs))
-        spec, board = stack.enter_context(board_for(spec))
-        stack.callback(flags.create(directory).close)  # for mplaunch.preempted(): raised by a call's notice
         payload: Payload | None = None
+        written = None
         if start_method == "fork":
             payload = Payload(None, (), {}, ForkState.capture())  # type: ignore[arg-type]
         else:
             state = GlobalState.capture()
             if state.python is not None:
                 warn_not_carried(state.python)
-            written = payload_written(Payload(None, (), {}, state), spec, worker_imports(), memory=True)  # type: ignore[arg-type]
-            spec = stack.enter_context(written)
-        ranks = Ranks(spec, store, warm=True, board=board, pump=pump)
+            call = Payload(None, (), {}, state)  # type: ignore[arg-type]
+            written = stack.enter_context(payload_written(call, directory, start_method, worker_imports(), memory=True))
+        board = stack.enter_context(board_for(directory, nprocs, True))  # a call may bring its stall_timeout
+        stack.callback(flags.create(directory).close)  # for mplaunch.preempted(): raised by a call's notice
+        spec = launch_spec(
+            config, directory, nprocs, start_method, names, stacks=True, board=board is not None, payload=written
+        )
+        store = stack.enter_context(rendezvous(lazy=spec.backend is None))  # a group is joined at the start
+        outcome_fds = stack.enter_context(outcome_files(nprocs))
+        pump = stack.enter_context(routed(list(range(nprocs)), spec))
+        attempt = attempt_spec(store, 0, worker_fds(pump, start_method, nprocs))
+        ranks = Ranks(spec, attempt, store, outcome_fds=outcome_fds, warm=True, board=board, pump=pump)
         stack.callback(ranks.close)
         pipes = [multiprocessing.Pipe(duplex=True) for _ in range(nprocs)]
         in_starter(lambda: ranks.start(serve, payload, [], pipes))

@@ -4,7 +4,7 @@ An object is pickled once (protocol 5). The bytes of every tensor storage of 64 
 out-of-band buffer of that size (NumPy arrays, :class:`pickle.PickleBuffer`), are written at page-aligned
 offsets apart from the pickle, which refers to them by offset. They go to one of two places:
 
-* an anonymous memory file (``memfd_create``, see :func:`mplaunch._wire.fds.memory_file`) that the parent
+* an anonymous memory file (``memfd_create``, see :func:`mplaunch._wire.inherited.memory_file`) that the parent
   made for the purpose and the worker inherited (:func:`dump_fd`, :func:`load_fd`): the data first, then the
   pickle, then a trailer saying where the pickle starts. No file system's size limit counts it, so a
   container's small ``/dev/shm`` does not bound its size;
@@ -155,7 +155,7 @@ def dump_fd(
     keep_shared: bool = False,
     plain: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` into the memory file ``fd`` (see :func:`mplaunch._wire.fds.memory_file`), replacing what
+    """Write ``obj`` into the memory file ``fd`` (see :func:`mplaunch._wire.inherited.memory_file`), replacing what
     it held: the storages and buffers of 64 KiB or more, then the header and the pickle, then the trailer,
     last, so a reader that finds the trailer finds a complete object. Arguments and the return value as for
     :func:`dump`; ``plain``: the caller knows that ``obj`` holds no storage, buffer, function or class of its

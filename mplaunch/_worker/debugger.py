@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from mplaunch._wire.records import WorkerSpec
+from mplaunch._wire.spec import WorkerSpec
 
 _MARKER = "post-mortem"
 
@@ -32,7 +32,7 @@ def post_mortem(error: BaseException, spec: WorkerSpec, rank: int) -> None:
     if not isinstance(error, Exception) or error.__traceback__ is None:
         return  # SystemExit, KeyboardInterrupt: not a bug to look at
     try:
-        os.close(os.open(os.path.join(spec.directory, _MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.close(os.open(os.path.join(spec.launch.directory, _MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except OSError:
         return  # another rank is (or was) in the debugger
     try:
@@ -40,7 +40,7 @@ def post_mortem(error: BaseException, spec: WorkerSpec, rank: int) -> None:
     except OSError:
         return  # no controlling terminal
     try:
-        _debug_on(fd, error, rank, os.getpgid(spec.parent_pid))
+        _debug_on(fd, error, rank, os.getpgid(spec.launch.parent_pid))
     finally:
         os.close(fd)
 
@@ -119,7 +119,7 @@ def install_breakpoint_hook(spec: WorkerSpec, rank: int, plan: BreakpointPlan | 
     if plan.forget_input:
         _forget_kernel_input()
     if plan.hook:
-        sys.breakpointhook = _rank_hook(rank, os.path.join(spec.directory, _BREAKPOINT_LOCK))
+        sys.breakpointhook = _rank_hook(rank, os.path.join(spec.launch.directory, _BREAKPOINT_LOCK))
 
 
 @dataclasses.dataclass(frozen=True)

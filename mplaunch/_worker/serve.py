@@ -1,7 +1,7 @@
 """What a warm worker (:class:`mplaunch.Workers`) runs: set up the rank once, then serve calls until told to
 leave.
 
-The worker sets itself up as a launch's does (:func:`mplaunch._worker.entry.set_up`), restores the parent's
+The worker sets itself up as a launch's does (:func:`mplaunch._worker.setup.set_up`), restores the parent's
 state, and enters the process group when ``backend`` is set; the group, the modules it imported and the
 globals it set live as long as the worker. Then it waits on its end of a pipe for a small control message
 (:data:`~mplaunch._wire.records.CALL`): it reads the call from the launch directory (one copy, mapped
@@ -38,14 +38,18 @@ from mplaunch._wire.records import (
     Payload,
     Raised,
     Returned,
-    WorkerSpec,
     call_name,
     result_name,
 )
-from mplaunch._worker import entry, placement
+from mplaunch._wire.spec import WorkerSpec
+from mplaunch._worker import apply_placement as placement
+from mplaunch._worker import entry
 from mplaunch._worker.debugger import post_mortem
+from mplaunch._worker.heartbeat import watch
+from mplaunch._worker.outcome import finish, stops_held, write_outcome
 from mplaunch._worker.process_group import process_group
-from mplaunch._worker.watch import watch
+from mplaunch._worker.setup import Forked, set_threads, set_up
+from mplaunch._worker.state import state
 
 _in_call = False  # SIGINT raises KeyboardInterrupt only while a call runs
 _takes_ctrl_c = True  # the call runs in the caller's main thread: a Ctrl-C to the caller's group stops it
@@ -65,7 +69,7 @@ def _on_interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt()
 
 
-def serve(rank: int, spec: WorkerSpec, payload: Payload | None, forked: entry.Forked | None, conn: Connection) -> None:
+def serve(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None, conn: Connection) -> None:
     """The target of every warm worker: set up the rank, serve calls from ``conn`` until told to leave (or
     the parent closes its end), then exit as a launch's worker does.
 
@@ -79,23 +83,23 @@ def serve(rank: int, spec: WorkerSpec, payload: Payload | None, forked: entry.Fo
     """
     outcome: Outcome | None = None
     try:
-        entry.set_up(rank, spec, _on_interrupt, forked)  # a SIGINT while starting must not end the rank
+        set_up(rank, spec, _on_interrupt, forked)  # a SIGINT while starting must not end the rank
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
-        flags.attach(spec.directory, None if forked is None else forked.flag)  # for mplaunch.preempted()
-        placement.apply(spec, rank, rank, environ_made=entry._environ_made)  # devices, CPUs, env=
-        entry._set_threads(placement.thread_count(spec, rank))
+        flags.attach(spec.launch.directory, None if forked is None else forked.flag)  # for mplaunch.preempted()
+        placement.apply(spec, rank, rank, environ_made=state.environ_made)  # devices, CPUs, env=
+        set_threads(placement.thread_count(spec, rank))
         if payload is None:
-            payload = entry._read_payload(spec)
+            payload = entry.read_payload(spec)
         payload.state.restore()
         del payload
-        with process_group(spec.backend, rank):
+        with process_group(spec.launch.backend, rank):
             conn.send((READY,))  # a call's timeout counts from here: the start is not the call's
             _loop(rank, spec, conn)
         outcome = Returned(os.getpid(), None)
     except BaseException:  # noqa: BLE001 - a stop (SIGTERM): reported by _finish
         pass
     conn.close()
-    entry._finish(spec, rank, outcome, written=outcome is not None)
+    finish(spec, rank, outcome, written=outcome is not None)
 
 
 def _loop(rank: int, spec: WorkerSpec, conn: Connection) -> None:
@@ -120,7 +124,7 @@ def _serve_call(
 ) -> None:
     """Run call ``number``, write its outcome (the value where this rank reports: every rank with
     ``report_all``), and say so."""
-    reporting = report_all or rank in spec.reporting_ranks
+    reporting = report_all or rank in spec.launch.reporting_ranks
     global _in_call, _takes_ctrl_c, _current
     _takes_ctrl_c, _current = takes_ctrl_c, (conn, number)
     raised_at = None
@@ -129,7 +133,7 @@ def _serve_call(
             _in_call = True
             if conn.poll(0) and _cancelled(conn, number):  # a SIGINT may have come before _in_call was set
                 raise _Cancelled()
-            call: Call = transport.load(spec.directory, call_name(number), private=True, remove=False)
+            call: Call = transport.load(spec.launch.directory, call_name(number), private=True, remove=False)
             function = _in_main(call.function, call.filename)
             value = function(*call.args, **call.kwargs)
             del call
@@ -143,19 +147,19 @@ def _serve_call(
         outcome: Outcome = Returned(os.getpid(), value if reporting else None)
         del value
     except BaseException as error:  # noqa: BLE001 - every failure of the call is its outcome
-        if entry._signal_received is not None:
+        if state.signal_received is not None:
             raise  # SIGTERM: the worker ends
-        if spec.post_mortem:
+        if spec.launch.post_mortem:
             post_mortem(error, spec, rank)
-        with entry.stops_held():
+        with stops_held():
             outcome = Raised.of(error, when=raised_at)
         del error
-    if os.getpid() != entry._worker_pid:  # a process the function forked, returning: not the worker
+    if os.getpid() != state.pid:  # a process the function forked, returning: not the worker
         os._exit(0 if isinstance(outcome, Returned) else 1)
     for stream in (sys.stdout, sys.stderr):  # the call's output reaches the parent before its outcome
         with contextlib.suppress(OSError, ValueError, AttributeError):
             stream.flush()
-    entry._write_outcome(spec, rank, outcome, result_name(number, rank))
+    write_outcome(spec, rank, outcome, result_name(number, rank))
     del outcome
     conn.send((DONE, number))
 

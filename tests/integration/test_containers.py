@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mplaunch import StartMethod, parallel
-from mplaunch._parent import memory
-from mplaunch._wire import fds
+from mplaunch._parent import memfiles
+from mplaunch._wire import inherited
 from tests import workers
 from tests.helpers import run_script, write_script
 
@@ -25,8 +25,8 @@ _TMPFS_MIB = 16
 
 
 def _has_memory_files() -> bool:
-    fd = fds.memory_file("probe")
-    fds.close_quietly(fd)
+    fd = inherited.memory_file("probe")
+    inherited.close_quietly(fd)
     return fd is not None
 
 
@@ -59,9 +59,9 @@ def test_kept_results_hold_no_shared_memory(
 ) -> None:
     """A sweep that keeps each trial's 5 MiB result failed on the 4th call with "No space left" in a 16 MiB
     /dev/shm: the results were mapped from unlinked files, which stay charged while mapped. With memory files
-    they never touch it; without (``files``) the parent copies them into its own memory."""
+    they never touch it; without (``files``) the parent copies them into its own memfiles."""
     if not memory_files:
-        monkeypatch.setattr(memory, "memory_file", lambda name: None)
+        monkeypatch.setattr(memfiles, "memory_file", lambda name: None)
     elif not _has_memory_files():
         pytest.skip("no memfd_create here")
     trial = parallel(nprocs=1, start_method="fork", timeout=120)(workers.big_result)
@@ -241,11 +241,11 @@ def test_a_forked_worker_holds_no_other_launchs_memory_files() -> None:
     the time (``submit()``) would stay alive until it exits. It keeps only its own outcome's."""
     if not _has_memory_files():
         pytest.skip("no memfd_create here")
-    other = fds.memory_file("rank0")
+    other = inherited.memory_file("rank0")
     try:
         seen = parallel(nprocs=2, start_method="fork", timeout=60, return_all=True)(workers.memory_files_seen)()
     finally:
-        fds.close_quietly(other)
+        inherited.close_quietly(other)
     assert [len(files) for files in seen] == [1, 1], seen
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from mplaunch import LaunchTimeoutError, StallError, StartMethod, WorkerExitedError, parallel
-from mplaunch._parent import report as report_module
-from mplaunch._platform.memory import oom_counters
-from mplaunch._wire.watch import STACKS_SIGNAL
+from mplaunch._parent import usage as report_module
+from mplaunch._platform.oom import oom_counters
+from mplaunch._wire.board import STACKS_SIGNAL
 from tests import workers
 from tests.helpers import fork_with, kernel_keeps_reaped_status, reaping_sigchld_handler
 

@@ -39,7 +39,7 @@ def test_a_rank_killed_by_a_signal_comes_before_its_peers_later_error(
     peer also raised before the parent woke to the death at all. A death by SIGKILL, never a peer's
     consequence, now counts from when its end was seen, less NOTICE_SLACK. Here either the reaping is slowed
     to 0.6 s (the peer fails 0.2 s after the death), or the parent wakes 0.05 s late (the peer fails at once)."""
-    from mplaunch._parent.report import RankRecords
+    from mplaunch._parent.usage import RankRecords
     from mplaunch._platform.ready import readable
 
     if slowed == "reaping":
@@ -70,7 +70,7 @@ def test_a_warm_rank_killed_by_a_signal_comes_before_its_peers_later_error(
 ) -> None:
     """The same in a warm call: the killed rank was timed after it was joined and its outcome looked for."""
     from mplaunch import Workers
-    from mplaunch._parent.report import RankRecords
+    from mplaunch._parent.usage import RankRecords
 
     reap = RankRecords.reap
 

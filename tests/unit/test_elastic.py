@@ -14,9 +14,10 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from mplaunch import WorkerExitedError
 from mplaunch._config import ParallelConfig
-from mplaunch._multinode.elastic import _collect
+from mplaunch._parent.nodes.elastic import _collect
 from mplaunch._wire import transport
-from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned, Signalled, WorkerSpec, outcome_name
+from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned, Signalled, outcome_name
+from mplaunch._wire.spec import LaunchSpec
 
 
 def raised(error: BaseException) -> Raised:
@@ -32,7 +33,7 @@ def write(directory: Path, outcomes: dict[int, Outcome]) -> None:
 
 
 def collect(directory: Path, failed: dict[int, Any] | None = None, return_all: bool = False) -> list[Any]:
-    spec = WorkerSpec(
+    spec = LaunchSpec(
         directory=str(directory),
         nprocs=2,
         start_method="fork",

@@ -139,7 +139,7 @@ def test_counts_in_the_environment_are_ascii_whole_numbers() -> None:
     from mplaunch import outer_launcher
     from mplaunch._parent.policy import wanted_threads
     from mplaunch._platform.cpus import usable_cpu_count
-    from mplaunch._worker.placement import threads_in
+    from mplaunch._worker.apply_placement import threads_in
 
     assert wanted_threads(1, {"OMP_NUM_THREADS": "\u00b3"}) == wanted_threads(1, {}) == usable_cpu_count()
     assert wanted_threads(1, {"OMP_NUM_THREADS": "3"}) == 3

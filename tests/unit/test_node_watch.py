@@ -16,10 +16,11 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from mplaunch import LaunchTimeoutError, NodeLostError
-from mplaunch._multinode.watch import NodeWatch, WatchedRendezvous
+from mplaunch._parent.nodes.handler import NodeWatch, WatchedRendezvous
 from mplaunch._wire import transport
-from mplaunch._wire.records import REMOTE_RANK0, Raised, Returned, WorkerSpec
-from mplaunch._worker.entry import _share_rank0
+from mplaunch._wire.records import REMOTE_RANK0, Raised, Returned
+from mplaunch._wire.spec import LaunchSpec, WorkerSpec
+from mplaunch._worker.elastic import _share_rank0
 from tests.helpers import free_port
 
 
@@ -131,7 +132,7 @@ def test_the_wait_for_rank_0s_result_is_bounded(tmp_path: Path, monkeypatch: pyt
     server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GROUP_RANK": "1"}.items():
         monkeypatch.setenv(name, value)
-    spec = WorkerSpec(str(tmp_path), 1, "fork", os.getpid(), 1, frozenset({0}), result_wait=1.5)
+    spec = WorkerSpec(LaunchSpec(str(tmp_path), 1, "fork", os.getpid(), 1, frozenset({0}), result_wait=1.5))
     start = time.monotonic()
     _share_rank0(spec, 2, 0, Returned(os.getpid(), None))
     assert time.monotonic() - start < 10

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from mplaunch._errors import LaunchRefusedError
-from mplaunch._output.fds import RANK_MARK
 from mplaunch._output.lines import prefixed
 from mplaunch._output.pump import DRAIN, HOLD, Pump, should_route
+from mplaunch._output.rank_streams import RANK_MARK
 
 
 def _consoles(monkeypatch: pytest.MonkeyPatch) -> tuple[io.StringIO, io.StringIO]:

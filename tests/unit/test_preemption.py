@@ -16,10 +16,11 @@ import pytest
 
 from mplaunch import InvalidOptionError, WorkerExitedError, parallel, preempted, worker_info
 from mplaunch._parent.control import LaunchControl
+from mplaunch._parent.outcomes import Stopped
 from mplaunch._parent.preemption import Preemption, preempt_signals, preemption_notice
 from mplaunch._parent.restarts import MAX_DELAY, pause, restart_delay_of, restartable
 from mplaunch._wire import flags
-from mplaunch._wire.records import Returned, Stopped
+from mplaunch._wire.records import Returned
 from tests.helpers import main_thread_in
 
 

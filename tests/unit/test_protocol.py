@@ -10,6 +10,7 @@ import signal
 import pytest
 
 from mplaunch import RemoteError, RemoteTraceback, WorkerExitedError
+from mplaunch._parent.outcomes import Stopped, exit_error, rank_state, rebuild_exception
 from mplaunch._wire.records import (
     PAYLOAD,
     REMOTE_RANK0,
@@ -17,13 +18,9 @@ from mplaunch._wire.records import (
     Raised,
     Returned,
     Signalled,
-    Stopped,
-    exit_error,
     exit_status,
     outcome_name,
     outcome_rank,
-    rank_state,
-    rebuild_exception,
 )
 
 PID = 4242

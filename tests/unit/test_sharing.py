@@ -148,9 +148,9 @@ def test_a_results_mapping_is_made_private_in_place(tmp_path: Path) -> None:
 
     import numpy as np
 
-    from mplaunch._wire import fds, transport
+    from mplaunch._wire import inherited, transport
 
-    fd = fds.memory_file("result")
+    fd = inherited.memory_file("result")
     if fd is None:
         pytest.skip("no memfd_create here")
     transport.dump_fd({"t": torch.zeros(1 << 16), "a": np.zeros(1 << 16)}, fd)
@@ -273,15 +273,14 @@ def test_only_kept_results_make_forked_workers_look_into_large_arguments(tmp_pat
     torch.multiprocessing in the benchmark) before."""
     from mplaunch._parent import ranks
     from mplaunch._wire import flags, mappings
-    from mplaunch._wire.records import WorkerSpec
-    from mplaunch._wire.watch import Board
+    from mplaunch._wire.board import Board
 
     board = Board(str(tmp_path), 2, create=True)
     flag = flags.create(str(tmp_path))
     read, write = os.pipe()
     try:
         before = mappings.holds_shared_mappings()
-        ranks._answer_unshare(WorkerSpec(str(tmp_path), 1, "fork", 0, 1, frozenset(), unshare_pipe=(read, write)))
+        ranks._answer_unshare((read, write), 1)
         assert os.read(read, 1) == (b"1" if before else b"0")
         if not before:  # (no result of an earlier test alive in this process)
             assert not mappings.holds_shared_mappings()
@@ -290,7 +289,7 @@ def test_only_kept_results_make_forked_workers_look_into_large_arguments(tmp_pat
         kept = mappings.map_file(fd, 0, mmap.PAGESIZE, private=False)  # a result the caller keeps
         os.close(fd)
         assert mappings.holds_shared_mappings()
-        ranks._answer_unshare(WorkerSpec(str(tmp_path), 1, "fork", 0, 1, frozenset(), unshare_pipe=(read, write)))
+        ranks._answer_unshare((read, write), 1)
         assert os.read(read, 1) == b"1"
         del kept
     finally:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mplaunch._wire import fds, mappings, pickling, transport
+from mplaunch._wire import inherited, mappings, pickling, transport
 
 
 def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
@@ -171,7 +171,7 @@ def test_an_object_that_fails_to_unpickle_raises_its_own_error(tmp_path: Path) -
 
 
 def _memory_file() -> int:
-    fd = fds.memory_file("test")
+    fd = inherited.memory_file("test")
     if fd is None:
         pytest.skip("no memfd_create here")
     return fd
@@ -262,9 +262,9 @@ def test_closing_other_memory_files_spares_a_number_reused_by_another_file(tmp_p
     os.close(stale)  # not through close_quietly: still noted
     with open(tmp_path / "file", "w") as file:
         assert file.fileno() == stale  # the lowest free number
-        fds.close_memory_files({kept})
+        inherited.close_memory_files({kept})
         os.fstat(file.fileno())  # still open
     os.fstat(kept)
     with pytest.raises(OSError):
         os.fstat(other)
-    fds.close_quietly(kept)
+    inherited.close_quietly(kept)

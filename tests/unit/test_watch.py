@@ -15,10 +15,10 @@ import torch
 import mplaunch
 from mplaunch import InvalidOptionError, LaunchTimeoutError, ParallelConfig, RunReport, StallError
 from mplaunch._parent import stacks
-from mplaunch._platform.memory import oom_counters, oom_kills
-from mplaunch._wire.records import exit_error
-from mplaunch._wire.watch import BEAT, MAX_RSS, STACKS_SIGNAL, Board
-from mplaunch._worker import watch
+from mplaunch._parent.outcomes import exit_error
+from mplaunch._platform.oom import oom_counters, oom_kills
+from mplaunch._wire.board import BEAT, MAX_RSS, STACKS_SIGNAL, Board
+from mplaunch._worker import heartbeat
 
 PACKAGE = os.path.dirname(mplaunch.__file__)
 TORCH = os.path.dirname(torch.__file__)
@@ -41,7 +41,7 @@ MAIN = [
     (f"{STDLIB}/contextlib.py", 81, "inner"),
     ("/home/me/project/train.py", 30, "step"),
     ("/home/me/project/train.py", 50, "train"),
-    (ENTRY, 159, "_execute"),
+    (ENTRY, 159, "execute"),
     (ENTRY, 284, "run"),
     ("/home/me/project/launch.py", 10, "<module>"),  # the parent's frames, inherited through fork
 ]
@@ -83,13 +83,13 @@ def test_library_frames_count_when_the_user_has_none_above_the_entry() -> None:
     library = [
         (f"{TORCH}/distributed/distributed_c10d.py", 1, "barrier"),
         ("/venv/lib/python3.11/site-packages/lightning/trainer.py", 7, "fit"),
-        (ENTRY, 159, "_execute"),
+        (ENTRY, 159, "execute"),
         ("/home/me/project/launch.py", 10, "<module>"),
     ]
     frame = stacks.innermost_user_frame(_dump(library))
     assert frame is not None
     assert frame.function == "fit"
-    only_ours = [(f"{TORCH}/x.py", 1, "init_process_group"), (ENTRY, 159, "_execute"), ("/p/launch.py", 1, "<module>")]
+    only_ours = [(f"{TORCH}/x.py", 1, "init_process_group"), (ENTRY, 159, "execute"), ("/p/launch.py", 1, "<module>")]
     frame = stacks.innermost_user_frame(_dump(only_ours))
     assert frame is not None
     assert frame.function == "init_process_group"  # never the parent's inherited frames
@@ -114,7 +114,7 @@ def test_summary_says_when_no_frame_of_the_users_code_is_on_the_stack() -> None:
     """A rank stuck after its function returned (a destructor joining threads) showed mplaunch's own frame as
     if it were the user's: ``rank 1 in __call__ (mplaunch/_spawn_compat.py:26)``."""
     wrapper = (f"{PACKAGE}/_spawn_compat.py", 26, "__call__")
-    text = stacks.summary({1: _dump([wrapper, (ENTRY, 177, "_execute"), ("/p/launch.py", 1, "<module>")])})
+    text = stacks.summary({1: _dump([wrapper, (ENTRY, 177, "execute"), ("/p/launch.py", 1, "<module>")])})
     assert text == f"rank 1 outside your code, in {stacks.Frame(*wrapper)}"
 
 
@@ -123,18 +123,18 @@ def test_code_typed_at_a_prompt_or_run_with_exec_is_the_users(file: str) -> None
     """A function defined at the Python or IPython prompt, in ``python -c`` or with ``exec`` (forked ranks
     run it) has no file: it was named ``outside your code``, and a library frame it called won over it."""
     user = (file, 3, "waiting")
-    dump = _dump([(f"{STDLIB}/threading.py", 320, "wait"), user, (ENTRY, 177, "_execute")])
+    dump = _dump([(f"{STDLIB}/threading.py", 320, "wait"), user, (ENTRY, 177, "execute")])
     assert stacks.summary({0: dump}) == f"rank 0 in {stacks.Frame(*user)}"
     frozen = ("<frozen importlib._bootstrap>", 241, "_call_with_frames_removed")
-    assert stacks.summary({0: _dump([frozen, (ENTRY, 177, "_execute")])}).startswith("rank 0 outside your code")
+    assert stacks.summary({0: _dump([frozen, (ENTRY, 177, "execute")])}).startswith("rank 0 outside your code")
 
 
 def test_a_function_without_python_frames_is_never_placed_in_the_parents_frames() -> None:
     """A rank running a C function (``parallel()(time.sleep)``) has the entry as its innermost frame; below it
     are the parent's frames that a forked worker inherited, and the launch named the parent's line that made
     the call as where the rank was."""
-    dump = _dump([(ENTRY, 177, "_execute"), (ENTRY, 394, "run"), ("/home/me/project/launch.py", 10, "<module>")])
-    assert stacks.summary({0: dump}) == f"rank 0 outside your code, in {stacks.Frame(ENTRY, 177, '_execute')}"
+    dump = _dump([(ENTRY, 177, "execute"), (ENTRY, 394, "run"), ("/home/me/project/launch.py", 10, "<module>")])
+    assert stacks.summary({0: dump}) == f"rank 0 outside your code, in {stacks.Frame(ENTRY, 177, 'execute')}"
 
 
 def test_collect_skips_ranks_that_cannot_dump(tmp_path: Path) -> None:
@@ -165,14 +165,14 @@ def test_board_slots_and_heartbeat(tmp_path: Path) -> None:
         assert parent.get(1, BEAT) == 0.0
         mplaunch.heartbeat()  # outside a launch: nothing
         assert parent.get(0, BEAT) == parent.get(1, BEAT) == 0.0
-        watch._slots, watch._index = worker.slots, 1 * 4 + BEAT
+        heartbeat._slots, heartbeat._index = worker.slots, 1 * 4 + BEAT
         try:
             before = time.monotonic()
             mplaunch.heartbeat()
             assert before <= parent.get(1, BEAT) <= time.monotonic()
             assert parent.get(0, BEAT) == 0.0
         finally:
-            watch._slots = None
+            heartbeat._slots = None
         worker.set(0, MAX_RSS, 1024.0)
         assert parent.get(0, MAX_RSS) == 1024.0
         parent.clear()
@@ -275,12 +275,12 @@ def test_stall_timeout_is_validated(value: object) -> None:
 def test_nccl_flight_recorder_points_at_log_dir(
     monkeypatch: pytest.MonkeyPatch, backend: str, log_dir: str | None
 ) -> None:
-    from mplaunch._wire.records import WorkerSpec
+    from mplaunch._wire.spec import LaunchSpec, WorkerSpec
 
     environ = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}  # the user's own value stays
     monkeypatch.setattr(os, "environ", environ)
-    spec = WorkerSpec("/d", 1, "fork", 1, 1, frozenset({0}), backend=backend, log_dir=log_dir)
-    watch._flight_recorder(spec)
+    spec = WorkerSpec(LaunchSpec("/d", 1, "fork", 1, 1, frozenset({0}), backend=backend, log_dir=log_dir))
+    heartbeat._flight_recorder(spec)
     if backend == "nccl" and log_dir is not None:
         assert environ == {
             "TORCH_NCCL_TRACE_BUFFER_SIZE": "50",

@@ -21,7 +21,7 @@ from types import FrameType
 from typing import Any
 
 from mplaunch._platform import forks
-from mplaunch._platform.signals import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
+from mplaunch._platform.csignal import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 
 #: Signals that end a launch, the workers being stopped with the same signal (SIGTERM is how a launch stops
 #: its workers anyway).

@@ -12,7 +12,6 @@ child processes, faulthandler.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import logging
 import os
@@ -21,21 +20,11 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from mplaunch._env import whole_number
-from mplaunch._wire.fds import InheritedFd
+from mplaunch._wire.spec import RankFds
 
 #: Written by an elastic worker on its pipes before anything else, followed by ``rank,pid,node_rank`` and a NUL,
 #: so the parent learns the global rank, the pid and the node of what follows.
 RANK_MARK = b"\x00mplaunch:rank="
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankFds:
-    """What one local rank puts in place of fd 1 and fd 2."""
-
-    stdout: InheritedFd
-    stderr: InheritedFd
-    routed: bool  # pipes to the parent (else the caller's own fd 1 and 2)
-    announce: bool = False  # write RANK_MARK first: the parent does not know this worker's global rank
 
 
 def take_fds(table: tuple[RankFds, ...] | None, local_rank: int, rank: int) -> None:

@@ -1,7 +1,7 @@
 """The worker's side of watching a launch: its stacks on request, its heartbeat, its usage at exit, and NCCL's
 flight recorder pointed at ``log_dir``.
 
-Stacks: the worker registers :mod:`faulthandler` for :data:`~mplaunch._wire.watch.STACKS_SIGNAL`, writing
+Stacks: the worker registers :mod:`faulthandler` for :data:`~mplaunch._wire.board.STACKS_SIGNAL`, writing
 every thread's Python stack to ``rank{N}.stacks`` in the launch directory. faulthandler writes from the
 signal handler itself, without the GIL, so a rank blocked in C (a collective, a ``read``, a lock) dumps too.
 Its handler is installed with ``SA_RESTART``: an interrupted system call resumes. The file appears under its
@@ -18,8 +18,7 @@ import resource
 import time
 from typing import Any
 
-from mplaunch._wire.records import WorkerSpec
-from mplaunch._wire.watch import (
+from mplaunch._wire.board import (
     BEAT,
     FIELDS,
     MAX_RSS,
@@ -30,6 +29,7 @@ from mplaunch._wire.watch import (
     stacks_name,
     stacks_pending_name,
 )
+from mplaunch._wire.spec import WorkerSpec
 
 _board: Board | None = None
 _rank = 0
@@ -63,24 +63,26 @@ def heartbeat() -> None:
 
 def watch(spec: WorkerSpec, rank: int) -> None:
     """Set up this worker (local rank ``rank``) to dump its stacks on request (where the parent may ask,
-    ``spec.stacks``) and to beat (one-node launches whose parent made a board, ``spec.board``); point NCCL's
-    flight recorder at ``log_dir``."""
+    ``stacks``) and to beat (one-node launches whose parent made a board, ``board``); point NCCL's flight
+    recorder at ``log_dir``."""
     global _board, _rank, _slots, _index
     _flight_recorder(spec)
-    if spec.stacks:
-        pending = os.path.join(spec.directory, stacks_pending_name(rank))
+    if spec.launch.stacks:
+        pending = os.path.join(spec.launch.directory, stacks_pending_name(rank))
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             if STACKS_SIGNAL is None:
                 raise ValueError("no real-time signals here")
             fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
-            os.rename(pending, os.path.join(spec.directory, stacks_name(rank)))  # the parent may signal from now on
-    if spec.stacks or spec.board:
+            os.rename(
+                pending, os.path.join(spec.launch.directory, stacks_name(rank))
+            )  # the parent may signal from now on
+    if spec.launch.stacks or spec.launch.board:
         os.register_at_fork(after_in_child=_forget)
-    if not spec.board:
+    if not spec.launch.board:
         return
     try:
-        _board = Board(spec.directory, spec.nprocs, create=False)
+        _board = Board(spec.launch.directory, spec.launch.nprocs, create=False)
     except (OSError, ValueError):
         return  # a multi-node launch (elastic's agent watches those workers), or the launch is ending
     _rank, _index, _slots = rank, rank * FIELDS + BEAT, _board.slots
@@ -110,8 +112,8 @@ def _forget() -> None:
 def _flight_recorder(spec: WorkerSpec) -> None:
     """With ``backend="nccl"`` and ``log_dir``: keep NCCL's flight recorder and dump it to
     ``log_dir/nccl_trace_rank_{N}`` when a collective times out, unless the user set these variables."""
-    if spec.backend != "nccl" or spec.log_dir is None:
+    if spec.launch.backend != "nccl" or spec.launch.log_dir is None:
         return
     for name, value in _NCCL_FLIGHT_RECORDER.items():
         os.environ.setdefault(name, value)
-    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(spec.log_dir, "nccl_trace_rank_"))
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(spec.launch.log_dir, "nccl_trace_rank_"))

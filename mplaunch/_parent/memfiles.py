@@ -15,46 +15,60 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
+from typing import Any
 
 from mplaunch._errors import LaunchRefusedError
 from mplaunch._parent import checks
 from mplaunch._parent.directory import space_hint
 from mplaunch._wire import transport
-from mplaunch._wire.fds import InheritedFd, close_quietly, memory_file
 from mplaunch._wire.importable import WorkerImports
-from mplaunch._wire.records import PAYLOAD, Payload, WorkerSpec
+from mplaunch._wire.inherited import InheritedFd, close_quietly, memory_file
+from mplaunch._wire.records import PAYLOAD, Payload
 
 
 @contextlib.contextmanager
-def outcome_files(spec: WorkerSpec) -> Iterator[WorkerSpec]:
-    """Make one memory file per rank for its outcome; yield ``spec`` naming them (``outcome_fds``), or
-    unchanged where there are none (the ranks then write to the launch directory); close them after."""
+def outcome_files(nprocs: int) -> Iterator[tuple[InheritedFd, ...] | None]:
+    """Make one memory file per rank for its outcome and yield them, by rank, or ``None`` where there are none
+    (the ranks then write to the launch directory); close them after."""
     fds: list[int] = []
     try:
-        for rank in range(spec.nprocs):
+        for rank in range(nprocs):
             fd = memory_file(f"rank{rank}")
             if fd is None:
-                break
+                close_quietly(*fds)
+                fds = []
+                yield None
+                return
             fds.append(fd)
-        else:
-            yield dataclasses.replace(spec, outcome_fds=tuple(map(InheritedFd, fds)))
-            return
-        close_quietly(*fds)
-        fds = []
-        yield spec
+        yield tuple(map(InheritedFd, fds))
     finally:
         close_quietly(*fds)
 
 
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """Where a payload was written: its memory file (``None``: in the launch directory), and the objects that
+    travel with each worker's start instead (see :mod:`mplaunch._wire.start_objects`)."""
+
+    fd: InheritedFd | None = None
+    start_objects: tuple[Any, ...] = ()
+
+
 @contextlib.contextmanager
 def payload_written(
-    payload: Payload, spec: WorkerSpec, imports: WorkerImports | None, *, memory: bool, keep_shared: bool = False
-) -> Iterator[WorkerSpec]:
+    payload: Payload,
+    directory: str,
+    start_method: str,
+    imports: WorkerImports | None,
+    *,
+    memory: bool,
+    keep_shared: bool = False,
+) -> Iterator[Written]:
     """Write the call for workers that cannot inherit it: to a memory file (with ``memory``, where there are
-    such files), else to the launch directory; yield ``spec`` naming the file (``payload_fd``); close it
-    after. Refuse, naming the argument, what cannot be pickled. The call's objects that travel with each
-    worker's start (queues, locks..., and with ``keep_shared`` the storages the user put in torch's shared
-    memory, so the workers share them) are put in the spec (``start_objects``).
+    such files), else to the launch directory; yield where (:class:`Written`); close the file after. Refuse,
+    naming the argument, what cannot be pickled. The call's objects that travel with each worker's start
+    (queues, locks..., and with ``keep_shared`` the storages the user put in torch's shared memory, so the
+    workers share them) are left out of it, and yielded.
 
     Raises:
         LaunchRefusedError: an argument cannot be pickled, or there is no room for the call.
@@ -64,26 +78,25 @@ def payload_written(
         try:
             if fd is None:
                 found = transport.dump(
-                    payload, spec.directory, PAYLOAD, imports=imports, start_objects=True, keep_shared=keep_shared
+                    payload, directory, PAYLOAD, imports=imports, start_objects=True, keep_shared=keep_shared
                 )
             else:
                 found = transport.dump_fd(payload, fd, imports=imports, start_objects=True, keep_shared=keep_shared)
         except OSError as error:
-            where = os.path.dirname(spec.directory) if fd is None else "memory"
+            where = os.path.dirname(directory) if fd is None else "memory"
             raise LaunchRefusedError(
                 f"cannot write the call's arguments to {where}: {error}. "
-                f"{space_hint(spec.directory) if fd is None else 'Free memory, or pass smaller arguments.'}"
+                f"{space_hint(directory) if fd is None else 'Free memory, or pass smaller arguments.'}"
             ) from error
         except Exception as error:
             culprit = checks.describe_unpicklable(payload.args, payload.kwargs, imports, payload.function)
             raise LaunchRefusedError(
-                f"cannot send the call to {spec.start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
+                f"cannot send the call to {start_method!r} workers: {culprit}. Under 'spawn' and 'forkserver' "
                 "every argument is pickled; pass picklable values, create the object inside the function, or use "
                 "start_method='fork'."
             ) from error
-        if spec.start_method != "fork":  # forked workers inherit them: nothing is pickled
-            checks.check_start_objects(found, spec.start_method)
-        spec = dataclasses.replace(spec, start_objects=tuple(found))
-        yield spec if fd is None else dataclasses.replace(spec, payload_fd=InheritedFd(fd))
+        if start_method != "fork":  # forked workers inherit them: nothing is pickled
+            checks.check_start_objects(found, start_method)
+        yield Written(None if fd is None else InheritedFd(fd), tuple(found))
     finally:
         close_quietly(fd)

@@ -31,7 +31,7 @@ from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as 
 from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousInfo
 
 from mplaunch._errors import LaunchTimeoutError, NodeLostError
-from mplaunch._multinode import notice
+from mplaunch._parent.nodes import notice
 
 if TYPE_CHECKING:
     from mplaunch._parent.preemption import Preemption
@@ -57,7 +57,7 @@ class NodeWatch:
         peers: the other nodes of the last round, by node rank: ``(host, pid of the launching process)``.
         lost_peer: once the nodes met, the rendezvous's :meth:`WatchedRendezvous.lost_peer`.
         preemption: the launch's preemption notice, when its ranks can be told (see
-            :mod:`mplaunch._multinode.notice`), else ``None``.
+            :mod:`mplaunch._parent.nodes.notice`), else ``None``.
         node_rank: this node's rank in the last round, or -1 before the nodes met.
         leave_barrier: once the nodes met, the rendezvous's :meth:`WatchedRendezvous.leave_barrier`.
     """
@@ -172,7 +172,7 @@ class WatchedRendezvous(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Elastic's count of nodes waiting to join; raises :class:`NodeLostError` for a lost node,
         :class:`LaunchTimeoutError` past ``timeout`` (see the module's docstring), and
-        :class:`~mplaunch._multinode.notice.Preempted` at the end of this node's preemption grace."""
+        :class:`~mplaunch._parent.nodes.notice.Preempted` at the end of this node's preemption grace."""
         self._watch.check_deadline()
         notice.check_grace(self._watch.preemption)
         try:
@@ -199,7 +199,7 @@ class WatchedRendezvous(RendezvousHandler):
 
     def leave_barrier(self) -> None:
         """Check this node in at elastic's exit barrier, where the other nodes wait once their ranks returned:
-        its launch ends before it gets there (see :mod:`mplaunch._multinode.notice`)."""
+        its launch ends before it gets there (see :mod:`mplaunch._parent.nodes.notice`)."""
         if self._store is not None:
             notice.leave_barrier(self._store, len(self._participants) or self._watch.nnodes)
 

@@ -17,7 +17,7 @@ import platform
 from typing import Any
 
 from mplaunch._env import check_extra_env, whole_number
-from mplaunch._wire.records import WorkerSpec
+from mplaunch._wire.spec import WorkerSpec
 
 _MPOL_PREFERRED = 1
 #: set_mempolicy's system call number by machine.
@@ -28,7 +28,7 @@ _env_threads: int | None = None  # OMP_NUM_THREADS given through env=
 def environment(spec: WorkerSpec, local_rank: int) -> dict[str, str]:
     """The variables that this rank's placement sets: ``CUDA_VISIBLE_DEVICES`` (``devices=``), then those of
     ``env=`` (a dict, or a one-node launch's function, called by the parent)."""
-    placement = spec.placements[local_rank] if spec.placements is not None else None
+    placement = spec.launch.placements[local_rank] if spec.launch.placements is not None else None
     if placement is None:
         return {}
     extra = {} if placement.cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": placement.cuda_visible_devices}
@@ -46,10 +46,10 @@ def apply(spec: WorkerSpec, local_rank: int, rank: int, *, environ_made: bool = 
         InvalidOptionError: ``env=``'s function (multi-node launches call it here) returned a bad mapping.
     """
     global _env_threads
-    placement = spec.placements[local_rank] if spec.placements is not None else None
+    placement = spec.launch.placements[local_rank] if spec.launch.placements is not None else None
     extra = environment(spec, local_rank)
-    if spec.env_function is not None:
-        given = spec.env_function(rank)
+    if spec.launch.env_function is not None:
+        given = spec.launch.env_function(rank)
         extra.update(
             check_extra_env(
                 given, f"env({rank})", devices=placement is not None and placement.cuda_visible_devices is not None
@@ -88,10 +88,10 @@ def planned_threads(spec: WorkerSpec, local_rank: int, env_threads: int | None) 
     """:func:`thread_count` with ``env_threads`` as ``env=``'s ``OMP_NUM_THREADS`` (``None``: not given)."""
     if env_threads is not None:
         return env_threads
-    placement = spec.placements[local_rank] if spec.placements is not None else None
+    placement = spec.launch.placements[local_rank] if spec.launch.placements is not None else None
     if placement is not None and placement.num_threads is not None:
         return placement.num_threads
-    return spec.num_threads
+    return spec.launch.num_threads
 
 
 @functools.lru_cache(maxsize=1)

@@ -4,7 +4,7 @@ mplaunch does not start or watch these workers itself: elastic's agent does, wit
 mplaunch adds around it: the state snapshot, private arguments, per-rank output and the process group (all
 in :func:`mplaunch._worker.elastic_entry`), rank 0's result on every node, the original exception type, the
 caller's signal handlers and environment as they were (elastic replaces the handlers and sets variables),
-and, through the rendezvous handler of :mod:`mplaunch._multinode.watch`, ``timeout`` and a clear error for a
+and, through the rendezvous handler of :mod:`mplaunch._parent.nodes.handler`, ``timeout`` and a clear error for a
 lost node.
 """
 
@@ -22,22 +22,14 @@ from typing import TYPE_CHECKING, Any
 from mplaunch._config import ParallelConfig
 from mplaunch._env import NodeSetup
 from mplaunch._errors import LaunchTimeoutError, NodeLostError
-from mplaunch._multinode import notice, watch
 from mplaunch._output.pump import routed, worker_fds
+from mplaunch._parent.nodes import handler, notice
+from mplaunch._parent.outcomes import exit_error, rank_state
 from mplaunch._platform.environ import environ_kept
 from mplaunch._wire import transport
-from mplaunch._wire.records import (
-    REMOTE_RANK0,
-    Outcome,
-    Raised,
-    Returned,
-    WorkerSpec,
-    exit_error,
-    outcome_name,
-    outcome_rank,
-    rank_state,
-)
-from mplaunch._worker.entry import elastic_entry
+from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned, outcome_name, outcome_rank
+from mplaunch._wire.spec import AttemptSpec, LaunchSpec, WorkerSpec
+from mplaunch._worker.elastic import elastic_entry
 
 if TYPE_CHECKING:
     from mplaunch._parent.preemption import Preemption
@@ -85,10 +77,10 @@ def _shutdown_timeout(grace_period: float) -> dict[str, Any]:
 
 
 def launch_nodes(
-    spec: WorkerSpec, nodes: NodeSetup, config: ParallelConfig, preemption: Preemption | None = None
+    spec: LaunchSpec, nodes: NodeSetup, config: ParallelConfig, preemption: Preemption | None = None
 ) -> list[Any]:
     """Run this node's share of a multi-node launch; return the values of rank 0 (``return_all=False``) or of
-    this node's ranks, in rank order. ``preemption``: the launch's notice (see :mod:`mplaunch._multinode.notice`);
+    this node's ranks, in rank order. ``preemption``: the launch's notice (see :mod:`mplaunch._parent.nodes.notice`);
     once noticed, the launch raises :class:`~mplaunch.PreemptedError`."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -96,11 +88,10 @@ def launch_nodes(
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
 
-    watch.register()
+    handler.register()
     told = preemption if preemption is not None and preemption.attached else None
-    node_watch = watch.NodeWatch(nodes.rdzv_endpoint, nodes.nnodes, config.timeout, preemption=told)
+    node_watch = handler.NodeWatch(nodes.rdzv_endpoint, nodes.nnodes, config.timeout, preemption=told)
     # a worker waits for rank 0's result at most this long (rank 0's node may be gone)
-    spec = dataclasses.replace(spec, result_wait=node_watch.remaining() or config.rdzv_timeout)
     elastic_config = ElasticConfig(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
@@ -108,8 +99,8 @@ def launch_nodes(
         run_id=nodes.run_id,
         role="mplaunch",
         rdzv_endpoint=nodes.rdzv_endpoint,
-        rdzv_backend=watch.BACKEND,
-        rdzv_configs=watch.rendezvous_configs(node_watch, config.rdzv_timeout),
+        rdzv_backend=handler.BACKEND,
+        rdzv_configs=handler.rendezvous_configs(node_watch, config.rdzv_timeout),
         max_restarts=config.max_restarts,
         monitor_interval=0.1,
         start_method=spec.start_method,
@@ -128,11 +119,11 @@ def launch_nodes(
         exchanged,
         routed([None] * spec.nprocs, spec) as pump,
     ):  # ranks: as the rendezvous assigns
-        spec = dataclasses.replace(spec, output_fds=worker_fds(pump, spec.start_method, spec.nprocs))
+        worker = WorkerSpec(spec, AttemptSpec(output_fds=worker_fds(pump, spec.start_method, spec.nprocs)))
         if pump is not None:
             pump.start(keep_writers=True)  # elastic may restart workers on the same pipes
         try:
-            elastic_launch(elastic_config, elastic_entry)(spec)
+            elastic_launch(elastic_config, elastic_entry)(worker)
         except notice.Preempted:  # the grace is over: the agent stopped this node's ranks
             _leave_barrier(node_watch)
         except ChildFailedError as error:
@@ -166,7 +157,7 @@ def launch_nodes(
         raise lost from error
 
 
-def _collect(spec: WorkerSpec, failed: dict[int, Any], config: ParallelConfig) -> list[Any]:
+def _collect(spec: LaunchSpec, failed: dict[int, Any], config: ParallelConfig) -> list[Any]:
     """Raise this node's first real failure (the first raised in time; a rank ended by elastic's own stop, lowest
     rank first, only when no rank raised), else rank 0's (fetched from node 0); else return the values."""
     ranks = sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None)
@@ -192,12 +183,12 @@ def _collect(spec: WorkerSpec, failed: dict[int, Any], config: ParallelConfig) -
     return [_value(rank0)]
 
 
-def _leave_barrier(node_watch: watch.NodeWatch) -> None:
+def _leave_barrier(node_watch: handler.NodeWatch) -> None:
     if node_watch.leave_barrier is not None:
         node_watch.leave_barrier()
 
 
-def _preempted(spec: WorkerSpec, preemption: Preemption, node_rank: int) -> BaseException:
+def _preempted(spec: LaunchSpec, preemption: Preemption, node_rank: int) -> BaseException:
     """The :class:`~mplaunch.PreemptedError` of this node: its ranks that returned, were stopped, or failed."""
     ranks = range(node_rank * spec.nprocs, (node_rank + 1) * spec.nprocs) if node_rank >= 0 else range(0)
     states = {}

@@ -1,0 +1,233 @@
+"""How a process becomes a rank: signals, the parent's death, exit handlers, output, environment, the debugger.
+
+A stop signal (SIGTERM, SIGINT, or one the parent forwards; from the launch, a terminal or someone else) ends
+the function as :class:`Terminated` / :class:`Interrupted`, and whatever the function raises after that is a
+consequence of the signal: the outcome is then ``Signalled``, never a failure of its own. Once the outcome is
+decided (:mod:`mplaunch._worker.outcome`), further signals are noted and ignored.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import multiprocessing
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import torch
+
+from mplaunch._env import apply_environment, rank_environment, replacing
+from mplaunch._output.rank_streams import take_fds, terminal_stdin
+from mplaunch._platform import forks
+from mplaunch._platform.csignal import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
+from mplaunch._platform.environ import ForkEnviron, replace_environ
+from mplaunch._platform.proctree import become_subreaper, set_parent_death_signal
+from mplaunch._wire.inherited import close_memory_files
+from mplaunch._wire.spec import WorkerSpec
+from mplaunch._worker import apply_placement as placement
+from mplaunch._worker.children import stop_children
+from mplaunch._worker.debugger import BreakpointPlan, breakpoint_plan, install_breakpoint_hook
+from mplaunch._worker.exit import InheritedLogging, keep_inherited
+from mplaunch._worker.outcome import STOP_SIGNALS, stop_own_children
+from mplaunch._worker.process_group import forget_inherited_groups
+from mplaunch._worker.rendezvous import follow_own_rendezvous
+from mplaunch._worker.state import state
+
+
+def _die_with_parent(parent_pid: int, start_method: str) -> None:
+    """Make sure this worker dies when the launching process dies, even by SIGKILL; exit now if it is gone.
+
+    Under fork and spawn the launching process is the parent: Linux's ``PR_SET_PDEATHSIG`` sends SIGKILL (as
+    in ``torch.multiprocessing.spawn`` workers).
+    Under forkserver the parent is the fork server, which outlives a killed launcher (its children keep the
+    server's "alive" pipe open), so a daemon thread waits on a pidfd of the launching process instead.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    if start_method != "forkserver":
+        if not set_parent_death_signal(signal.SIGKILL):
+            return
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        return
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (OSError, AttributeError):  # kernel < 5.3
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="mplaunch-parent-watch", daemon=True).start()
+
+
+class Terminated(SystemExit):
+    """Raised in a worker by SIGTERM (the launch stopping it, or a ``kill``), SIGHUP, SIGQUIT, SIGUSR1 or
+    SIGUSR2; a ``SystemExit``, so ``finally`` blocks run and ``except Exception`` does not swallow it."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in a worker by SIGINT sent to it."""
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    first = state.signal_received is None
+    if first:
+        state.signal_received, state.signal_at = signum, time.monotonic()
+    if first and not state.outcome_decided:
+        # before unwinding: e.g. DataLoader workers would print about a vanished rank
+        stop_children(0.25, kill=False)
+        _quiet_consequences()
+        raise Interrupted() if signum == signal.SIGINT else Terminated(128 + signum)
+
+
+def _quiet_consequences() -> None:
+    """A stop prints nothing: errors that unwinding causes where nobody can catch them (a ``__del__``, e.g. of
+    a DataLoader iterator interrupted in its ``__init__``, or a thread of the rank) are dropped, not printed.
+    What the function itself prints while it unwinds (``finally`` blocks) still appears."""
+    sys.unraisablehook = _ignore
+    threading.excepthook = _ignore
+
+
+def _ignore(*args: object) -> None:
+    """Swallow an unraisable or thread exception (see :func:`_quiet_consequences`)."""
+
+
+@forks.in_child
+def _default_signals() -> None:
+    """In a process forked by a worker: the stop signals as in any Python process, not the worker's.
+
+    Runs in every child of a process that imported mplaunch; in one of a process that is no worker, it
+    does nothing."""
+    if state.pid == -1:
+        return
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is _on_signal:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
+def set_threads(num_threads: int) -> None:
+    if not state.environ_made:  # (the parent put OMP_NUM_THREADS in a made one: see _rank_fork_changes)
+        placement.set_changed({"OMP_NUM_THREADS": str(num_threads)})
+    if torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Forked:
+    """What the parent makes for one rank just before it forks it (:func:`prepare_forks`), so that the rank
+    does not: every page a forked worker writes is copied from the parent's memory first, and each step of
+    set-up done once in the parent saves each rank its copies (issue 26).
+
+    Attributes:
+        environ: the rank's whole environment, or ``None`` (the rank sets its variables).
+        stdin: the stream that becomes its ``sys.stdin`` (:func:`~mplaunch._output.rank_streams.stdin_stream`), or
+            ``None`` (it makes its own).
+        logging: logging's handlers, which the rank inherits and leaves to the parent.
+        groups: whether the parent has a default process group, which the rank inherits and forgets.
+        flag: whether the launch has a preemption flag (:mod:`mplaunch._wire.flags`) for the rank to map.
+        debugger: what the rank does about ``breakpoint()`` (see :func:`breakpoint_plan`).
+    """
+
+    environ: ForkEnviron | None
+    stdin: TextIO | None
+    logging: InheritedLogging
+    groups: bool
+    flag: bool
+    debugger: BreakpointPlan
+
+
+def start(
+    spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None, forked: Forked | None = None
+) -> None:
+    """Signals, parent-death and exit handlers: the first things a worker does. ``on_interrupt``: the
+    SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call);
+    ``forked``: what the parent made for it before the fork."""
+    state.pid, state.leaving = os.getpid(), None
+    for signum in STOP_SIGNALS:  # one the caller ignores (nohup: SIGHUP) is ignored here too
+        ignored = signum in spec.launch.ignored_signals and signum != signal.SIGTERM  # SIGTERM: how a launch stops it
+        set_handler(signum, SIG_IGN if ignored else _on_signal)
+    if on_interrupt is not None:
+        set_handler(signal.SIGINT, on_interrupt)
+    if getsignal(signal.SIGCHLD) == SIG_IGN:  # inherited: the rank's children's codes would be lost
+        set_handler(signal.SIGCHLD, SIG_DFL)
+    _die_with_parent(spec.launch.parent_pid, spec.launch.start_method)
+    # the parent's or the fork server's atexit handlers are not the rank's to run. A rank mplaunch forked leaves
+    # them registered (letting go of each writes to it: a page copy apiece) and ends before them (exit_handlers)
+    state.parents_exits_kept = forked is not None and spec.launch.start_method == "fork"
+    if spec.launch.start_method != "spawn" and not state.parents_exits_kept:
+        atexit._clear()
+    atexit.register(stop_own_children, spec.launch.grace_period)  # first registered: runs after the user's handlers
+    if spec.launch.start_method == "fork":
+        keep_inherited(None if forked is None else forked.logging)  # the parent's open files are the parent's to flush
+        if forked is None or forked.groups:
+            forget_inherited_groups()  # the parent's process groups: their threads did not survive the fork
+    if spec.launch.start_method != "fork":  # a forked worker has the parent's already
+        # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
+        multiprocessing.set_start_method(spec.launch.mp_start_method, force=True)
+    # the caller's process group, as torch.multiprocessing's workers: in a terminal, the foreground job, so a
+    # rank may read and configure the terminal; orphans stay in the worker's tree, which stops it all
+    become_subreaper()
+    terminal_stdin(None if forked is None else forked.stdin)
+    pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked while starting: may raise now
+
+
+def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
+    """The environment changes that make a process rank ``rank`` of ``spec``'s one-node launch: torchrun's
+    variables, and ``None`` (removed) for each rank variable of the parent's that they do not set."""
+    return replacing(
+        rank_environment(
+            rank,
+            spec.launch.nprocs,
+            spec.attempt.master_addr,
+            spec.attempt.master_port,
+            agent_store=spec.attempt.agent_store,
+            restart_count=spec.attempt.restart_count,
+            max_restarts=spec.launch.max_restarts,
+        )
+    )
+
+
+def _keep_own_outcome_fd(spec: WorkerSpec) -> None:
+    """Under fork, close the memory files inherited from the parent but this rank's outcome's: the other
+    ranks', and those of other launches running in the parent (``submit()``)."""
+    if spec.launch.start_method == "fork":
+        close_memory_files(set() if spec.outcome_fd is None else {spec.outcome_fd.fd})
+
+
+def set_up(
+    rank: int,
+    spec: WorkerSpec,
+    on_interrupt: Callable[[int, Any], None] | None = None,
+    forked: Forked | None = None,
+) -> None:
+    """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`start`, which
+    takes ``on_interrupt``), the output descriptors, and torchrun's environment. ``forked``: what the parent
+    made for this rank before the fork (:func:`prepare_forks`), else it is made here."""
+    start(spec, on_interrupt, forked)
+    take_fds(spec.attempt.output_fds, rank, rank)
+    _keep_own_outcome_fd(spec)
+    if spec.launch.environ is not None:
+        replace_environ(spec.launch.environ)
+    state.environ_made = forked is not None and forked.environ is not None  # (not a process the rank forked)
+    if forked is not None and forked.environ is not None:
+        forked.environ.install()
+    else:
+        apply_environment(os.environ, rank_changes(spec, rank))
+    follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
+    # breakpoint(): one rank at a time, the prompt naming the rank; PYTHONBREAKPOINT as the function will see it
+    if forked is not None:
+        plan = forked.debugger
+    else:
+        variable = placement.environment(spec, rank).get("PYTHONBREAKPOINT", os.environ.get("PYTHONBREAKPOINT"))
+        plan = breakpoint_plan(variable)
+    install_breakpoint_hook(spec, rank, plan)
