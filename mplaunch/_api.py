@@ -87,9 +87,12 @@ class ParallelFunction(Generic[P, T]):
         __tracebackhide__ = True  # noqa: F841 - IPython, Jupyter and pytest leave this frame out of tracebacks
         control = LaunchControl()
         try:
-            if inspect.isgeneratorfunction(self.__wrapped__):
-                return launch.launch_stream(self, args, kwargs, self.config, user_frame(), control, self._reported)  # type: ignore[no-any-return]
-            return launch.launch(self, args, kwargs, self.config, user_frame(), control)  # type: ignore[no-any-return]
+            request = launch.CallRequest(self, args, kwargs)
+            if not request.check(user_frame()):  # already a rank (of torchrun's, of an mplaunch launch)
+                return in_process.run_in_process(self, args, kwargs, self.config)  # type: ignore[no-any-return]
+            if request.streams:
+                return launch.launch_stream(request, control, self._reported)  # type: ignore[return-value]
+            return launch.launch(request, control)  # type: ignore[no-any-return]
         except BaseException as error:
             if not raised_by_design(error):
                 raise
@@ -154,8 +157,9 @@ class ParallelFunction(Generic[P, T]):
         """
         frame = user_frame()
         control = LaunchControl(stoppable=True)
+        request = launch.CallRequest(self, args, kwargs, submitted=True)
         try:
-            control.in_process = not launch.check_call(self, args, kwargs, self.config, frame)
+            control.in_process = not request.check(frame)
         except Exception as error:  # noqa: BLE001 - a refusal is the future's outcome, as calling would raise it
             control.close()
             return futures.failed(error)
@@ -169,13 +173,16 @@ class ParallelFunction(Generic[P, T]):
                 control.state = None
 
         name = getattr(self, "__qualname__", "launch")
-        if inspect.isgeneratorfunction(self.__wrapped__):
-            return futures.submit_stream(
-                lambda control: launch.launch_stream(self, args, kwargs, self.config, None, control), control, name
-            )
+        if control.in_process:  # already a rank: the function runs here, in the future's thread
+            here = functools.partial(in_process.run_in_process, self, args, kwargs, self.config)
+            if request.streams:
+                return futures.submit_stream(lambda _: here(), control, name)
+            return futures.submit(lambda _: here(), control, name)
+        if request.streams:
+            return futures.submit_stream(lambda control: launch.launch_stream(request, control), control, name)
 
         def run(control: LaunchControl) -> T:
-            return launch.launch(self, args, kwargs, self.config, None, control)  # type: ignore[no-any-return]
+            return launch.launch(request, control)  # type: ignore[no-any-return]
 
         return futures.submit(run, control, name)
 

@@ -7,6 +7,8 @@ Multi-node launches hand the ranks to torch elastic (:mod:`mplaunch._parent.node
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import multiprocessing
 import os
 import sys
@@ -24,7 +26,6 @@ from mplaunch._output.pump import routed, worker_fds
 from mplaunch._parent import checks, devices, placement, policy, stacks
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory
-from mplaunch._parent.in_process import run_in_process
 from mplaunch._parent.limits import open_files_explained, short_socket_directory
 from mplaunch._parent.memfiles import Written, outcome_files, payload_written
 from mplaunch._parent.parent_signals import ignored_signals, parent_signals, sigchld_handled
@@ -45,49 +46,86 @@ from mplaunch._wire.spec import AttemptSpec, LaunchSpec, RankFds
 from mplaunch._worker.entry import run
 
 
-def launch(
-    function: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    config: ParallelConfig,
-    frame: Any,
-    control: LaunchControl | None = None,
-) -> Any:
-    """Run ``function`` (a ``ParallelFunction``) on ``config.nprocs`` workers and return its result(s);
-    ``control`` (a submitted launch's) can stop it."""
-    checks.check_not_bootstrapping(_name(function))
-    if outer_launcher() is not None:
-        return run_in_process(function, args, kwargs, config)
+@dataclasses.dataclass(frozen=True)
+class CallRequest:
+    """One call of a decorated function, as its caller made it; :meth:`check` runs its checks once, in the
+    caller's thread, before anything starts.
+
+    Attributes:
+        function: the decorated function (a ``ParallelFunction``).
+        args, kwargs: the call's arguments.
+        submitted: it was made with ``submit()``; it then runs in a thread of its own.
+    """
+
+    function: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    submitted: bool = False
+
+    @property
+    def streams(self) -> bool:
+        """Whether the function is a generator function, whose values stream from the ranks."""
+        return inspect.isgeneratorfunction(self.function._mplaunch_target)
+
+    @property
+    def modes(self) -> list[str]:
+        """How it was called, as :data:`mplaunch._config.MODES` names the ways of calling."""
+        return ["submit()" if self.submitted else "call"] + (["generator function"] if self.streams else [])
+
+    @property
+    def config(self) -> ParallelConfig:
+        return self.function.config  # type: ignore[no-any-return]
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.function, "__name__", "the function"))
+
+    def check(self, frame: Any) -> bool:
+        """Run the checks of the call that do not need its start (``frame``: the caller's, whose current line
+        the main guard looks at); return whether it starts workers (else it runs here, under an outer
+        launcher).
+
+        Raises:
+            LaunchRefusedError: a launch from a worker still importing the script, or a missing main guard.
+            InvalidOptionError: an option this way of calling refuses, or ``log_dir`` or ``devices`` no
+                launch could use.
+            TypeError: the arguments do not fit the function.
+        """
+        checks.check_not_bootstrapping(self.name)
+        if outer_launcher() is not None:
+            return False
+        for mode in self.modes:
+            check_mode(self.config, mode)
+        checks.check_arguments(self.function, self.args, self.kwargs)
+        checks.check_main_guard(self.config.start_method or policy.default_start_method(), frame, self.name)
+        devices.check_request(self.config.devices)
+        checks.check_log_dir(self.config.log_dir)
+        return True
+
+
+def launch(request: CallRequest, control: LaunchControl | None = None) -> Any:
+    """Run a checked call (see :meth:`CallRequest.check`) on ``config.nprocs`` workers and return its
+    result(s); ``control`` (a submitted launch's) can stop it."""
     control = control or LaunchControl()
     # outermost: a SIGTERM unwinds through the clean-ups; the terminal is put back after them
     with terminal_kept(), parent_signals():
-        return drained(_reported(_launch(function, args, kwargs, config, frame, control), control))
+        return drained(_reported(_launch(request, control), control))
 
 
 def launch_stream(
-    function: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    config: ParallelConfig,
-    frame: Any,
-    control: LaunchControl | None = None,
-    reported: Callable[[RunReport], None] | None = None,
-) -> Any:
-    """Call a decorated generator function: start its ranks, and return at once the :class:`Stream` of the
-    values they yield; the ranks are stopped when it ends (exhausted, closed, failed, or garbage collected),
-    and its :class:`RunReport` goes to ``reported``. Under an outer launcher, the generator runs here, as any
-    call does."""
-    checks.check_not_bootstrapping(_name(function))
-    if outer_launcher() is not None:
-        return run_in_process(function, args, kwargs, config)
+    request: CallRequest, control: LaunchControl | None = None, reported: Callable[[RunReport], None] | None = None
+) -> Stream[Any]:
+    """Start a checked call of a decorated generator function, and return at once the :class:`Stream` of the
+    values its ranks yield; the ranks are stopped when it ends (exhausted, closed, failed, or garbage
+    collected), and its :class:`RunReport` goes to ``reported``."""
     control = control or LaunchControl()
-    steps = _reported(_launch(function, args, kwargs, config, frame, control, streams=True), control)
+    steps = _reported(_launch(request, control), control)
 
     def ended() -> None:
         if control.report is not None and reported is not None:
             reported(control.report)
 
-    stream: Stream[Any] = Stream(steps, ended, config.return_all)
+    stream: Stream[Any] = Stream(steps, ended, request.config.return_all)
     stream.prime()  # to the start of the ranks: a refusal is raised here, by the call
     return stream
 
@@ -121,44 +159,12 @@ def _report(control: LaunchControl, started: float) -> RunReport:
     return control.report
 
 
-def check_call(
-    function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig, frame: Any
-) -> bool:
-    """Run, in the caller's thread, the checks of a call that depend on where it was made (the main guard
-    looks at the caller's current line); return whether the call will start workers (else it runs in-process)."""
-    checks.check_not_bootstrapping(_name(function))
-    if outer_launcher() is not None:
-        return False
-    check_mode(config, "submit()")
-    checks.check_arguments(function, args, kwargs)
-    checks.check_main_guard(config.start_method or policy.default_start_method(), frame, _name(function))
-    devices.check_request(config.devices)
-    return True
-
-
-def _name(function: Any) -> str:
-    """The decorated function's name, for messages."""
-    return str(getattr(function, "__name__", "the function"))
-
-
-def _launch(
-    function: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    config: ParallelConfig,
-    frame: Any,
-    control: LaunchControl,
-    *,
-    streams: bool = False,
-) -> Generator[tuple[int, Any], None, Any]:
-    if streams:
-        check_mode(config, "generator function")
-    checks.check_arguments(function, args, kwargs)
-    checks.check_log_dir(config.log_dir)
+def _launch(request: CallRequest, control: LaunchControl) -> Generator[tuple[int, Any], None, Any]:
+    config = request.config
     with devices.held(config.devices, control) as names:  # waits while another launch holds the devices
         control.queued = False
-        plan = _Plan(function, args, kwargs, config, control, names, streams)
-        plan.check(frame)
+        plan = _Plan(request, control, names)
+        plan.check()
         with launch_directory() as directory, contextlib.ExitStack() as held:
             spec = held.enter_context(plan.spec_written(directory))
             if plan.nodes is not None:
@@ -179,18 +185,16 @@ def _launch(
 class _Plan:
     """One launch's resolved options (ranks, nodes, start method, state, payload) and its steps."""
 
-    def __init__(
-        self,
-        function: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        config: ParallelConfig,
-        control: LaunchControl,
-        names: list[str] | None,
-        streams: bool,
-    ) -> None:
-        self.function, self.config, self.control, self.names, self.streams = function, config, control, names, streams
-        self.args, self.kwargs = args, kwargs
+    def __init__(self, request: CallRequest, control: LaunchControl, names: list[str] | None) -> None:
+        config = request.config
+        self.request, self.function, self.config, self.control, self.names = (
+            request,
+            request.function,
+            config,
+            control,
+            names,
+        )
+        self.streams = request.streams
         auto = names is not None and config.nprocs == "auto"
         self.nprocs = len(names) if names is not None and auto else policy.resolve_nprocs(config.nprocs)
         self.nodes: NodeSetup | None = node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
@@ -198,8 +202,8 @@ class _Plan:
         self.forked = self.start_method == "fork" and self.nodes is None  # workers inherit the state as it is
         self.imports = None if self.forked else worker_imports()
 
-    def check(self, frame: Any) -> None:
-        """The checks of this launch that depend on its resolved options."""
+    def check(self) -> None:
+        """The checks of this launch that depend on its resolved options (where it runs, how it starts)."""
         config, nodes = self.config, self.nodes
         if nodes is not None:
             check_mode(config, "multi-node", f"a launch on nnodes={nodes.nnodes}")
@@ -210,7 +214,6 @@ class _Plan:
                     f"{refused_in('generator function')['nnodes']}, or run it on one node."
                 )
         checks.check_cuda_fork(self.start_method)
-        checks.check_main_guard(self.start_method, frame, _name(self.function))
         world_size = self.nprocs * (nodes.nnodes if nodes else 1)
         if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
             raise InvalidOptionError(
@@ -220,7 +223,8 @@ class _Plan:
         state = self.control.state or (ForkState.capture() if self.forked else GlobalState.capture())
         if isinstance(state, GlobalState) and state.python is not None and not self.forked:
             warn_not_carried(state.python)
-        self.payload = Payload(_function_reference(self.function, self.imports), self.args, self.kwargs, state)
+        function = _function_reference(self.function, self.imports)
+        self.payload = Payload(function, self.request.args, self.request.kwargs, state)
 
     @contextlib.contextmanager
     def spec_written(self, directory: str) -> Iterator[LaunchSpec]:
