@@ -82,3 +82,86 @@ def _annotations(cls: type) -> dict[str, str]:
 def _markdown(docstring: str) -> str:
     """A docstring's reStructuredText literals (````x````) as Markdown code (```x```)."""
     return re.sub(r"``(.+?)``", r"`\1`", textwrap.dedent(docstring), flags=re.S)
+
+
+# The design page's diagram, drawn as an inline SVG when the site is built (no script, no network) -----------
+
+#: One call, top to bottom: each row is one box, or two side by side (the branches of a decision).
+CALL_FLOW: list[list[tuple[str, str]]] = [
+    [("fn(*args)", "_api: a CallRequest, checked once in the caller's thread")],
+    [("the plan", "_parent/launch: devices, nprocs, start method, state, payload, LaunchSpec")],
+    [
+        ("one node: attempts", "_parent/restarts: a store, outcome files, a pump and a Ranks per attempt"),
+        ("nnodes > 1", "_parent/nodes: torch elastic starts the ranks, c10d rendezvous"),
+    ],
+    [
+        ("the ranks", "_worker/entry: set up, state restored, process group, the function, one outcome"),
+        ("the ranks", "_worker/elastic: the same set-up and outcome; rank 0's value shared"),
+    ],
+    [
+        (
+            "the wait",
+            "Ranks.call, one loop: ends, messages, stop, store, notice, deadline, board (several nodes: elastic's agent)",
+        )
+    ],
+    [("the result", "rank 0's value (or every rank's), or the first failure raised as itself")],
+]
+
+
+def on_page_content(html: str, page: Any, **_: Any) -> str:
+    """MkDocs' hook: draw the design page's diagram where its marker is."""
+    if page.file.src_uri != "design.md":
+        return html
+    return html.replace("<!-- diagram: call -->", flow_svg(CALL_FLOW))
+
+
+def flow_svg(rows: list[list[tuple[str, str]]]) -> str:
+    """A top-to-bottom flow of boxes (a title and a line of text each), arrows from each row to the next."""
+    width, box_h, gap, pad = 720, 64, 26, 10
+    height = len(rows) * (box_h + gap) - gap + 2 * pad
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" '
+        'aria-label="How one call flows through the code" style="max-width:100%;height:auto;'
+        'font-family:sans-serif">',
+        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>',
+    ]
+    centres: list[list[float]] = []
+    for index, row in enumerate(rows):
+        y = pad + index * (box_h + gap)
+        column = (width - 2 * pad - (len(row) - 1) * gap) / len(row)
+        centres.append([])
+        for slot, (title, text) in enumerate(row):
+            x = pad + slot * (column + gap)
+            centres[-1].append(x + column / 2)
+            parts.append(
+                f'<rect x="{x:.0f}" y="{y}" width="{column:.0f}" height="{box_h}" rx="6" '
+                'fill="#eef3fb" stroke="#4a6fa5"/>'
+            )
+            parts.append(
+                f'<text x="{x + column / 2:.0f}" y="{y + 22}" text-anchor="middle" font-size="14" '
+                f'font-weight="bold" fill="#1b2a41">{_escape(title)}</text>'
+            )
+            for number, line in enumerate(textwrap.wrap(text, int(column / 6.2))[:2]):
+                parts.append(
+                    f'<text x="{x + column / 2:.0f}" y="{y + 40 + 14 * number}" text-anchor="middle" '
+                    f'font-size="11.5" fill="#333">{_escape(line)}</text>'
+                )
+        if index:
+            top, bottom = centres[-2], centres[-1]
+            links = (
+                list(zip(top, bottom, strict=True))
+                if len(top) == len(bottom)
+                else [(a, b) for a in top for b in bottom]
+            )
+            y0, y1 = y - gap, y
+            for a, b in links:
+                parts.append(
+                    f'<line x1="{a:.0f}" y1="{y0}" x2="{b:.0f}" y2="{y1 - 2}" stroke="#555" marker-end="url(#arrow)"/>'
+                )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
