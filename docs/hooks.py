@@ -101,7 +101,8 @@ CALL_FLOW: list[list[tuple[str, str]]] = [
     [
         (
             "the wait",
-            "Ranks.call, one loop: ends, messages, stop, store, notice, deadline, board (several nodes: elastic's agent)",
+            "Ranks.call, one loop: ends, messages, stop, store, notice, deadline, board "
+            "(several nodes: elastic's agent)",
         )
     ],
     [("the result", "rank 0's value (or every rank's), or the first failure raised as itself")],
