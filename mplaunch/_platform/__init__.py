@@ -1,2 +1,1 @@
-"""Facts about the operating system, read without side effects: cgroup CPU quotas, usable CPUs, OpenMP
-runtimes loaded in this process. Imports nothing else of mplaunch."""
+"""Facts about the operating system (cgroups, ``/proc``, OpenMP runtimes). Imports nothing else of mplaunch."""

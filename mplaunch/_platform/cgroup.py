@@ -1,12 +1,8 @@
-"""The CPU bandwidth limit of this process's cgroups (Docker ``--cpus``, Kubernetes CPU limits, systemd
-``CPUQuota``), read from ``/proc/self/cgroup`` and ``/proc/self/mountinfo``.
+"""The CPU and pids limits of this process's cgroups (Docker ``--cpus``, Kubernetes limits, systemd), from
+``/proc/self/cgroup`` and ``/proc/self/mountinfo``; ``os.sched_getaffinity`` and psutil ignore them.
 
-The affinity mask (``os.sched_getaffinity``), ``os.cpu_count``, ``os.process_cpu_count`` (3.13) and psutil
-ignore these quotas, so on a large host a container limited to 4 CPUs would see every core of the host. The
-limit of a cgroup also bounds every cgroup below it, so the smallest quota along the process's cgroup path, up
-to the root of each mounted hierarchy, is the one that applies (cgroup v1 ``cpu.cfs_quota_us`` /
-``cpu.cfs_period_us``, cgroup v2 ``cpu.max``). joblib/loky read only the fixed paths
-``/sys/fs/cgroup/cpu.max`` and ``/sys/fs/cgroup/cpu/cpu.cfs_quota_us``, which miss nested cgroups.
+A cgroup's limit bounds every cgroup below it, so the smallest along the process's cgroup path up to each
+mount's root applies (joblib/loky read only the fixed top-level paths, which miss nested cgroups).
 """
 
 from __future__ import annotations
@@ -19,8 +15,7 @@ _ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 def _read(path: str) -> str | None:
-    """The text of ``path``, or ``None``. Read with plain system calls: a launch reads a few of these files
-    each time, and a text file object costs far more than the read."""
+    """Return the text of ``path``, or ``None`` (plain system calls: a text file object costs more)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except (OSError, ValueError):
@@ -42,7 +37,7 @@ def _unescape(field: str) -> str:
 
 
 def _mounts(mountinfo: str) -> list[tuple[str, str, str, set[str]]]:
-    """``(fstype, root, mount point, super options)`` of every cgroup file system in ``mountinfo``."""
+    """Return ``(fstype, root, mount point, super options)`` of every cgroup file system in ``mountinfo``."""
     found = []
     for line in mountinfo.splitlines():
         left, separator, right = line.partition(" - ")
@@ -55,7 +50,7 @@ def _mounts(mountinfo: str) -> list[tuple[str, str, str, set[str]]]:
 
 
 def _memberships(cgroup: str) -> list[tuple[set[str], str]]:
-    """``(controllers, path)`` of each line of ``/proc/self/cgroup``; cgroup v2 has no controllers listed."""
+    """Return ``(controllers, path)`` of each line of ``/proc/self/cgroup`` (v2 lists no controllers)."""
     found = []
     for line in cgroup.splitlines():
         parts = line.split(":", 2)
@@ -65,7 +60,7 @@ def _memberships(cgroup: str) -> list[tuple[set[str], str]]:
 
 
 def _quota(directory: str, version: int) -> float | None:
-    """The CPUs allowed by one cgroup directory's own limit, or ``None`` for none."""
+    """Return the CPUs one cgroup directory's own limit allows, or ``None`` for none."""
     if version == 2:
         text = _read(os.path.join(directory, "cpu.max"))
         fields = text.split() if text else []
@@ -83,7 +78,7 @@ def _quota(directory: str, version: int) -> float | None:
 
 
 def _directories(mount_root: str, mount_point: str, path: str, root: str) -> list[str]:
-    """The cgroup directories from ``path`` (the process's cgroup) up to the mount point, deepest first."""
+    """List the cgroup directories from ``path`` up to the mount point, deepest first."""
     relative = os.path.relpath(path, mount_root) if path.startswith(mount_root) else "."
     if relative.startswith(".."):
         relative = "."
@@ -97,17 +92,8 @@ def _directories(mount_root: str, mount_point: str, path: str, root: str) -> lis
 
 
 def cpu_limit(root: str = "/") -> float | None:
-    """Return the CPUs this process's cgroups allow (quota / period, e.g. ``1.5``), or ``None`` for no limit.
-
-    The smallest limit along the process's cgroup path (its own cgroup and every ancestor visible in the
-    mount) over the cgroup v2 hierarchy and the v1 hierarchy with the ``cpu`` controller. Never raises:
-    anything unreadable counts as no limit. The limit files are read at every call (a quota can change while
-    the process runs, e.g. ``docker update --cpus``); where they are is worked out once per cgroup path.
-
-    Args:
-        root: the directory that stands for ``/`` (``proc/self/...`` and the mount points are read below
-            it); tests pass a fake tree.
-    """
+    """Return the CPUs this process's cgroups allow (e.g. ``1.5``), or ``None``; never raises, reads at every
+    call (``docker update --cpus``). ``root`` stands for ``/`` (tests pass a fake tree)."""
     cgroup = _read(os.path.join(root, "proc/self/cgroup"))
     if cgroup is None:
         return None
@@ -120,14 +106,8 @@ def cpu_limit(root: str = "/") -> float | None:
 
 
 def pids_limit(root: str = "/") -> tuple[int, int] | None:
-    """Return ``(pids.max, pids.current)`` of the cgroup with the least room for new processes and threads
-    along this process's cgroup path (Docker ``--pids-limit``, Kubernetes ``podPidsLimit``, systemd
-    ``TasksMax``), over cgroup v2 and the v1 ``pids`` hierarchy, or ``None`` where none sets a limit. Never
-    raises.
-
-    Args:
-        root: the directory that stands for ``/``, as for :func:`cpu_limit`.
-    """
+    """Return ``(pids.max, pids.current)`` of the cgroup on this process's path with the least room for new
+    tasks, or ``None`` where none sets a limit. Never raises; ``root`` as for :func:`cpu_limit`."""
     cgroup = _read(os.path.join(root, "proc/self/cgroup"))
     tightest: tuple[int, int] | None = None
     for directory, _ in _limit_directories(root, cgroup or "", "pids"):
@@ -142,9 +122,8 @@ def pids_limit(root: str = "/") -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=16)
 def _limit_directories(root: str, cgroup: str, controller: str) -> tuple[tuple[str, int], ...]:
-    """``(directory, cgroup version)`` of every cgroup whose ``controller`` limit applies to a process in
-    ``cgroup`` (the text of ``/proc/self/cgroup``), deepest first per hierarchy; remembered, as the mounts do
-    not move."""
+    """Return ``(directory, version)`` of every cgroup whose ``controller`` limit applies to ``cgroup``, deepest
+    first per hierarchy (cached: mounts do not move)."""
     mountinfo = _read(os.path.join(root, "proc/self/mountinfo"))
     if mountinfo is None:
         return ()

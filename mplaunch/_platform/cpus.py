@@ -8,17 +8,15 @@ import time
 
 from mplaunch._platform.cgroup import cpu_limit
 
-#: Seconds a cgroup CPU quota, once read, is taken as current. A quota changes rarely (``docker update
-#: --cpus``), and reading it is up to four files: launches in a loop read it once a second, not each time.
+# Seconds a quota read stays current: it changes rarely, and reading it is up to four files.
 QUOTA_FRESH_FOR = 1.0
 
 _quota: tuple[float, int, float | None] | None = None  # (when read, by which process, the quota)
 
 
 def usable_cpu_count() -> int:
-    """Return the number of CPUs this process may use, at least 1: the smaller of its affinity mask (read at
-    each call) and its cgroup CPU quota (Docker ``--cpus``, Kubernetes limits; v1 and v2; read again when
-    older than :data:`QUOTA_FRESH_FOR` seconds), the quota rounded up."""
+    """Return the CPUs this process may use (at least 1): its affinity mask, capped by its cgroup quota
+    rounded up."""
     global _quota
     try:
         cores = len(os.sched_getaffinity(0))

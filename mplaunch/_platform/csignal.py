@@ -1,9 +1,6 @@
-"""The C functions under :mod:`signal`, for code that calls them on every launch.
-
-``signal.signal`` and ``signal.getsignal`` turn each handler they return into an enum, trying
-``Handlers(handler)`` and catching the ValueError for every Python function; a launch sets and reads some
-fifty handlers. These return what was set: ``SIG_DFL`` and ``SIG_IGN`` as the plain integers below (equal to
-``signal.SIG_DFL``/``signal.SIG_IGN``, not the same objects), a function as itself.
+"""The C functions under :mod:`signal`: ``signal.signal`` and ``getsignal`` try an enum for every handler
+they return (a launch sets and reads some fifty). These return ``SIG_DFL``/``SIG_IGN`` as plain integers
+(equal to ``signal``'s, not the same objects) and a function as itself.
 """
 
 from __future__ import annotations

@@ -14,9 +14,7 @@ from typing import Any
 
 @contextlib.contextmanager
 def environ_kept() -> Iterator[None]:
-    """Put ``os.environ`` back as it was when the block began: variables set, changed or removed inside it
-    (by mplaunch, torch elastic, or an imported library) are undone on the way out, also on an exception.
-    The others are not touched (see :func:`replace_environ`)."""
+    """Undo on exit (also on an exception) the changes made to ``os.environ`` inside the block."""
     saved = dict(os.environ)
     try:
         yield
@@ -26,10 +24,8 @@ def environ_kept() -> Iterator[None]:
 
 
 def replace_environ(wanted: Mapping[str, str]) -> None:
-    """Make ``os.environ`` hold exactly ``wanted``, setting or removing only the variables that differ. One
-    that already has its value is left alone, and with it what the C library's table holds for it, which
-    ``os.environ`` does not see (a value set with ``os.putenv`` alone, a removal with ``os.unsetenv``
-    alone); ``os.environ.clear()`` would also take time quadratic in the number of variables."""
+    """Make ``os.environ`` hold exactly ``wanted``, touching only the variables that differ: the others keep
+    what the C table holds for them (``os.putenv`` alone), and ``clear()`` would be quadratic."""
     environ = os.environ
     for name in [name for name in environ if name not in wanted]:
         del environ[name]
@@ -39,9 +35,8 @@ def replace_environ(wanted: Mapping[str, str]) -> None:
 
 
 def c_getenv(name: str) -> str | None:
-    """``name``'s value in the C library's table, as C code reads it (CPython's own ``breakpoint()`` does):
-    where ``os.putenv`` or ``os.unsetenv`` alone changed it, ``os.environ`` says otherwise. Off Linux, or
-    without ctypes, ``os.environ``'s."""
+    """Return ``name``'s value in the C library's table, as C code (``breakpoint()``) reads it; ``os.putenv``
+    alone changes it behind ``os.environ``. Off Linux, ``os.environ``'s."""
     getenv = _c_getenv()
     if getenv is None:
         return os.environ.get(name)
@@ -63,8 +58,8 @@ def _c_getenv() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _c_environ() -> ctypes.c_void_p | None:
-    """The C library's ``environ`` pointer (the table ``getenv`` and ``exec`` read), where ctypes reaches it
-    (Linux: glibc and musl accept a new table there, and copy it on the next ``setenv``); else ``None``."""
+    """Return the C library's ``environ`` pointer on Linux (glibc and musl accept a new table there, and copy
+    it on the next ``setenv``); else ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -74,13 +69,8 @@ def _c_environ() -> ctypes.c_void_p | None:
 
 
 class ForkEnviron:
-    """A child's whole environment, made in the parent before it forks: the child installs it with two
-    assignments (the C library's ``environ`` table, and ``os.environ``'s mapping of encoded names and values).
-
-    Setting the variables one by one in the child (``os.environ.update``) costs it about 0.4 ms for a rank's
-    16: each ``setenv`` allocates from the heap it shares with the parent, and every page it writes there is
-    copied (issue 26). Made with :func:`fork_environs`.
-    """
+    """A child's whole environment, made before the fork and installed with two assignments (the C table and
+    ``os.environ``'s data): ``setenv`` one by one costs a child 0.4 ms, copying the heap pages it writes."""
 
     def __init__(self, table: Any, strings: tuple[Any, ...], data: dict[bytes, bytes]) -> None:
         self._table = table  # a NULL-terminated ctypes array of char* (as addresses)
@@ -88,7 +78,7 @@ class ForkEnviron:
         self._data = data
 
     def install(self) -> None:
-        """In the forked child: make this its environment, for C code and for ``os.environ`` alike."""
+        """Make this the forked child's environment, for C code and ``os.environ`` alike."""
         c_environ = _c_environ()
         assert c_environ is not None  # (fork_environs made none without it)
         c_environ.value = ctypes.addressof(self._table)
@@ -102,15 +92,9 @@ class ForkEnviron:
 def fork_environs(
     shared: Mapping[str, str | None], own: Sequence[Mapping[str, str | None]]
 ) -> list[ForkEnviron] | None:
-    """This process's environment with ``shared``'s changes, then each of ``own``'s (a value sets the
-    variable, ``None`` removes it): one :class:`ForkEnviron` per item of ``own``, for a child to install right
-    after it is forked; ``None`` where that cannot be done (not Linux, no ctypes, an ``os.environ`` that is
-    not Python's own mapping): the children then set the variables themselves.
-
-    The C table starts from the C library's own (a variable set with ``os.putenv`` alone stays), as
-    ``os.environ`` changes in the child would leave it. Call it with the GIL held and no other thread
-    changing the environment (Python's own changes hold the GIL).
-    """
+    """Return a :class:`ForkEnviron` per item of ``own``: this environment (the C table's, so ``os.putenv``
+    stays) with ``shared``'s changes, then the item's (``None`` removes); ``None`` where it cannot be done.
+    No other thread may change the environment meanwhile (Python's own changes hold the GIL)."""
     c_environ = _c_environ()
     data = getattr(os.environ, "_data", None)
     if c_environ is None or not c_environ.value or type(os.environ) is not os._Environ or type(data) is not dict:
@@ -141,13 +125,12 @@ def fork_environs(
     return made
 
 
-#: The C library's table as last read: its address, its pointers (bytes), and (name, address) per entry.
+# The C table as last read: its address, its pointers (bytes), and (name, address) per entry.
 _read: tuple[int, bytes, list[tuple[bytes, int]]] = (0, b"", [])
 
 
 def _c_entries(address: int) -> list[tuple[bytes, int]]:
-    """The name and address of each entry of the C library's table at ``address``: read again only when its
-    pointers changed since the last read (``setenv`` puts a new string in, or makes a new table)."""
+    """Return (name, address) of each entry of the C table, read again only when its pointers changed."""
     global _read
     last_address, last_pointers, last_entries = _read
     if address == last_address and ctypes.string_at(address, len(last_pointers)) == last_pointers:
@@ -174,8 +157,7 @@ def _apply(data: dict[bytes, bytes], changes: Mapping[bytes, bytes | None]) -> N
 
 
 def _c_strings(changes: Mapping[bytes, bytes | None]) -> tuple[Any, list[int]]:
-    """The ``NAME=value`` entries of the variables ``changes`` sets, as a ctypes array that holds them, and
-    their addresses."""
+    """Return a ctypes array holding the ``NAME=value`` entries ``changes`` sets, and their addresses."""
     entries = [name + b"=" + value for name, value in changes.items() if value is not None]
     holder = (ctypes.c_char_p * len(entries))(*entries)
     return holder, list(struct.unpack(f"{len(entries)}P", ctypes.string_at(holder, len(entries) * _POINTER)))

@@ -1,9 +1,6 @@
-"""How many processes the kernel's out-of-memory killer has ended in a process's memory cgroup.
-
-The count is ``oom_kill`` in the cgroup's ``memory.events`` (cgroup v2; it includes the cgroup's descendants)
-or ``memory.oom_control`` (cgroup v1, Linux 4.13+). The kernel counts a kill in the victim's own cgroup (and,
-under v2, in each ancestor), so the count of the cgroup a process runs in rises when that process is killed,
-whichever cgroup's limit was hit. A process in the root cgroup has no count to read: it is unknown.
+"""How many processes the OOM killer has ended in a process's memory cgroup: ``oom_kill`` in ``memory.events``
+(v2) or ``memory.oom_control`` (v1, Linux 4.13+). The kernel counts a kill in the victim's own cgroup,
+whichever limit was hit, so a process's cgroup count rises when it is killed; the root cgroup has none.
 """
 
 from __future__ import annotations
@@ -15,20 +12,14 @@ from mplaunch._platform.cgroup import _memberships, _mounts, _read
 
 
 def oom_counters(pid: int, root: str = "/") -> tuple[str, ...]:
-    """The files that hold the ``oom_kill`` count of process ``pid``'s memory cgroup (none when unknown).
-
-    Args:
-        pid: the process, alive (or a zombie not yet reaped).
-        root: the directory that stands for ``/``; tests pass a fake tree.
-    """
+    """Return the files holding the ``oom_kill`` count of live (or unreaped) ``pid``'s memory cgroup."""
     cgroup = _read(os.path.join(root, f"proc/{pid}/cgroup"))
     return () if cgroup is None else _counters(root, cgroup)
 
 
 @functools.lru_cache(maxsize=16)
 def _counters(root: str, cgroup: str) -> tuple[str, ...]:
-    """The counter files of a process in ``cgroup`` (the text of its ``/proc/<pid>/cgroup``); remembered, as
-    the mounts do not move and every worker of a launch is usually in the same cgroup."""
+    """Return the counter files of a process in ``cgroup`` (cached: mounts do not move)."""
     mountinfo = _read(os.path.join(root, "proc/self/mountinfo"))
     if mountinfo is None:
         return ()
@@ -53,8 +44,7 @@ def _counters(root: str, cgroup: str) -> tuple[str, ...]:
 
 
 def oom_kills(counters: tuple[str, ...]) -> int | None:
-    """The sum of the ``oom_kill`` counts in ``counters`` (see :func:`oom_counters`), or ``None`` when none
-    can be read. Never raises."""
+    """Return the sum of the ``oom_kill`` counts in ``counters``, or ``None`` when none can be read."""
     total, known = 0, False
     for counter in counters:
         for line in (_read(counter) or "").splitlines():

@@ -1,9 +1,6 @@
-"""What a pidfd can still say of a process that someone else reaped: its wait status (Linux 6.15+,
-``ioctl(PIDFD_GET_INFO)`` with ``PIDFD_INFO_EXIT``; see ``include/uapi/linux/pidfd.h``).
-
-A caller's SIGCHLD handler that reaps every child (``os.waitpid(-1, os.WNOHANG)`` in a loop, a common server
-pattern) takes a worker's exit status before the launch can read it; the kernel keeps it for whoever holds a
-pidfd of the process. Elsewhere (older kernels, other systems) the answer is ``None``: unknown.
+"""The wait status of a process someone else reaped (a caller's SIGCHLD handler looping ``os.waitpid(-1)``),
+which the kernel keeps for pidfd holders: Linux 6.15+ ``ioctl(PIDFD_GET_INFO)`` with ``PIDFD_INFO_EXIT``
+(``include/uapi/linux/pidfd.h``). Elsewhere ``None``: unknown.
 """
 
 from __future__ import annotations
@@ -18,15 +15,8 @@ _EXIT_CODE_OFFSET = 8 + 8 + 11 * 4  # after mask, cgroupid and eleven 32-bit ids
 
 
 def reaped_status(pidfd: int) -> int | None:
-    """The wait status (as ``os.wait4`` gives it) of the ended process that ``pidfd`` refers to, once someone
-    has reaped it, or ``None``: not yet reaped, or this kernel (before Linux 6.15) or system cannot say.
-
-    Args:
-        pidfd: a pidfd of the process (``os.pidfd_open``), opened before it was reaped.
-
-    Returns:
-        The wait status (``os.waitstatus_to_exitcode`` turns it into an exit code), or ``None``. Never raises.
-    """
+    """Return the ``os.wait4`` status of the reaped process ``pidfd`` (opened before the reap) refers to, or
+    ``None``: not yet reaped, or the kernel cannot say. Never raises."""
     if not sys.platform.startswith("linux"):
         return None
     import fcntl

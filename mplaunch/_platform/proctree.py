@@ -15,14 +15,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def children_of(pid: int) -> list[int]:
-    """The direct children of process ``pid`` (``/proc/<pid>/task/*/children``), else an empty list.
-
-    Args:
-        pid: a process id.
-
-    Returns:
-        The children's pids, in no particular order; ``[]`` when ``pid`` is gone or ``/proc`` cannot say.
-    """
+    """Return the children of ``pid`` (``/proc/<pid>/task/*/children``), in no order; ``[]`` if unknown."""
     if not _has_children_files():
         return _children_by_scan(pid)
     found: list[int] = []
@@ -37,15 +30,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every descendant of process ``pid`` (children, theirs...), parents before their children.
-
-    Args:
-        pid: a process id.
-
-    Returns:
-        The descendants' pids; a process that forks while the tree is read may be missed (the caller reads
-        again after stopping what it found).
-    """
+    """Return every descendant of ``pid``, parents first; one forked meanwhile may be missed (read again)."""
     found: list[int] = []
     seen = {pid}
     queue = [pid]
@@ -59,12 +44,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def with_environment(entries: dict[str, str]) -> list[int]:
-    """The processes (of this user: others' are unreadable) whose environment, as ``/proc/<pid>/environ``
-    shows it (the one they were executed with), holds every item of ``entries``; never this process.
-
-    Args:
-        entries: variable names and values, all of which must be there.
-    """
+    """Return this user's other processes whose exec-time environment (``/proc/<pid>/environ``) holds every
+    item of ``entries``."""
     wanted = {f"{name}={value}".encode() for name, value in entries.items()}
     found: list[int] = []
     with contextlib.suppress(OSError):
@@ -78,11 +59,7 @@ def with_environment(entries: dict[str, str]) -> list[int]:
 
 
 def running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not ended (a zombie has ended: it waits for its owner to reap it).
-
-    Args:
-        pid: a process id.
-    """
+    """Return whether process ``pid`` exists and has not ended (a zombie has)."""
     try:
         with open(f"/proc/{pid}/stat") as file:
             return file.read().rpartition(")")[2].split()[0] != "Z"
@@ -91,22 +68,14 @@ def running(pid: int) -> bool:
 
 
 def become_subreaper() -> bool:
-    """Make this process a child subreaper (Linux 3.4+): a descendant orphaned by its parent's end becomes this
-    process's child instead of init's, so it stays in this process's tree.
-
-    Returns:
-        Whether the flag is set.
-    """
+    """Make this process a child subreaper (Linux 3.4+), so orphaned descendants stay in its tree; return
+    whether the flag is set."""
     return _PRCTL is not None and _PRCTL(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def set_parent_death_signal(signum: int) -> bool:
-    """Have the kernel send ``signum`` to this process when the thread that forked it ends (Linux's
-    ``PR_SET_PDEATHSIG``, which ``torch.multiprocessing.spawn`` sets in its workers too).
-
-    Returns:
-        Whether the kernel took it (``False`` off Linux).
-    """
+    """Have the kernel send ``signum`` when the thread that forked this process ends (``PR_SET_PDEATHSIG``, as
+    ``torch.multiprocessing.spawn`` does); return whether it took it."""
     return _PRCTL is not None and _PRCTL(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
 
 
@@ -124,12 +93,12 @@ _PRCTL = _find_prctl()  # found once, on import: a forked worker finding it itse
 
 @functools.lru_cache(maxsize=1)
 def _has_children_files() -> bool:
-    """Whether the kernel lists children in ``/proc`` (``CONFIG_PROC_CHILDREN``, set by common distributions)."""
+    """Return whether the kernel lists children in ``/proc`` (``CONFIG_PROC_CHILDREN``)."""
     return os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
 
 def _children_by_scan(pid: int) -> list[int]:
-    """The children of ``pid`` found by reading every process's parent in ``/proc/*/stat``."""
+    """Find the children of ``pid`` by reading every process's parent in ``/proc/*/stat``."""
     found: list[int] = []
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):

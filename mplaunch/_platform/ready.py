@@ -1,5 +1,4 @@
-"""Waiting for descriptors to become readable: a pidfd (its process ended), a pipe (written, or closed), a
-listening socket (a connection came)."""
+"""Waiting for descriptors to become readable: a pidfd (its process ended), a pipe, a listening socket."""
 
 from __future__ import annotations
 
@@ -9,20 +8,8 @@ from collections.abc import Sequence
 
 
 def readable(fds: Sequence[int], timeout: float | None) -> list[int]:
-    """The descriptors of ``fds`` that are readable, hung up or in error, waiting up to ``timeout`` seconds
-    for one (``None``: without limit; ``0``: not at all): what ``multiprocessing.connection.wait`` answers
-    for descriptors, with one ``poll`` object and no selector per call (a launch waits a few times, and
-    each wait's objects are memory its parent writes while its workers share its pages).
-
-    Args:
-        fds: open file descriptors.
-        timeout: seconds; rounded up to the millisecond, at most ``poll``'s 24.8 days (the caller looks again
-            then: a launch's loop computes what is left of its own timeout).
-
-    Raises:
-        OSError: ``poll`` failed (not for an interrupted wait: Python retries it, with what is left of
-            ``timeout``).
-    """
+    """Return the ``fds`` readable, hung up or in error, waiting up to ``timeout`` seconds (``None``: no limit),
+    at most :data:`LONGEST_WAIT`: ``multiprocessing.connection.wait`` with one ``poll`` and no selector."""
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
@@ -30,6 +17,5 @@ def readable(fds: Sequence[int], timeout: float | None) -> list[int]:
     return [fd for fd, _ in poller.poll(milliseconds)]
 
 
-_LONGEST = 2**31 - 1  # poll's limit, in milliseconds (24.8 days): a longer timeout waits this long, then looks again
-#: The longest one ``poll`` waits, in seconds: a caller with a longer timeout waits this long, then again.
+_LONGEST = 2**31 - 1  # poll's limit, in milliseconds (24.8 days): a caller with a longer timeout waits again
 LONGEST_WAIT = _LONGEST / 1000

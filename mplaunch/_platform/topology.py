@@ -1,10 +1,5 @@
-"""CPU and NUMA facts read from sysfs, and how to split the CPUs this process may use between ranks.
-
-Pure: every function reads files under ``root`` (``"/"`` on a real machine, a fake tree in tests) and returns
-plain values. The sets follow the kernel's own lists: ``/sys/devices/system/cpu/cpuN/topology/
-thread_siblings_list`` (the hardware threads of one core), ``/sys/devices/system/node/nodeN/cpulist`` (the
-CPUs of one NUMA node) and ``/sys/bus/pci/devices/<bus id>/numa_node`` (the node a PCI device, e.g. a GPU,
-hangs off). DeepSpeed's ``--bind_cores_to_rank`` and torchrun's ``--numa-binding`` split CPUs the same way.
+"""CPU and NUMA facts read from sysfs under ``root`` (a fake tree in tests), and splitting the usable CPUs
+between ranks by core or NUMA node, as DeepSpeed's ``--bind_cores_to_rank`` and torchrun's ``--numa-binding`` do.
 """
 
 from __future__ import annotations
@@ -13,15 +8,13 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 
+from mplaunch._platform.cgroup import _read
+
 _NODE = re.compile(r"node(\d+)$")
 
 
 def parse_cpulist(text: str) -> list[int]:
-    """The CPUs of a kernel CPU list such as ``"0-3,8-11"`` or ``"0-7:2"`` (a stride), sorted.
-
-    Raises:
-        ValueError: ``text`` is not a CPU list.
-    """
+    """Return the sorted CPUs of a kernel CPU list such as ``"0-3,8-11"`` or ``"0-7:2"`` (ValueError if not one)."""
     cpus: set[int] = set()
     for part in text.strip().split(","):
         part = part.strip()
@@ -34,19 +27,8 @@ def parse_cpulist(text: str) -> list[int]:
     return sorted(cpus)
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as file:
-            return file.read()
-    except (OSError, ValueError):
-        return None
-
-
 def core_groups(cpus: Iterable[int], root: str = "/") -> list[tuple[int, ...]]:
-    """The allowed ``cpus`` grouped by physical core (hyperthread siblings together), ordered by their first CPU.
-
-    A CPU whose siblings sysfs does not list forms a core of its own.
-    """
+    """Group the allowed ``cpus`` by physical core (a CPU without listed siblings alone), by first CPU."""
     allowed = set(cpus)
     groups: dict[int, tuple[int, ...]] = {}
     for cpu in sorted(allowed):
@@ -63,7 +45,7 @@ def core_groups(cpus: Iterable[int], root: str = "/") -> list[tuple[int, ...]]:
 
 
 def numa_nodes(root: str = "/") -> dict[int, list[int]]:
-    """Each NUMA node's CPUs (nodes without CPUs left out); empty where sysfs has no node directory."""
+    """Return each NUMA node's CPUs (nodes without CPUs left out; empty without sysfs nodes)."""
     base = os.path.join(root, "sys/devices/system/node")
     try:
         entries = os.listdir(base)
@@ -84,8 +66,7 @@ def numa_nodes(root: str = "/") -> dict[int, list[int]]:
 
 
 def pci_numa_node(bus_id: str, root: str = "/") -> int | None:
-    """The NUMA node of the PCI device ``bus_id`` (e.g. ``"0000:3b:00.0"``), or ``None`` where the kernel does
-    not say (``-1``, or no such file)."""
+    """Return the NUMA node of the PCI device ``bus_id`` (``"0000:3b:00.0"``), or ``None`` if unknown."""
     text = _read(os.path.join(root, "sys/bus/pci/devices", bus_id.lower(), "numa_node"))
     try:
         node = int(text) if text else -1
@@ -95,13 +76,8 @@ def pci_numa_node(bus_id: str, root: str = "/") -> int | None:
 
 
 def split_cores(cpus: Iterable[int], nprocs: int, root: str = "/") -> list[tuple[int, ...]]:
-    """Split the allowed ``cpus`` into ``nprocs`` disjoint, non-empty sets of whole cores, in order; the first
-    ``cores % nprocs`` sets get one core more. With fewer cores than ``nprocs``, hardware threads are split
-    between ranks instead.
-
-    Raises:
-        ValueError: fewer allowed CPUs than ``nprocs``.
-    """
+    """Split the allowed ``cpus`` into ``nprocs`` disjoint sets of whole cores, the first ``cores % nprocs`` one
+    core larger (hardware threads, with fewer cores than ranks). ValueError: fewer CPUs than ``nprocs``."""
     allowed = sorted(set(cpus))
     if len(allowed) < nprocs:
         raise ValueError(f"{len(allowed)} CPU(s) for {nprocs} ranks")
@@ -120,12 +96,8 @@ def split_cores(cpus: Iterable[int], nprocs: int, root: str = "/") -> list[tuple
 def split_numa(
     cpus: Iterable[int], nprocs: int, root: str = "/", preferred: Sequence[int | None] = ()
 ) -> list[tuple[int | None, tuple[int, ...]]]:
-    """Give each of ``nprocs`` ranks the allowed ``cpus`` of one NUMA node: ``(node, cpus)`` per rank.
-
-    Rank ``r`` takes ``preferred[r]`` (e.g. the node of its GPU) where that node has allowed CPUs, else the
-    nodes with allowed CPUs in turn (round-robin). Without NUMA information every rank gets all allowed CPUs
-    and the node ``None``.
-    """
+    """Give each rank ``(node, cpus)``: ``preferred[rank]`` (its GPU's node) if usable, else nodes round-robin;
+    without NUMA information, ``(None, all cpus)``."""
     allowed = set(cpus)
     usable = {node: tuple(c for c in node_cpus if c in allowed) for node, node_cpus in numa_nodes(root).items()}
     usable = {node: node_cpus for node, node_cpus in usable.items() if node_cpus}

@@ -1,12 +1,6 @@
-"""Capture the parent's ``logging`` configuration and rebuild it in a worker.
-
-Under ``fork`` a worker inherits the parent's loggers and handlers; under ``spawn`` and ``forkserver`` it
-starts with an unconfigured ``logging``. A snapshot of the configured loggers (level, propagate, disabled,
-filters) and of their handlers to the console (``StreamHandler`` to ``sys.stdout``/``sys.stderr``), to files
-(``FileHandler``: path, encoding, errors, delay; mode ``"w"`` becomes ``"a"`` so a worker does not truncate
-the parent's log) and ``NullHandler``, each with its level, formatter and filters, rebuilds the same setup.
-Other handlers (sockets, queues, rotating files, custom classes, streams other than the console) are not
-carried: the snapshot names them, and the launcher warns once.
+"""Capture the parent's ``logging`` configuration and rebuild it in a ``spawn``/``forkserver`` worker: the
+configured loggers with their console, file (appended to, never truncated) and null handlers. Others (sockets,
+queues, rotating files, custom classes) are not carried: the snapshot names them for one warning.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ _FORMATTERS: weakref.WeakKeyDictionary[logging.Formatter, tuple[Any, bytes]] = w
 @dataclasses.dataclass(frozen=True)
 class HandlerSpec:
     """How to rebuild one handler; ``kind`` is ``"stdout"``, ``"stderr"``, ``"file"``, ``"null"`` or ``"not
-    carried"`` (kept so that a process whose handlers already match, as after fork, is left alone)."""
+    carried"`` (kept so that handlers that already match, as after fork, are left alone)."""
 
     key: int = dataclasses.field(compare=False)  # first position in the snapshot: a shared handler is built once
     kind: str
@@ -55,8 +49,7 @@ class LoggerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingState:
-    """The configured loggers, ``logging.disable``'s level, ``logging.captureWarnings``, and what was not
-    carried (descriptions for the one-time warning)."""
+    """The configured loggers, ``logging.disable``, ``captureWarnings``, and what was not carried."""
 
     loggers: tuple[LoggerSpec, ...]
     disable: int
@@ -88,9 +81,8 @@ class LoggingState:
         )
 
     def restore(self) -> None:
-        """Make this process's logging configuration equal to the snapshot; a no-op when it already is (as
-        after fork). Handlers that were not carried are left out; a handler that cannot be rebuilt here (e.g.
-        its directory is gone) is reported on stderr and left out."""
+        """Make this process's configuration equal to the snapshot (no-op when it is); a handler not carried,
+        or that cannot be rebuilt here (reported on stderr), is left out."""
         if LoggingState.capture() == self:
             return
         built: dict[int, logging.Handler | None] = {}
@@ -118,8 +110,7 @@ class LoggingState:
             logging.captureWarnings(self.capture_warnings)
 
 
-#: Loggers of a Jupyter kernel's own machinery, which it sets up for itself: no rank needs them, and they
-#: are neither carried to spawned ranks nor warned about.
+# A Jupyter kernel's own loggers: no rank needs them; neither carried nor warned about.
 _KERNEL_LOGGERS = ("IPKernelApp", "ipykernel", "traitlets", "jupyter_client", "tornado")
 
 
@@ -151,8 +142,7 @@ def _pickled(objects: Any, what: str, not_carried: list[str]) -> bytes | None:
 
 
 def _pickled_formatter(formatter: logging.Formatter | None, not_carried: list[str]) -> bytes | None:
-    """``formatter`` pickled; remembered while its attributes stay the same (torch alone configures dozens
-    of handlers, and capturing runs at every launch)."""
+    """Pickle ``formatter``, cached while its attributes stay (torch configures dozens; capture runs per launch)."""
     if formatter is None:
         return None
     cached = _FORMATTERS.get(formatter)
@@ -194,8 +184,7 @@ def _is_plain_null(handler: logging.Handler) -> bool:
 def _describe(
     handler: logging.Handler, keys: dict[int, int], label: str, not_carried: dict[str, list[str]]
 ) -> HandlerSpec:
-    """The spec of ``handler``; what cannot be carried gets kind ``"not carried"`` and ``label`` (its logger)
-    is added to ``not_carried[description]``."""
+    """Describe ``handler``; if not carried, add ``label`` (its logger) to ``not_carried[description]``."""
     key = keys.setdefault(id(handler), len(keys))
     kind, path = "not carried", f"{type(handler).__module__}.{type(handler).__qualname__}"
     extra: dict[str, Any] = {}
@@ -227,7 +216,7 @@ def _describe(
 
 
 def _build(spec: HandlerSpec) -> logging.Handler | None:
-    """A new handler from ``spec``; ``None`` when it was not carried or cannot be rebuilt here."""
+    """Build a handler from ``spec``; ``None`` when it was not carried or cannot be rebuilt here."""
     handler: logging.Handler
     if spec.kind in _STD_STREAMS:
         handler = logging.StreamHandler(getattr(sys, spec.kind))
@@ -250,7 +239,7 @@ def _build(spec: HandlerSpec) -> logging.Handler | None:
 
 
 def _note(message: str) -> None:
-    """Tell the user on stderr (not as a warning: the carried filters may turn warnings into errors)."""
+    """Tell the user on stderr (not a warning: the carried filters may make it an error)."""
     try:
         print(f"mplaunch: {message}", file=sys.stderr, flush=True)
     except (OSError, ValueError):

@@ -1,11 +1,6 @@
-"""Capture the parent's Python-level configuration and restore it in a worker: warning filters, ``logging``,
-the file-creation mask and the resource limits.
-
-``spawn`` workers start from a fresh interpreter and ``forkserver`` workers from the fork server's state, so
-neither has the warning filters or the logging set up in the parent after it started (``-W`` and
-``PYTHONWARNINGS`` reach ``spawn`` workers, later ``warnings.simplefilter`` calls do not), and ``forkserver``
-workers have the umask and resource limits the server started with. ``cwd``, ``sys.path`` and ``sys.argv``
-need nothing here: multiprocessing sends the parent's current values to every ``spawn``/``forkserver`` worker.
+"""Capture the parent's warning filters, ``logging``, umask and resource limits, and restore them in a worker:
+``spawn``/``forkserver`` workers miss what the parent set up after it started, and ``forkserver`` workers have
+the server's umask and limits (multiprocessing itself sends ``cwd``, ``sys.path`` and ``sys.argv``).
 """
 
 from __future__ import annotations
@@ -24,11 +19,8 @@ _warned: set[str] = set()
 
 @dataclasses.dataclass(frozen=True)
 class PythonState:
-    """The parent's warning filters, logging configuration, umask and resource limits.
-
-    Capturing costs tens of microseconds plus a few per configured logger; restoring changes only what
-    differs, so it leaves a forked worker (which already matches) as it is.
-    """
+    """The parent's warning filters, logging configuration, umask and resource limits; restoring changes only
+    what differs."""
 
     warning_filters: tuple[Any, ...]
     logging: LoggingState
@@ -69,13 +61,12 @@ class PythonState:
 
     @property
     def not_carried(self) -> tuple[str, ...]:
-        """What a ``spawn``/``forkserver`` worker will not get: handlers and filters that cannot be carried."""
+        """Describe the handlers and filters a ``spawn``/``forkserver`` worker will not get."""
         return self.logging.not_carried + self.dropped_filters
 
 
 def warn_not_carried(state: PythonState) -> None:
-    """Warn once per process about each piece of configuration a spawn/forkserver worker will not get,
-    pointing at the caller's line (the first frame outside mplaunch)."""
+    """Warn once per process, at the user's line, about each piece a spawn/forkserver worker will not get."""
     new = [item for item in state.not_carried if item not in _warned]
     if not new:
         return
@@ -89,7 +80,7 @@ def warn_not_carried(state: PythonState) -> None:
 
 
 def _carried_filters() -> tuple[tuple[Any, ...], tuple[str, ...]]:
-    """The warning filters whose category a worker can import by name; the others, described."""
+    """Return the warning filters whose category a worker can import by name, and the others described."""
     kept, dropped = [], []
     for item in warnings.filters:
         category: Any = item[2]
@@ -101,7 +92,7 @@ def _carried_filters() -> tuple[tuple[Any, ...], tuple[str, ...]]:
 
 
 def _umask() -> int | None:
-    """This process's umask, read without changing it (Linux); ``None`` where it cannot be read so."""
+    """Read this process's umask without changing it (Linux); ``None`` where it cannot."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:
@@ -114,7 +105,7 @@ def _umask() -> int | None:
 
 @functools.lru_cache(maxsize=1)
 def _limits() -> tuple[int, ...]:
-    """The resource limits this platform has (none where there is no ``resource`` module)."""
+    """List the resource limits this platform has (none without ``resource``)."""
     try:
         import resource
     except ImportError:  # not a Unix

@@ -19,9 +19,9 @@ from mplaunch._wire.mappings import in_shared_mapping, make_private
 T = TypeVar("T")
 
 
-#: Types that hold no tensor; a container of nothing else is skipped with one pass in C (``set(map(type, ...))``).
+# Types that hold no tensor; a container of nothing else is skipped with one pass in C (set(map(type, ...))).
 _LEAVES = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, slice})
-#: Objects never looked into: code and namespaces, not data (a function's globals would lead everywhere).
+# Never looked into: code and namespaces, not data (a function's globals would lead everywhere).
 _OPAQUE = (
     type,
     types.ModuleType,
@@ -38,10 +38,8 @@ _BIG = 10_000  # elements: arguments this large are not walked in every forked w
 
 
 def _inside(obj: Any) -> Iterable[Any]:
-    """What the walk looks at inside ``obj``: the items of lists, tuples, sets and deques, the keys and values
-    of dicts, a partial's arguments, a tensor's gradient and attributes, and the attributes (``__dict__`` and
-    slots) of any other object; not inside arrays, code and namespaces (:data:`_OPAQUE`). Read without
-    running the object's own methods where possible (no ``Mapping.values()`` of a lazy mapping)."""
+    """Return what the walk looks at inside ``obj``, running none of its own methods where possible (a lazy
+    mapping's ``values()``)."""
     if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
         return () if set(map(type, obj)) <= _LEAVES else obj
     if isinstance(obj, (dict, types.MappingProxyType)):
@@ -76,42 +74,34 @@ def _is_array(obj: Any) -> bool:
 
 
 def _plain(tensor: torch.Tensor) -> bool:
-    """A dense, unquantized CPU tensor: one storage, which can be looked up and re-pointed."""
+    """Return whether ``tensor`` is dense, unquantized and on the CPU: one storage, which can be re-pointed."""
     return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
 
 
 def _address(obj: Any) -> int:
-    """Where the memory of a (plain) tensor's storage or of an array starts."""
+    """Return where a plain tensor's storage or an array's memory starts."""
     if isinstance(obj, torch.Tensor):
         return int(obj.untyped_storage().data_ptr())
     return int(obj.__array_interface__["data"][0])
 
 
 def _shared(obj: Any, keep_requested: bool = False) -> bool:
-    """Whether a process forked from this one would share ``obj``'s memory (a tensor or an array): torch's
-    shared memory (``is_shared()``), or a result mapped shared by mplaunch's transport. With
-    ``keep_requested``, torch's shared memory (what ``share_memory_()`` asked for) does not count."""
+    """Return whether a forked process would share ``obj``'s memory: torch's shared memory (unless
+    ``keep_requested``) or a result mapped shared by the transport."""
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             return False
-        if keep_requested and _torch_shared(obj):
-            return False
+        if _torch_shared(obj):
+            return not keep_requested
         if not _plain(obj):
-            if obj.layout == torch.sparse_coo:
-                return bool(obj._values().is_shared() or obj._indices().is_shared())
-            try:
-                return bool(obj.is_shared())
-            except (RuntimeError, NotImplementedError):  # a layout without a storage to ask
-                return False
-        if obj.is_shared():
-            return True
+            return False
     elif not _is_array(obj):
         return False
     return in_shared_mapping(_address(obj))
 
 
 def _torch_shared(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is in torch's shared memory (``share_memory_()``, ``Module.share_memory()``)."""
+    """Return whether ``tensor`` is in torch's shared memory (``share_memory_()``)."""
     try:
         if tensor.layout == torch.sparse_coo:
             return bool(tensor._values().is_shared() or tensor._indices().is_shared())
@@ -121,8 +111,7 @@ def _torch_shared(tensor: torch.Tensor) -> bool:
 
 
 def _walk(obj: Any, budget: float = float("inf")) -> Iterator[Any]:
-    """Every tensor and NumPy array reachable from ``obj`` (see :func:`_inside`), each object once (shared
-    references and cycles are fine); stops (raising :class:`_TooLarge`) after ``budget`` elements."""
+    """Yield every tensor and array reachable from ``obj``, each once; raise :class:`_TooLarge` past ``budget``."""
     seen: set[int] = set()
     pending = [obj]
     while pending:
@@ -156,16 +145,11 @@ class _TooLarge(Exception):
 
 
 def unshare_verdict(obj: Any, keep_requested: bool = False) -> bool | None:
-    """In the parent, before forking: whether forked workers must run :func:`unshare` on ``obj``, as far as
-    ``obj`` alone tells: ``True`` (it holds shared memory), ``False`` (it holds none), or ``None`` when it is
-    large and the answer is whether this process holds a result mapped shared
-    (:func:`mplaunch._wire.mappings.holds_shared_mappings`, which a launch asks while its workers start).
+    """Return whether forked workers must :func:`unshare` ``obj``; ``None`` when it is too large to walk here,
+    and the answer is :func:`mplaunch._wire.mappings.holds_shared_mappings` (asked while workers start).
 
-    Walking a forked worker's arguments touches every element's reference count, which copies every page
-    they live on (copy-on-write): 30 ms for a list of 10**6 ints, in each worker. So when ``obj`` is large
-    (more than 10,000 elements and objects in all), it is not walked here, and walked in the workers only if
-    this process holds a result that mplaunch mapped shared. Smaller
-    arguments are walked here (it costs microseconds), and in the workers only if they hold shared memory.
+    A walk touches every element's reference count, which copies their pages in a forked worker (30 ms for
+    10**6 ints), so a worker walks only arguments known or likely to hold shared memory.
     """
     try:
         return any(_shared(found, keep_requested) for found in _walk(obj, _BIG))
@@ -186,9 +170,9 @@ def unshare(obj: T, *, keep_requested: bool = False) -> T:
     already). It looks inside lists, tuples, sets, deques, dicts, partials, tensors' gradients and the
     attributes of any object (modules, dataclasses, your own classes), each object once (cycles are fine),
     not into functions, classes or modules, nor into an object that raises when looked into; containers of
-    plain values are passed over in one pass in C. Costs one copy of each shared
-    storage. NumPy arrays that view torch's shared memory (``tensor.numpy()``) stay shared. The idea, and
-    the need for it with ``nn.Module``, come from Lightning Fabric's launcher.
+    plain values are passed over in one pass in C. Costs one copy of each shared storage. NumPy arrays that
+    view torch's shared memory (``tensor.numpy()``) stay shared. The idea, and the need for it with
+    ``nn.Module``, come from Lightning Fabric's launcher.
 
     Args:
         obj: arguments of a worker's function: tensors, modules, or collections and objects holding them.

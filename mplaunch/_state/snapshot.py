@@ -1,8 +1,6 @@
-"""Capture the parent's process-global state and restore it in a worker.
-
-Under ``spawn`` and ``forkserver`` a worker starts from a fresh interpreter (or a fork server's) with none of
-the parent's seeds and flags; under ``fork`` it inherits them, except that Python's ``random`` is reseeded
-in the child. Restoring one snapshot in every worker makes the three start methods start alike.
+"""Capture the parent's process-global state and restore it in a worker, so the three start methods start
+alike: ``spawn`` and ``forkserver`` workers have none of the parent's seeds and flags, and ``fork`` reseeds
+Python's ``random`` in the child.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ def unregister_state(capture: Callable[[], Any], restore: Callable[[Any], None])
 
 
 def _capture_extra() -> tuple[tuple[Callable[[Any], None], Any], ...]:
-    """``(restore, value)`` of every piece added with :func:`register_state`, captured now."""
+    """Capture ``(restore, value)`` of every piece added with :func:`register_state`."""
     return tuple((restore, capture()) for capture, restore in _HOOKS)
 
 
@@ -55,18 +53,16 @@ class GlobalState:
     """A snapshot of the process-global settings and random states that decide what a worker computes.
 
     It covers: deterministic algorithms (and warn-only), ``torch.backends.cudnn.benchmark`` and
-    ``.deterministic``, the float32 matmul precision, the default dtype, anomaly detection (and its NaN
-    check), the RNG states of Python's ``random``, NumPy's global generator (when ``numpy.random`` is imported), torch's
+    ``.deterministic``, the float32 matmul precision, the default dtype, anomaly detection (and its NaN check),
+    the RNG states of Python's ``random``, NumPy's global generator (when ``numpy.random`` is imported), torch's
     CPU generator, every CUDA device's generator when CUDA is already initialised (capturing never creates a
-    CUDA context), the warning filters, the ``logging`` configuration (loggers and their console, file and
-    null handlers), the umask and the resource limits, and whatever was added with :func:`register_state`.
-    It does not cover thread counts (set per worker by the launcher), other libraries' state, or generators
-    you created yourself.
+    CUDA context), the warning filters, the ``logging`` configuration (loggers and their console, file and null
+    handlers), the umask and the resource limits, and whatever was added with :func:`register_state`. It does
+    not cover thread counts (set per worker by the launcher), other libraries' state, or generators you created.
 
-    Capturing costs about a hundred microseconds (the torch CPU RNG state is 5 KiB; each configured logger
-    adds a few). Restoring calls a setter
-    only where the value differs, so it costs almost nothing when the worker already matches (as after
-    ``fork``).
+    Capturing costs about a hundred microseconds (the torch CPU RNG state is 5 KiB; each configured logger adds
+    a few). Restoring calls a setter only where the value differs, so it costs almost nothing when the worker
+    already matches (as after ``fork``).
 
     Example:
         >>> state = GlobalState.capture()   # in the parent
@@ -153,11 +149,8 @@ class GlobalState:
 
 @dataclasses.dataclass(frozen=True)
 class ForkState:
-    """What a *forked* worker does not inherit as the parent had it when the launch forked it: Python's
-    ``random`` state (CPython reseeds it in every forked child) and the states added with
-    :func:`register_state` (a library may reset its own at fork). Everything else :class:`GlobalState` covers
-    is inherited exactly by ``fork``, so restoring it would cost the worker time for nothing.
-    """
+    """What a forked worker does not inherit as it was: ``random`` (CPython reseeds it in the child) and the
+    :func:`register_state` pieces (a library may reset its own at fork); ``fork`` keeps the rest of GlobalState."""
 
     python_rng: Any
     extra: tuple[tuple[Callable[[Any], None], Any], ...]

@@ -1,10 +1,7 @@
-"""The preemption flag of a launch: one byte in a file of the launch directory, mapped into the parent and every
-worker, so that a worker learns of a preemption without a signal (a signal would interrupt its DataLoader and
-collectives) and reads it without a system call.
-
-The parent creates the file and sets the byte when it receives one of ``preempt_signals``; each worker maps it
-when it starts. Processes a worker forks (DataLoader workers) share the mapping; others a worker starts find
-the file through ``MPLAUNCH_PREEMPT_FILE`` and map it on their first read.
+"""The preemption flag: one byte in the launch directory, mapped by the parent and every worker, so a worker
+learns of a preemption without a signal (which would interrupt its DataLoader and collectives) or a system
+call. Processes a worker forks share the mapping; others it starts map the file named by
+``MPLAUNCH_PREEMPT_FILE`` on their first read.
 """
 
 from __future__ import annotations
@@ -13,9 +10,7 @@ import contextlib
 import mmap
 import os
 
-#: Name of the flag file in the launch directory.
 FLAG = "preempted.flag"
-#: Set in workers to the flag file's path, for processes they start that do not inherit the mapping.
 FLAG_VARIABLE = "MPLAUNCH_PREEMPT_FILE"
 
 _mapping: mmap.mmap | None = None  # this worker's mapping of its launch's flag
@@ -34,16 +29,13 @@ def _map(path: str, *, create: bool) -> mmap.mmap:
 
 
 def create(directory: str) -> mmap.mmap:
-    """In the parent: create the flag in ``directory``, or clear the one there (warm workers' next call), and
-    return its mapping (closed by the caller)."""
+    """Create (or clear, for warm workers' next call) the flag in ``directory``; return its mapping."""
     return _map(os.path.join(directory, FLAG), create=True)
 
 
 def attach(directory: str, present: bool | None = None) -> bool:
-    """In a worker: map ``directory``'s flag if the launch has one; return whether it has. Sets
-    ``MPLAUNCH_PREEMPT_FILE`` for the processes the worker starts (unless it has that value already).
-    ``present``: whether the launch has a flag, as the parent knew before it forked this worker (and left
-    ``MPLAUNCH_PREEMPT_FILE`` out of its environment when not); ``None``: look."""
+    """Map ``directory``'s flag in a worker and set ``MPLAUNCH_PREEMPT_FILE``; return whether there is one
+    (``present``: as the parent knew before forking; ``None``: look)."""
     global _mapping, _looked
     _looked = True
     if present is False:
@@ -62,14 +54,13 @@ def attach(directory: str, present: bool | None = None) -> bool:
 
 
 def path_if_present(directory: str) -> str | None:
-    """In the parent: the path of ``directory``'s flag, if the launch has one (for :func:`attach`)."""
+    """Return the path of ``directory``'s flag, if it has one."""
     path = os.path.join(directory, FLAG)
     return path if os.path.exists(path) else None
 
 
 def is_set() -> bool:
-    """Whether this process's launch was preempted: one read of shared memory (the first call in a process
-    that did not inherit the mapping opens the file named by ``MPLAUNCH_PREEMPT_FILE``)."""
+    """Return whether this process's launch was preempted (mapping ``MPLAUNCH_PREEMPT_FILE`` on first call)."""
     global _looked, _mapping
     if _mapping is None:
         if _looked:
@@ -86,5 +77,5 @@ def is_set() -> bool:
 
 
 def raise_flag(mapping: mmap.mmap) -> None:
-    """In the parent: set the flag; every worker's next :func:`is_set` returns ``True``."""
+    """Set the flag; every worker's next :func:`is_set` returns ``True``."""
     mapping[0] = 1

@@ -1,19 +1,9 @@
 """What a ``spawn`` or ``forkserver`` worker can import by name: the one rule for how a call travels.
 
-A worker started with ``spawn`` or ``forkserver`` does not inherit the parent's modules. multiprocessing
-prepares it from two facts (``multiprocessing.spawn.get_preparation_data`` and ``prepare``):
-
-* its ``sys.path`` is the parent's at launch time (``''`` replaced by the directory Python started in);
-* its ``__main__`` is the parent's main module run again as ``__mp_main__``: by name for ``python -m mod``,
-  by path for a script; never for a module named ``__main__`` or ``*.__main__`` (``python -m pkg``, a
-  zipapp), nor for ``python -c``, stdin, the REPL or IPython, where there is nothing to run.
-
-An object (a function or a class) travels by reference only when the worker will find it under the same
-name in a module that resolves to the same file; anything else (a module loaded from a file path, a plugin
-whose ``sys.path`` entry is gone, ``pkg/__main__.py``, a script run by cProfile or trace in a namespace of
-their own, a function defined under the ``__main__`` guard, a closure) travels by value, with cloudpickle.
-Nothing is imported to decide: finders are asked where a name would be found, and the answer is cached per
-module.
+Such a worker gets the parent's ``sys.path`` (``''`` made the start directory) and re-runs its main module as
+``__mp_main__`` (``multiprocessing.spawn.prepare``), except ``__main__``/``*.__main__``, ``-c``, stdin and IPython.
+A function or class travels by reference only when the worker finds it under the same name in a module from
+the same file, else by value (cloudpickle). Nothing is imported to decide: finders are asked, once per module.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ from mplaunch._frames import resolve
 
 
 def worker_sys_path() -> tuple[str, ...]:
-    """The ``sys.path`` a worker started now gets, as ``multiprocessing.spawn.get_preparation_data`` sends it."""
+    """Return the ``sys.path`` a worker started now gets (``multiprocessing.spawn.get_preparation_data``)."""
     path = list(sys.path)
     original: str | None = getattr(process, "ORIGINAL_DIR", None)
     if "" in path and original is not None:
@@ -40,8 +30,7 @@ def worker_sys_path() -> tuple[str, ...]:
 
 
 def rerun_main_file(main: ModuleType | None) -> str | None:
-    """The file a worker runs again as its ``__main__`` (the parent's script or ``python -m`` module), or
-    ``None`` when multiprocessing runs none (``python -m pkg``, a zipapp, ``python -c``, stdin, IPython)."""
+    """Return the file a worker re-runs as its ``__main__``, or ``None`` when multiprocessing runs none."""
     if main is None:
         return None
     path = getattr(main, "__file__", None)
@@ -56,7 +45,7 @@ def rerun_main_file(main: ModuleType | None) -> str | None:
 
 
 class WorkerImports:
-    """What a worker started now can import by name; see the module docstring for the rule."""
+    """What a worker started now can import by name (the module docstring's rule)."""
 
     def __init__(self, sys_path: Sequence[str], main: ModuleType | None) -> None:
         self.sys_path = list(sys_path)
@@ -65,7 +54,7 @@ class WorkerImports:
         self._modules: dict[str, tuple[ModuleType, bool]] = {}
 
     def can_import(self, obj: Any) -> bool:
-        """Whether a worker finds ``obj`` (a function, class or decorated function) by its module and name."""
+        """Return whether a worker finds ``obj`` by its module and name."""
         module_name = getattr(obj, "__module__", None)
         qualname = getattr(obj, "__qualname__", None)
         if not isinstance(module_name, str) or not isinstance(qualname, str) or "<locals>" in qualname:
@@ -78,10 +67,7 @@ class WorkerImports:
         return self.main_file is not None and _defined_by_script(obj, qualname, self.main_file)
 
     def needs_value(self, obj: Any) -> bool:
-        """Whether ``obj`` (a function or class) must travel by value: it belongs to ``__main__`` and the
-        worker's ``__main__`` will not define it, or to a module the worker cannot import by that name from the
-        same file. An importable module's object that is not found by its name (a C type, a renamed function)
-        is left to pickle and cloudpickle, which know such cases."""
+        """Return whether ``obj`` must travel by value (one not found by its name is left to the picklers)."""
         module_name = getattr(obj, "__module__", None)
         if module_name == "__main__":
             return not self.can_import(obj)
@@ -93,7 +79,7 @@ class WorkerImports:
         return not self.module_importable(module_name)
 
     def module_importable(self, name: str) -> bool:
-        """Whether a worker's ``import name`` finds the file the parent's module ``name`` came from."""
+        """Return whether a worker's ``import name`` finds the file the parent's module came from."""
         module = sys.modules.get(name)
         if module is None:
             return False
@@ -120,7 +106,7 @@ class WorkerImports:
         return found is not None and _same_origin(found, spec)
 
     def _find_spec(self, name: str, search: list[str] | None) -> ModuleSpec | None:
-        """Ask the import system's finders where ``name`` would be found, with the worker's ``sys.path``."""
+        """Ask the finders where ``name`` would be found, with the worker's ``sys.path``."""
         for finder in sys.meta_path:
             try:
                 if finder is PathFinder or isinstance(finder, PathFinder):
@@ -144,7 +130,7 @@ _cached_imports: list[tuple[tuple[Any, ...], WorkerImports]] = []
 
 
 def worker_imports() -> WorkerImports:
-    """The :class:`WorkerImports` of a worker started now; reused while ``sys.path`` and ``__main__`` stay."""
+    """Return the :class:`WorkerImports` of a worker started now (cached while ``sys.path`` and ``__main__`` stay)."""
     main = sys.modules.get("__main__")
     path = worker_sys_path()
     key = (path, id(main), getattr(main, "__file__", None), getattr(getattr(main, "__spec__", None), "name", None))
@@ -155,11 +141,8 @@ def worker_imports() -> WorkerImports:
     return imports
 
 
-# The __main__ guard in a script's source ------------------------------------------------------------------
-
-
 def _is_guard(node: ast.AST) -> TypeGuard[ast.If]:
-    """An ``if`` whose test involves ``__name__`` and ``"__main__"`` (any spelling)."""
+    """Return whether ``node`` is an ``if`` whose test involves ``__name__`` and ``"__main__"``."""
     if not isinstance(node, ast.If):
         return False
     parts = list(ast.walk(node.test))
@@ -168,8 +151,7 @@ def _is_guard(node: ast.AST) -> TypeGuard[ast.If]:
 
 
 def guard_spans(tree: ast.Module) -> list[tuple[int, int]]:
-    """Line spans of the ``if`` blocks whose test involves ``__name__`` and ``"__main__"`` (any spelling:
-    ``==``, ``in``, combined with ``and``, negated)."""
+    """Return the line spans of the ``__main__`` guards (any spelling: ``==``, ``in``, ``and``, negated)."""
     return [(node.lineno, node.end_lineno or node.lineno) for node in ast.walk(tree) if _is_guard(node)]
 
 
@@ -204,8 +186,7 @@ def _targets(node: ast.stmt) -> list[ast.expr]:
 
 
 class _Source:
-    """What a script's source says about its ``__main__`` guard: the guard's line spans, and the names its
-    module-level code binds outside the guard (what a worker's re-run of the script defines)."""
+    """A script's guard spans, and the names its module-level code binds outside them."""
 
     def __init__(self, tree: ast.Module) -> None:
         self.spans = guard_spans(tree)
@@ -218,7 +199,7 @@ _sources: dict[tuple[str, float], _Source | None] = {}
 
 
 def script_source(path: str) -> _Source | None:
-    """The guard facts of a script, parsed once per version of the file; ``None`` if it cannot be read."""
+    """Parse a script once per mtime; ``None`` if it cannot be read."""
     try:
         key = (path, os.stat(path).st_mtime)
     except OSError:
@@ -240,10 +221,8 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _defined_by_script(obj: Any, qualname: str, path: str) -> bool:
-    """Whether a worker's re-run of the script ``path`` defines the ``__main__`` object ``obj`` itself: its
-    name is bound by the script's module-level code outside the ``__main__`` guard, and its code (for a
-    function) comes from that file, outside the guard. A function defined under the guard, typed at a
-    prompt, ``exec``'d, or defined after the workers started under a name the script does not bind, is not."""
+    """Return whether re-running the script ``path`` defines ``obj``: its name is bound outside the guard, and
+    a function's code comes from that file, outside the guard (not typed, ``exec``'d, or defined late)."""
     source = script_source(path)
     if source is None or qualname.split(".")[0] not in source.outside:
         return False

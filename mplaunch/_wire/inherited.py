@@ -1,5 +1,4 @@
-"""Descriptors that travel to a worker as it starts, and the anonymous memory files results and arguments
-are written to."""
+"""Descriptors that travel to a worker as it starts, and the memory files results and arguments go to."""
 
 from __future__ import annotations
 
@@ -11,12 +10,8 @@ from mplaunch._platform import forks
 
 
 class InheritedFd:
-    """A descriptor that reaches the worker under every start method.
-
-    Under fork the number is inherited as it is. Under spawn and forkserver, pickling it (which happens while
-    the process starts) registers it with multiprocessing's ``reduction.DupFd``, as ``Connection`` objects do,
-    and the worker gets its own copy.
-    """
+    """A descriptor that reaches the worker under every start method: fork inherits the number; spawn and
+    forkserver pickle it through ``reduction.DupFd`` while starting (as ``Connection`` does)."""
 
     __slots__ = ("fd",)
 
@@ -37,27 +32,16 @@ def _rebuild(dup: Any) -> InheritedFd:
     return InheritedFd(fd)
 
 
-#: The start of the name of every memory file mplaunch makes.
 PREFIX = "mplaunch-"
-#: The descriptors of memory files made or received in this process that may still be open: where
-#: :func:`close_memory_files` looks, instead of listing every descriptor of the process.
-_MADE: set[int] = set()
-#: Held while a memory file is made and noted (``memfd_create`` lets other threads run): whoever forks
-#: workers holds it too, so a worker never inherits a memory file that is not noted yet.
+_MADE: set[int] = set()  # memory files made or received here that may be open: close_memory_files looks here
+# Held while a memory file is made and noted (memfd_create releases the GIL); whoever forks workers holds it
+# too, so a worker never inherits a memory file not noted yet.
 MAKING = forks.new_lock()
 
 
 def memory_file(name: str) -> int | None:
-    """A new anonymous memory file (Linux's ``memfd_create``, close-on-exec), or ``None`` where there is none
-    (another system, a kernel before 3.17, a seccomp filter that refuses it).
-
-    Its pages are shared memory that no file system's size limit counts: a container's small ``/dev/shm``
-    (Docker's 64 MiB) does not bound what travels through it. It lives while a descriptor or a mapping of it
-    does, and no name of it is left anywhere when the last goes.
-
-    Args:
-        name: shown in ``/proc/<pid>/fd`` and ``/proc/<pid>/maps`` (as ``/memfd:mplaunch-<name>``).
-    """
+    """Return a new close-on-exec ``memfd_create`` file (``/memfd:mplaunch-<name>``), or ``None`` where there
+    is none; no ``/dev/shm`` size limit counts it, and it is gone with its last descriptor and mapping."""
     create = getattr(os, "memfd_create", None)
     if create is None:
         return None
@@ -71,10 +55,8 @@ def memory_file(name: str) -> int | None:
 
 
 def close_memory_files(keep: set[int]) -> None:
-    """Close every descriptor of a memory file of mplaunch's in this process but those in ``keep``: a forked
-    worker inherits those of every launch its parent runs at the time (``submit()``), and would hold their
-    memory until it exits. A noted number that now names something else (closed elsewhere, then reused) is
-    left open."""
+    """Close this process's mplaunch memory files but those in ``keep`` (a forked worker inherits those of
+    every concurrent launch); a noted number reused for something else is left open."""
     for fd in [fd for fd in _MADE if fd not in keep]:
         _MADE.discard(fd)
         try:

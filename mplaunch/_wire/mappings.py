@@ -1,12 +1,8 @@
-"""Memory mappings of the data that travels between processes: ``mmap`` through libc, so that a mapping
-holds no file descriptor and is unmapped when the last tensor or array using it is freed.
-
-Three kinds: *private* (copy-on-write over a file or memfd: an argument each worker may change on its own),
-*shared* (over a memfd that only this process holds once loaded: a result, which costs no copy), and
-*copied* (anonymous memory filled from a file: a result read from a file in the launch directory, so that
-the file's space on the tmpfs is free the moment it is unlinked). Shared mappings are tracked in
-:data:`_shared`: a process forked from this one would share them, and :func:`make_private` turns one into a
-private copy in place.
+"""Mappings of the data that travels between processes: libc ``mmap``, so a mapping holds no descriptor and
+goes when the last tensor or array using it is freed. *Private* (copy-on-write: an argument), *shared* (a
+result over a memfd only this process holds: no copy), or *copied* (read from a launch-directory file, so
+its tmpfs space is freed on unlink). Shared ones are tracked in :data:`_shared`: a forked process would
+share them, so :func:`make_private` can turn one private in place.
 """
 
 from __future__ import annotations
@@ -31,14 +27,12 @@ if _mremap is not None:
     _mremap.restype = ctypes.c_void_p
     _mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 
-#: This process's live shared mappings (results), address -> bytes: a process forked from it shares them.
 _shared: dict[int, int] = {}
 
 
 def holds_shared_mappings() -> bool:
-    """Whether this process holds a shared mapping made by :func:`map_file` (a result, or part of one, that
-    the caller keeps): a process forked from this one would share it. mplaunch's own bookkeeping mappings
-    (the heartbeat board, the preemption flag) are not counted: no argument lives there."""
+    """Return whether this process holds a shared mapping made by :func:`map_file` (the board and flag do
+    not count: no argument lives there)."""
     return bool(_shared)
 
 
@@ -51,19 +45,14 @@ def _mmap(address: int | None, nbytes: int, flags: int, fd: int, offset: int) ->
 
 
 def _array(address: int, nbytes: int) -> Any:
-    """A writable ctypes array over a mapping, which is unmapped when the array (and so every tensor or
-    memoryview made from it) is freed."""
+    """Wrap a mapping in a ctypes array that unmaps it when freed (with every tensor or view made from it)."""
     array = (ctypes.c_char * nbytes).from_address(address)
     weakref.finalize(array, _unmap, address, nbytes)
     return array
 
 
 def map_file(fd: int, offset: int, nbytes: int, *, private: bool) -> Any:
-    """Map ``nbytes`` of ``fd`` at ``offset`` (page-aligned), copy-on-write (``private``) or shared.
-
-    Raises:
-        OSError: the mapping failed (no memory, a descriptor that cannot be mapped).
-    """
+    """Map ``nbytes`` of ``fd`` at page-aligned ``offset``, copy-on-write (``private``) or shared."""
     address = _mmap(None, nbytes, mmap.MAP_PRIVATE if private else mmap.MAP_SHARED, fd, offset)
     if not private:
         _shared[address] = nbytes
@@ -71,11 +60,7 @@ def map_file(fd: int, offset: int, nbytes: int, *, private: bool) -> Any:
 
 
 def read_file(fd: int, offset: int, nbytes: int) -> Any:
-    """Read ``nbytes`` of ``fd`` from ``offset`` into new anonymous memory of this process (one copy).
-
-    Raises:
-        OSError: no memory, or the read failed or came up short.
-    """
+    """Read ``nbytes`` of ``fd`` from ``offset`` into new anonymous memory (raises OSError if short)."""
     array = _array(_mmap(None, nbytes, _ANONYMOUS, -1, 0), nbytes)
     view = memoryview(array).cast("B")
     done = 0
@@ -100,20 +85,13 @@ def _shared_mapping(address: int) -> tuple[int, int] | None:
 
 
 def in_shared_mapping(address: int) -> bool:
-    """Whether ``address`` lies in a shared mapping that :func:`map_file` made (a result): unlike a private
-    mapping, a process forked from this one would share its changes."""
+    """Return whether ``address`` lies in a shared mapping made by :func:`map_file`."""
     return _shared_mapping(address) is not None
 
 
 def make_private(address: int) -> bool:
-    """Turn the shared mapping that holds ``address`` (see :func:`in_shared_mapping`) into a private copy
-    at the same address, so that every tensor and array in it, and every view of them, becomes this
-    process's own at once; for a forked process, before its other threads touch that memory. Costs one copy
-    of the mapping (two where ``mremap`` is missing). Returns False when ``address`` is in no such mapping.
-
-    Raises:
-        OSError: no memory for the copy.
-    """
+    """Turn the shared mapping holding ``address`` into a private copy in place (False if none), so every
+    tensor and view in it is this process's own; a forked process does it before other threads touch it."""
     found = _shared_mapping(address)
     if found is None:
         return False

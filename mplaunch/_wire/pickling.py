@@ -1,10 +1,7 @@
-"""Pickling objects that hold tensors, with their storages and large buffers recorded apart from the pickle,
-and unpickling them with those pieces mapped or read from where :mod:`mplaunch._wire.transport` put them.
-
-A pickle is made once (protocol 5), by reference where the reader can import what it names
-(:mod:`mplaunch._wire.importable`), else by value with cloudpickle. Storages of :data:`INLINE_BYTES` or more
-and out-of-band buffers of that size are recorded by the pickler, not copied into the pickle; objects that
-``multiprocessing`` sends only to a starting process become placeholders (:mod:`mplaunch._wire.start_objects`).
+"""Pickling objects that hold tensors, with storages and buffers of :data:`INLINE_BYTES` or more recorded
+apart from the pickle (for :mod:`mplaunch._wire.transport`), and unpickling them. A pickle is made once
+(protocol 5): by reference where the reader can import what it names, else by value with cloudpickle;
+start objects become placeholders (:mod:`mplaunch._wire.start_objects`).
 """
 
 from __future__ import annotations
@@ -24,14 +21,13 @@ from mplaunch._wire import start_objects as at_start
 from mplaunch._wire.importable import WorkerImports
 from mplaunch._wire.mappings import map_file, read_file
 
-#: Storages and buffers smaller than this many bytes travel inside the pickle instead of in the data file.
 INLINE_BYTES = 64 * 1024
 
 _PICKLE_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
-    """A zero-copy byte view of a CPU storage."""
+    """Return a zero-copy byte view of a CPU storage."""
     if storage.nbytes() == 0:
         return memoryview(b"")
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
@@ -40,17 +36,12 @@ def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
 
 
 class StorageWriter:
-    """The storage half of a pickler: records every storage once, in the order first seen, and pickles a
-    reference to it. It hooks ``reducer_override``, which pickle consults only for objects that are not
-    builtin containers or atoms, so a list of a million ints costs nothing extra (``persistent_id`` would
-    be a Python call per object). Large out-of-band buffers are recorded by ``buffer_callback``.
+    """The storage half of a pickler: records each storage once, in order, and pickles a reference to it.
 
-    Given ``start_objects``, it also puts a placeholder in place of each object that ``multiprocessing``
-    sends only to a starting process (see :mod:`mplaunch._wire.start_objects`), and collects the objects
-    there; its type is judged once per pickle (one dict look-up per object), and, with ``probe``, by the
-    object's own reduction where the type is unknown. With ``keep_shared`` too, a storage in torch's shared
-    memory (the user's ``share_memory_()``) is such an object: it travels with the start by torch's own
-    reduction, so the reader shares it with the writer instead of getting a copy."""
+    ``reducer_override`` is skipped for builtin containers and atoms (``persistent_id`` costs a call per object).
+    Start objects become placeholders (with ``probe``, judged by their own reduction), and with ``keep_shared``
+    so do storages in torch's shared memory, which the reader then shares.
+    """
 
     inline_bytes = INLINE_BYTES
 
@@ -62,13 +53,6 @@ class StorageWriter:
         probe: bool = False,
         keep_shared: bool = False,
     ) -> None:
-        self._init_storages(start_objects, probe, keep_shared)
-        self._imports = imports
-        super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)  # type: ignore[call-arg] # the pickler's
-
-    def _init_storages(
-        self, start_objects: at_start.StartObjects | None = None, probe: bool = False, keep_shared: bool = False
-    ) -> None:
         self.keep_shared = keep_shared and start_objects is not None
         self._shared_seen: dict[int, int] = {}  # a shared storage -> its index among the start objects
         self.storages: list[torch.UntypedStorage] = []
@@ -77,11 +61,12 @@ class StorageWriter:
         self.start_objects = start_objects
         self._probe = probe
         self._kinds: dict[type, int] = {}
+        self._imports = imports
+        super().__init__(file, protocol=5, buffer_callback=self._keep_buffer)  # type: ignore[call-arg] # the pickler's
 
     def _keep_buffer(self, buffer: pickle.PickleBuffer) -> bool:
-        """``buffer_callback``: large contiguous buffers go out of band (return False), others in band."""
-        view = buffer.raw()
-        if view.nbytes < self.inline_bytes:
+        """Keep large buffers out of band (``buffer_callback``: False), others in band."""
+        if buffer.raw().nbytes < self.inline_bytes:
             return True
         self.buffers.append(buffer)
         return False
@@ -115,8 +100,7 @@ class StorageWriter:
         return (_rebuild_storage, ("file", index, dtype, nbytes))
 
     def _reduce_start_object(self, obj: object) -> Any:
-        """An object that only a starting process may receive (collecting ``start_objects``), by index; else
-        ``NotImplemented``. Its type is judged on first sight."""
+        """Reduce a start object to its index among ``start_objects``; else ``NotImplemented``."""
         kind = self._kinds.get(type(obj))
         if kind is None:
             kind = self._kinds[type(obj)] = at_start.kind_of(type(obj))
@@ -128,12 +112,11 @@ class StorageWriter:
 
 
 class _NeedsValue(pickle.PicklingError):
-    """A function or class that the reader cannot import by name: the object must be pickled by value."""
+    """A function or class the reader cannot import by name: pickle by value."""
 
 
 class _Pickler(StorageWriter, pickle.Pickler):
-    """Pickles by reference, like ``pickle``; storages are recorded, not copied. Given ``imports`` (what the
-    reader can import), a function or class the reader cannot import raises :class:`_NeedsValue`."""
+    """Pickle by reference; raise :class:`_NeedsValue` for what ``imports`` says the reader cannot import."""
 
     def reducer_override(self, obj: Any) -> Any:
         if self._imports is not None and isinstance(obj, (types.FunctionType, type)):
@@ -143,13 +126,9 @@ class _Pickler(StorageWriter, pickle.Pickler):
 
 
 class _CloudPickler(StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
-    """Pickles what cannot be imported by the reader (``__main__`` without a file, closures) by value.
+    """Pickle by value what the reader cannot import, judged by ``imports`` (else cloudpickle's own rule).
 
-    Given ``imports`` (what the reader can import), each function and class is judged by it: by reference
-    when the reader imports it by name from the same file, else by value, whatever its module is called.
-    Without, cloudpickle's own rule applies (by value for ``__main__`` and unimportable objects).
-    Open files are refused: cloudpickle would send a copy of their contents, which is never what a
-    worker writing to a file wants.
+    Open files are refused: cloudpickle would send a copy of their contents.
     """
 
     def reducer_override(self, obj: Any) -> Any:
@@ -178,11 +157,10 @@ def pickle_object(
     start_objects: bool = False,
     keep_shared: bool = False,
 ) -> tuple[memoryview, StorageWriter]:
-    """Pickle ``obj``: by reference first (unless ``by_value``), by value with cloudpickle if that fails or if
-    it holds a function or class that ``imports`` says the reader cannot import. Returns the pickle and the
-    pickler, which holds the storages and out-of-band buffers it recorded, and with ``start_objects`` the
-    objects that travel only with a starting process (found by type; if one of unknown type refuses, again
-    by trying each object's reduction)."""
+    """Pickle ``obj`` by reference, else (or with ``by_value``) by value; return the pickle and the pickler.
+
+    With ``start_objects``, a refusal by a start object of unknown type retries with each object probed.
+    """
     try:
         found = at_start.StartObjects() if start_objects else None
         return _pickle_once(obj, by_value, imports, found, False, keep_shared)
@@ -220,8 +198,7 @@ class _InlineCloudPickler(_CloudPickler):
 
 
 def to_bytes(obj: object) -> bytes:
-    """Pickle ``obj`` into one self-contained ``bytes`` object (every storage and buffer inline), to send it
-    to another machine; by value where needed (cloudpickle)."""
+    """Pickle ``obj`` into self-contained ``bytes`` (everything inline) for another machine."""
     buffer = io.BytesIO()
     _InlineCloudPickler(buffer).dump(obj)
     return buffer.getvalue()
@@ -235,8 +212,7 @@ def from_bytes(data: bytes) -> Any:
 def pickle_error(
     obj: object, *, by_value: bool = False, imports: WorkerImports | None = None, start_objects: bool = False
 ) -> Exception | None:
-    """Return why ``obj`` cannot be sent (the pickling exception), or ``None`` if it can; with
-    ``start_objects``, objects that travel with a starting process are not counted (see :func:`dump`)."""
+    """Return why ``obj`` cannot be sent (the pickling exception), or ``None`` if it can."""
     try:
         pickle_object(obj, by_value, imports, start_objects)
     except Exception as error:  # noqa: BLE001 - the error is the answer
@@ -245,7 +221,7 @@ def pickle_error(
 
 
 class Reader:
-    """Maps the storages of one object being unpickled; :func:`_rebuild_storage` finds it in ``_reading``."""
+    """Map the storages of one object being unpickled (found by :func:`_rebuild_storage` in ``_reading``)."""
 
     def __init__(
         self, fd: int, how: str, offsets: dict[int, int] | None = None, start_objects: Sequence[Any] = ()
@@ -269,8 +245,7 @@ class Reader:
             return torch.storage.TypedStorage(
                 wrap_storage=self.start_objects[index], dtype=dtype or torch.uint8, _internal=True
             )
-        # An untyped storage comes back wrapped as bytes, as torch.load returns it (tensors of the newer
-        # dtypes, e.g. float8 or uint16, pickle their untyped storage and expect this on rebuild).
+        # wrapped as bytes, as torch.load returns it: tensors of newer dtypes (float8) expect this on rebuild
         return torch.storage.TypedStorage(
             wrap_storage=self._storages[index], dtype=dtype or torch.uint8, _internal=True
         )
@@ -296,7 +271,7 @@ _reading = threading.local()
 
 
 def _rebuild_storage(kind: str, index: int, dtype: torch.dtype | None, data: Any) -> Any:
-    """Unpickling side of :class:`StorageWriter`: the storage, from the reader now unpickling."""
+    """Rebuild a storage recorded by :class:`StorageWriter`, with the reader now unpickling."""
     reader: Reader | None = getattr(_reading, "reader", None)
     if reader is None:
         raise pickle.UnpicklingError("mplaunch storages can only be read with mplaunch._wire.transport.load")
@@ -304,7 +279,7 @@ def _rebuild_storage(kind: str, index: int, dtype: torch.dtype | None, data: Any
 
 
 def _start_object(index: int) -> Any:
-    """Unpickling side of a start object's placeholder: the object the reader received with its start."""
+    """Resolve a start object's placeholder from what the reader received with its start."""
     reader: Reader | None = getattr(_reading, "reader", None)
     if reader is None or index >= len(reader.start_objects):
         raise pickle.UnpicklingError(

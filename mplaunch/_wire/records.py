@@ -1,11 +1,8 @@
-"""The records that cross the boundary between the parent and its workers, and the names they travel under.
+"""The records that cross between the parent and its workers, and the names they travel under.
 
-The parent writes one :class:`Payload` (the call) for workers that cannot inherit it, or a :class:`Call` per
-call of warm workers, and starts each worker with its spec (:mod:`mplaunch._wire.spec`); every worker writes
-one outcome record for its rank (for each warm call) before it exits: :class:`Returned`, :class:`Raised`, or
-:class:`Signalled` (a stop signal ended it). How the parent judges them is its own
-(:mod:`mplaunch._parent.outcomes`). Worker and parent code depend on this module, not on each other. The
-design follows CPython's ``concurrent.futures.process`` (``_CallItem``, ``_ResultItem``).
+The parent writes a :class:`Payload` (or a :class:`Call` per warm call); each worker writes one outcome,
+:class:`Returned`, :class:`Raised` or :class:`Signalled`, judged by :mod:`mplaunch._parent.outcomes`. The design
+follows CPython's ``concurrent.futures.process`` (``_CallItem``, ``_ResultItem``).
 """
 
 from __future__ import annotations
@@ -23,26 +20,24 @@ from mplaunch._frames import without_our_frames
 
 
 class State(Protocol):
-    """The parent's global state as captured for the workers (see :mod:`mplaunch._state.snapshot`)."""
+    """The parent's global state as captured for the workers (:mod:`mplaunch._state.snapshot`)."""
 
     def restore(self) -> None:
-        """Put it in place in this (worker) process."""
+        """Restore it in this worker."""
 
 
-#: Name of the call in the launch directory.
 PAYLOAD = "payload"
-#: Rank 0's outcome, fetched by a node of a multi-node launch that does not run rank 0.
 REMOTE_RANK0 = "remote-rank0"
 _RANK_PREFIX = "rank"
 
 
 def outcome_name(rank: int) -> str:
-    """The name under which rank ``rank`` writes its outcome in the launch directory."""
+    """Name the outcome of rank ``rank`` in the launch directory."""
     return f"{_RANK_PREFIX}{rank}"
 
 
 def outcome_rank(filename: str) -> int | None:
-    """The rank whose complete outcome ``filename`` (an entry of the launch directory) is, else ``None``."""
+    """Return the rank whose complete outcome ``filename`` is, else ``None``."""
     stem, dot, extension = filename.partition(".")
     number = stem[len(_RANK_PREFIX) :]
     if stem.startswith(_RANK_PREFIX) and number.isascii() and number.isdigit() and dot and extension == "pkl":
@@ -52,8 +47,7 @@ def outcome_rank(filename: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Payload:
-    """The function, its arguments and the parent's state (what a forked worker does not inherit as it is,
-    when the launch forks at once); under fork it is inherited, else read from a file."""
+    """The function, its arguments and the parent's state; inherited under fork, else read from a file."""
 
     function: Callable[..., Any]
     args: tuple[Any, ...]
@@ -63,39 +57,33 @@ class Payload:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Call:
-    """One call to warm workers (:class:`mplaunch.Workers`), written once to the launch directory as
-    :func:`call_name` and read by every rank: the plain function, its arguments, and the file it was defined
-    in (tracebacks and debuggers show it, where a function sent by value would say ``<dynamic-code>``)."""
+    """One call to warm workers, written once as :func:`call_name` and read by every rank."""
 
     function: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    filename: str | None = None  # the function's source file: cloudpickle sends code without it
+    filename: str | None = None  # for tracebacks: cloudpickle's code says <dynamic-code>
 
 
 def call_name(number: int) -> str:
-    """The name of warm call ``number`` in the launch directory."""
+    """Name warm call ``number`` in the launch directory."""
     return f"call{number}"
 
 
 def result_name(number: int, rank: int) -> str:
-    """The name of rank ``rank``'s outcome of warm call ``number`` (read by the parent, then removed)."""
+    """Name rank ``rank``'s outcome of warm call ``number``."""
     return f"result{number}-{rank}"
 
 
 def item_name(number: int, rank: int, index: int) -> str:
-    """The name of the ``index``-th value that rank ``rank`` yielded in warm call ``number``."""
+    """Name the ``index``-th value rank ``rank`` yielded in warm call ``number``."""
     return f"item{number}-{rank}-{index}"
 
 
-#: Control messages on a warm rank's pipe (small tuples; the objects travel as files, see above).
-#: Parent to rank: ``(CALL, number, takes_ctrl_c, report_all)`` run call ``number`` (a SIGINT to the caller's
-#: group interrupts it only if ``takes_ctrl_c``: it was made from the caller's main thread; every rank sends its
-#: value with ``report_all``); ``(CANCEL, number)``
-#: it is no longer wanted (sent before the SIGINT that interrupts it); ``(EXIT,)`` leave (a call that runs is
-#: interrupted). Rank to parent:
-#: ``(READY,)`` the rank is set up (once, before its first call); ``(ITEM, number, index)`` a value was
-#: yielded; ``(DONE, number)`` the outcome is written.
+# Control messages on a warm rank's pipe (objects travel as files). Parent to rank: (CALL, number,
+# takes_ctrl_c, report_all): run it (a SIGINT to the caller's group interrupts it only if takes_ctrl_c, made
+# from the caller's main thread); (CANCEL, number): unwanted, sent before the SIGINT; (EXIT,): leave.
+# Rank to parent: (READY,) once set up; (ITEM, number, index): a value was yielded; (DONE, number).
 CALL, CANCEL, EXIT, ITEM, DONE, READY = "call", "cancel", "exit", "item", "done", "ready"
 
 
@@ -113,27 +101,19 @@ class Returned:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Raised:
-    """The function raised. ``exception`` is the pickled exception, or ``None`` when it cannot be pickled.
-
-    Attributes:
-        exit_code: for ``SystemExit`` (and ``KeyboardInterrupt``), the process exit code CPython would use,
-            else ``None``.
-        when: ``time.monotonic()`` when it was raised, so that the first failure of a launch is known whatever
-            order the processes end in (a rank's error often makes its peers fail in a collective).
-    """
+    """The function raised; ``exception`` is it pickled, or ``None`` when it cannot be."""
 
     pid: int
     exception: bytes | None
     type_name: str
     message: str
     text: str  # the formatted traceback
-    exit_code: int | None = None
-    when: float = 0.0  # time.monotonic() when it was raised (one clock for the processes of a machine)
+    exit_code: int | None = None  # CPython's for SystemExit and KeyboardInterrupt, else None
+    when: float = 0.0  # time.monotonic(): the launch's first failure is known whatever order ranks end in
 
     @classmethod
     def of(cls, error: BaseException, when: float | None = None) -> Raised:
-        """The record of ``error``, raised in this process at ``when`` (``time.monotonic()``; default now);
-        never raises itself."""
+        """Record ``error``, raised here at ``when`` (``time.monotonic()``; default now); never raises."""
         tb = without_our_frames(error.__traceback__)
         try:
             text = "".join(traceback.format_exception(type(error), error, tb))
@@ -159,8 +139,7 @@ class Raised:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Signalled:
-    """The worker was ended by signal ``signum`` that it caught (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1,
-    SIGUSR2), before it had returned."""
+    """A stop signal ``signum`` the worker caught ended it before it returned."""
 
     pid: int
     signum: int
@@ -170,8 +149,7 @@ Outcome = Returned | Raised | Signalled
 
 
 def exit_status(code: object) -> int:
-    """The exit status CPython gives ``sys.exit(code)``: ``None`` -> 0, an int (or bool) -> itself, anything
-    else -> 1 (the object is printed)."""
+    """Return the exit status CPython gives ``sys.exit(code)``."""
     if code is None:
         return 0
     if isinstance(code, int):

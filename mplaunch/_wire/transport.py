@@ -1,30 +1,11 @@
-"""Moving Python objects with tensors between the parent and its workers through shared memory.
+"""Moving objects with tensors between the parent and its workers through shared memory.
 
-An object is pickled once (protocol 5). The bytes of every tensor storage of 64 KiB or more, and every
-out-of-band buffer of that size (NumPy arrays, :class:`pickle.PickleBuffer`), are written at page-aligned
-offsets apart from the pickle, which refers to them by offset. They go to one of two places:
-
-* an anonymous memory file (``memfd_create``, see :func:`mplaunch._wire.inherited.memory_file`) that the parent
-  made for the purpose and the worker inherited (:func:`dump_fd`, :func:`load_fd`): the data first, then the
-  pickle, then a trailer saying where the pickle starts. No file system's size limit counts it, so a
-  container's small ``/dev/shm`` does not bound its size;
-* where there is no such file, two files in the launch directory (:func:`dump`, :func:`load`): ``name.bin``
-  (the data) and ``name.pkl`` (the pickle), on a RAM-backed file system (``/dev/shm`` where there is one).
-
-The reader maps or reads each piece (:mod:`mplaunch._wire.mappings`):
-
-* a *result* (worker to parent) from a memory file is mapped shared and the pickle's pages are cut off the
-  file, so it costs one copy (the writer's), stays valid after the writer exits, and is held only by the
-  caller's mapping; from a file it is read into the caller's own memory (one more copy) and the files are
-  unlinked, so nothing stays charged to the file system once the call returns;
-* a *payload* (parent to workers) is written once and mapped private (copy-on-write) by every worker, so
-  workers never see each other's in-place updates and start-up does not grow with the argument size.
-
-A mapped storage holds no file descriptor, and it is wrapped as an *ordinary* CPU storage
-(``torch.frombuffer``): ``is_shared()`` is false, so ``torch.multiprocessing`` (DataLoader workers, queues)
-moves it into shared memory of its own the usual way, and ``share_memory_()`` and ``torch.save`` work. The
-mapping is unmapped when the last tensor or array using it is freed. Nothing here flows through a pipe, so
-no size can fill a pipe buffer and deadlock a join.
+Storages and out-of-band buffers of 64 KiB or more go at page-aligned offsets apart from the pickle: into a
+memory file the worker inherited (:func:`dump_fd`: data, pickle, then a trailer; no ``/dev/shm`` limit), else
+into ``name.bin`` and ``name.pkl`` in the launch directory (:func:`dump`). A payload is mapped copy-on-write by
+every worker; a result is mapped shared (the pickle's pages cut off) or read and unlinked. A mapped storage is
+an ordinary CPU storage (``torch.frombuffer``: not ``is_shared()``, so DataLoader queues, ``share_memory_()``
+and ``torch.save`` work). Nothing flows through a pipe, so no size can deadlock a join.
 """
 
 from __future__ import annotations
@@ -63,9 +44,8 @@ def _aligned(offset: int) -> int:
 def _layout(
     obj: object, by_value: bool, imports: WorkerImports | None, start_objects: bool, keep_shared: bool = False
 ) -> tuple[list[tuple[int, memoryview]], int, bytes, memoryview, list[Any]]:
-    """Pickle ``obj``; return the data pieces (offset, bytes) at page-aligned offsets, where the data ends
-    (page-aligned), the header (the buffers' extents and the storages' offsets), the pickle, and with
-    ``start_objects`` the objects written as placeholders (see :func:`dump`)."""
+    """Pickle ``obj``; return the data pieces (offset, bytes), the data's end, the header, the pickle and the
+    start objects."""
     data, pickler = pickle_object(obj, by_value, imports, start_objects, keep_shared)
     pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
     offsets: dict[int, int] = {}  # storage index -> offset
@@ -98,33 +78,10 @@ def dump(
     start_objects: bool = False,
     keep_shared: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` as ``directory/name.pkl``, plus ``name.bin`` holding its storages and buffers of
-    64 KiB or more.
+    """Write ``obj`` as ``directory/name.bin`` and ``name.pkl`` (renamed into place last: complete once seen).
 
-    The ``.pkl`` file appears last and atomically (written aside, then renamed), so a reader that sees it
-    sees a complete object. Tensors on other devices are copied to the CPU first. With ``imports`` (what
-    the reading workers can import by name), functions and classes they cannot import travel by value.
-
-    Args:
-        obj: what to write.
-        directory: where to write it.
-        name: its name there.
-        by_value: pickle with cloudpickle from the start.
-        imports: what the readers can import by name (``None``: pickle's and cloudpickle's own rules).
-        start_objects: write a placeholder for each object that ``multiprocessing`` sends only to a starting
-            process (queues, locks, ``Pipe`` ends...: :mod:`mplaunch._wire.start_objects`) and return the
-            objects; the reader passes the same objects, received with its start, to :func:`load`.
-        keep_shared: with ``start_objects``, storages in torch's shared memory (``share_memory_()``) are start
-            objects too, so the readers share them with the writer.
-
-    Returns:
-        The objects written as placeholders, in placeholder order (empty without ``start_objects``).
-
-    Raises:
-        pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
-        RuntimeError: ``obj`` holds an object that travels only with a starting process, and not
-            ``start_objects``.
-        OSError: the directory is missing or full.
+    Returns the start objects written as placeholders (``keep_shared``: torch shared storages too), which the
+    reader passes to :func:`load`; without ``start_objects``, a start object raises RuntimeError.
     """
     pieces, _, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
     if pieces:
@@ -155,16 +112,9 @@ def dump_fd(
     keep_shared: bool = False,
     plain: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` into the memory file ``fd`` (see :func:`mplaunch._wire.inherited.memory_file`), replacing what
-    it held: the storages and buffers of 64 KiB or more, then the header and the pickle, then the trailer,
-    last, so a reader that finds the trailer finds a complete object. Arguments and the return value as for
-    :func:`dump`; ``plain``: the caller knows that ``obj`` holds no storage, buffer, function or class of its
-    own, only importable records of built-in scalars (a rank's ``None``), so the standard pickler writes it.
+    """Write ``obj`` into the memory file ``fd``, replacing what it held, trailer last; otherwise as :func:`dump`.
 
-    Raises:
-        pickle.PicklingError, TypeError, AttributeError: ``obj`` cannot be pickled even by value.
-        RuntimeError: as for :func:`dump`.
-        OSError: no memory for it.
+    ``plain``: ``obj`` holds only importable records of built-in scalars, so the standard pickler writes it.
     """
     pieces: list[tuple[int, memoryview]] = []
     objects: list[Any] = []
@@ -202,8 +152,7 @@ def _read(view: mmap.mmap | bytes, start: int, fd: int, how: str, start_objects:
     offsets = pickle.loads(view[start : start + table_size])
     reader = Reader(fd, how, offsets, start_objects)
     with memoryview(view) as pickled, pickled[start + table_size :] as data:
-        # released here, not by the traceback: an error while unpickling must not become
-        # "BufferError: cannot close exported pointers exist" when the file's mapping closes
+        # released here, not by a traceback: else an error becomes "BufferError: cannot close exported pointers"
         return reader.load(data, reader.buffers(extents))
 
 
@@ -216,22 +165,9 @@ def load(
     missing_ok: bool = False,
     start_objects: Sequence[Any] = (),
 ) -> Any:
-    """Read the object ``name`` written by :func:`dump`.
+    """Read the object ``name`` written by :func:`dump`, its data mapped copy-on-write (``private``) or read.
 
-    Args:
-        directory: where it was written.
-        name: its name.
-        private: map storages and buffers copy-on-write (each reader gets its own copy of what it changes,
-            the rest stays backed by the file) instead of reading them into this process's own memory.
-        remove: unlink its files once read (mapped data lives on in the mappings until they are freed).
-        missing_ok: return ``None`` when no complete object ``name`` was written, instead of raising.
-        start_objects: what :func:`dump` returned, received with this process's start: the objects its
-            placeholders stand for.
-
-    Raises:
-        FileNotFoundError: nothing complete was written as ``name`` (and not ``missing_ok``).
-        OSError: no memory for the data.
-        Exception: whatever unpickling raises (a class missing in this process, a corrupt file).
+    ``remove`` unlinks its files; without ``missing_ok``, FileNotFoundError when nothing complete is there.
     """
     path, data_path = os.path.join(directory, f"{name}.pkl"), os.path.join(directory, f"{name}.bin")
     try:
@@ -259,22 +195,8 @@ def load(
 
 
 def load_fd(fd: int, *, private: bool, missing_ok: bool = False, start_objects: Sequence[Any] = ()) -> Any:
-    """Read the object that :func:`dump_fd` wrote into the memory file ``fd`` (which stays open).
-
-    Args:
-        fd: the memory file.
-        private: map storages and buffers copy-on-write (a payload, which every worker maps) instead of
-            shared; a shared read is a result: the pickle's pages are cut off the file once read, and the
-            data lives in this process's mappings, whose changes a process forked from this one would share
-            (see :func:`mplaunch._wire.mappings.make_private`).
-        missing_ok: return ``None`` when the file holds no complete object, instead of raising.
-        start_objects: as for :func:`load`.
-
-    Raises:
-        FileNotFoundError: the file holds no complete object (and not ``missing_ok``).
-        OSError: no memory for the mappings.
-        Exception: whatever unpickling raises (a class missing in this process).
-    """
+    """Read what :func:`dump_fd` wrote into ``fd``: mapped copy-on-write (a payload) or shared (a result,
+    whose pickle's pages are then cut off the file); otherwise as :func:`load`."""
     size = os.fstat(fd).st_size
     trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size) if size >= _TRAILER.size else b""
     start, magic = _TRAILER.unpack(trailer) if len(trailer) == _TRAILER.size else (0, 0)
