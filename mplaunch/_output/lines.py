@@ -1,8 +1,7 @@
-r"""Writing the text of several ranks to one stream in whole lines, each started by its rank's prefix.
+r"""Writing several ranks' text to one stream in whole lines, each started by its rank's prefix.
 
-A stream (or two streams on one terminal, which share a :class:`Line`) has at most one open (unfinished) line,
-of one writer. Another writer's text first ends that line with a newline; the first writer's continuation then
-starts a new line, prefixed again. A ``\\r`` starts a line too, so a redrawn progress bar keeps its prefix.
+A stream (two on one terminal share a :class:`Line`) has at most one open line, of one writer: another writer's
+text ends it first. A ``\\r`` starts a line too, so a redrawn progress bar keeps its prefix.
 """
 
 from __future__ import annotations
@@ -37,10 +36,6 @@ class Sink:
         self.stream = stream
         self.line = line or Line()
 
-    @property
-    def open_key(self) -> Any:
-        return self.line.open_key
-
     def write(self, key: Any, prefix: str, text: str) -> None:
         """Write ``key``'s ``text`` with ``prefix`` at its line starts, ending another writer's open line first."""
         if not text or self.stream is None:
@@ -74,8 +69,7 @@ def consoles() -> tuple[Sink, Sink]:
 
 
 def prefixed(text: str, prefix: str, at_start: bool) -> tuple[str, bool]:
-    r"""Return ``text`` with ``prefix`` at the start of each line (a ``\r`` starts one too), and whether
-    the text that follows starts a line."""
+    r"""Return ``text`` with ``prefix`` at each line start (``\r`` starts one), and whether the next text does."""
     if not prefix or not text:
         return text, at_start
     if "\r" not in text:  # the common case, fast
@@ -96,17 +90,13 @@ def prefixed(text: str, prefix: str, at_start: bool) -> tuple[str, bool]:
 
 def _write(stream: TextIO, text: str) -> None:
     with _WRITING:
-        _write_unlocked(stream, text)
-
-
-def _write_unlocked(stream: TextIO, text: str) -> None:
-    try:
-        stream.write(text)
-    except UnicodeEncodeError:
-        encoding = getattr(stream, "encoding", None) or "ascii"
-        stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
-    except (OSError, ValueError):  # a closed console: the log files still get everything
-        pass
+        try:
+            stream.write(text)
+        except UnicodeEncodeError:
+            encoding = getattr(stream, "encoding", None) or "ascii"
+            stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        except (OSError, ValueError):  # a closed console: the log files still get everything
+            pass
 
 
 def flush(stream: TextIO | None) -> None:

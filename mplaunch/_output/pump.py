@@ -1,13 +1,7 @@
 r"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread.
 
-Each worker's fd 1 and fd 2 are the write ends of two pipes (see :mod:`mplaunch._output.rank_streams`). A thread of the
-parent reads them all and writes whole lines, with the ``[rank N] `` prefix, to the parent's ``sys.stdout``
-and ``sys.stderr`` (the objects current when the launch began, so a Jupyter cell shows them) for the ranks of
-``console_ranks``, and every rank's two streams to ``log_dir/rank{N}.log``.
-
-Lines are never mixed (see :mod:`mplaunch._output.lines`): another rank's text waits until an open line ends, at
-most :data:`HOLD` seconds, before that line is cut. A partial line (a ``\\r`` progress bar) is written as soon
-as it arrives when no other rank's line is open.
+It writes whole, prefixed lines to the ``sys.stdout``/``stderr`` current at launch (a Jupyter cell shows them)
+and to ``log_dir/rank{N}.log``. Another rank's text waits at most :data:`HOLD` seconds for an open line to end.
 """
 
 from __future__ import annotations
@@ -34,20 +28,16 @@ from mplaunch._wire.spec import RankFds
 if TYPE_CHECKING:
     from mplaunch._wire.spec import LaunchSpec
 
-#: Seconds a rank's text waits for another rank's open line to end before that line is cut.
-HOLD = 0.1
-#: Seconds to wait, after the workers are reaped, for processes they left to close the pipes.
-DRAIN = 0.5
+HOLD = 0.1  # seconds a rank's text waits for another rank's open line to end before that line is cut
+DRAIN = 0.5  # seconds to wait, after the workers are reaped, for processes they left to close the pipes
 _PIPE_SIZE = 1 << 20  # bytes of pipe buffer asked for, so a rank rarely waits on the reader
 _READ = 1 << 16
 _BATCH = 0.002  # seconds the reader lets text gather in the pipes before reading
-#: The prefix of ``prefix_output=True``.
 DEFAULT_PREFIX = "[rank {rank}] "
 
 
 def should_route(prefix: bool | str, console_ranks: frozenset[int] | None, log_dir: str | None) -> bool:
-    """Whether the launch routes output through the parent: an option asks for it, or the parent's
-    ``sys.stdout``/``sys.stderr`` is not its fd 1/2 (e.g. a Jupyter kernel, ``redirect_stdout``, pytest)."""
+    """Return whether output goes through the parent: an option asks, or ``sys.stdout``/``stderr`` is not fd 1/2."""
     if prefix or console_ranks is not None or log_dir is not None:
         return True
     return not (_is_fd(sys.stdout, 1) and _is_fd(sys.stderr, 2))
@@ -74,17 +64,9 @@ class _Source:
 
 
 class Pump:
-    """Pipes for the ranks of one node and the thread that drains them (see the module docstring).
+    """Pipes for one node's ranks and the thread that drains them; a rank of ``None`` is announced (multi-node).
 
-    Args:
-        ranks: the global rank of each local rank, or ``None`` where it is not known before the worker
-            announces it (multi-node launches).
-        prefix: put ``[rank N] `` before each line (``True``), or this template of ``rank``, ``local_rank``,
-            ``node_rank`` and ``pid`` (a non-empty ``str``).
-        console_ranks: the ranks whose output reaches the console; ``None``: all.
-        log_dir: directory for ``rank{N}.log`` files, or ``None``.
-        restart: the attempt's restart count: a restart appends to the log files, after a marker line.
-    """
+    ``prefix``: ``True`` or a template of ``rank``, ``local_rank``, ``node_rank``, ``pid``; a ``restart`` appends."""
 
     def __init__(
         self,
@@ -143,8 +125,7 @@ class Pump:
             ) from error
 
     def start(self, keep_writers: bool = False) -> None:
-        """Start draining, once the workers have started; close the parent's write ends unless
-        ``keep_writers`` (a multi-node agent restarts workers on the same pipes)."""
+        """Start draining once the workers started; ``keep_writers``: a multi-node agent restarts on these pipes."""
         if not keep_writers:
             self._close_writers()
         context = contextvars.copy_context()  # ipykernel finds the cell of a thread's output there
@@ -152,15 +133,13 @@ class Pump:
         self._thread.start()
 
     def retarget(self) -> None:
-        """Write what comes from now on to the caller's ``sys.stdout``/``sys.stderr``, in the caller's context
-        (where ipykernel finds the cell): warm workers' pump outlives the cell that started it."""
+        """Write from now on to the caller's current streams and context: a warm pump outlives its cell."""
         self._context = contextvars.copy_context()
         if (sys.stdout, sys.stderr) != (self.consoles[0].stream, self.consoles[1].stream):
             self.consoles = consoles()
 
     def sync(self, timeout: float = 1.0) -> None:
-        """Write out, within ``timeout`` seconds, everything the ranks have written to their pipes so far (a
-        warm call's output, before the call returns); the ranks flushed their buffers before."""
+        """Write out, within ``timeout`` seconds, what the ranks wrote so far (a warm call's, before it returns)."""
         if self._thread is None or not self._thread.is_alive():
             return
         done = threading.Event()
@@ -170,8 +149,7 @@ class Pump:
         done.wait(timeout)
 
     def close(self) -> None:
-        """Once the workers are reaped: drain the pipes (to their end, or :data:`DRAIN` seconds for processes
-        the workers left behind), write what is pending, end open lines, and close everything."""
+        """Drain the pipes (at most :data:`DRAIN` seconds after the workers are reaped), write out and close all."""
         self._close_writers()
         self._finishing = True
         os.write(self._wake_w, b"x")
@@ -236,7 +214,7 @@ class Pump:
         self._finish(list(open_sources.values()))
 
     def _finish(self, still_open: list[_Source]) -> None:
-        """Take what is in the pipes still held open by a leftover process, then write everything out."""
+        """Take what pipes held by leftover processes contain, then write everything out."""
         for source in still_open:
             self._read(source, _PIPE_SIZE)
         for source in self.sources:
@@ -267,7 +245,7 @@ class Pump:
         return True
 
     def _bytes(self, source: _Source, data: bytes) -> None:
-        """Decode ``data``; a rank mark (multi-node workers) sets the rank of what follows."""
+        """Decode ``data``; a rank mark sets the rank of what follows."""
         data = source.carry + data
         while (start := data.find(RANK_MARK)) >= 0:
             end = data.find(b"\x00", start + len(RANK_MARK))
@@ -304,10 +282,10 @@ class Pump:
             source.pending += text
 
     def _to_consoles(self, final: bool) -> None:
-        """Write pending text to the consoles, never into another rank's open line (module docstring)."""
+        """Write pending text to the consoles, never into another rank's open line."""
         now = time.monotonic()
         for source in sorted((s for s in self.sources if s.pending), key=lambda s: s.since):
-            if final or self.consoles[source.err].open_key in (None, source.fd) or now - source.since >= HOLD:
+            if final or self.consoles[source.err].line.open_key in (None, source.fd) or now - source.since >= HOLD:
                 self._write(source)
         for sink in self.consoles:
             flush(sink.stream)
@@ -319,7 +297,7 @@ class Pump:
         source.pending = ""
 
     def _log(self, rank: int, check: bool = False) -> None:
-        """Open ``rank{rank}.log`` once per launch; a failure is raised with ``check``, else warned about."""
+        """Open ``rank{rank}.log`` once; a failure raises with ``check``, else warns."""
         if self.log_dir is None or rank in self.logs:
             return
         path = os.path.join(self.log_dir, f"rank{rank}.log")
@@ -336,14 +314,13 @@ class Pump:
 
 
 def _announced(text: bytes) -> tuple[int, int | None, int]:
-    """``(rank, pid, node_rank)`` from a rank mark's ``rank[,pid,node_rank]``."""
+    """Return ``(rank, pid, node_rank)`` from a rank mark's ``rank[,pid,node_rank]``."""
     fields = [int(field) for field in text.split(b",")]
     return fields[0], fields[1] if len(fields) > 1 else None, fields[2] if len(fields) > 2 else 0
 
 
 def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:
-    """The caller's current fd 1 and 2 for every rank (forkserver workers would keep the server's); ``None``
-    when the caller has closed one of them."""
+    """Return the caller's fd 1 and 2 for every rank (not the fork server's), ``None`` if one is closed."""
     try:
         os.fstat(1), os.fstat(2)
     except OSError:
@@ -353,8 +330,7 @@ def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:
 
 @contextlib.contextmanager
 def routed(ranks: list[int | None], spec: LaunchSpec, restart: int = 0) -> Iterator[Pump | None]:
-    """A :class:`Pump` for an attempt (``restart``) of the launch when its output is routed (see
-    :func:`should_route`), else ``None``; closed (drained) on exit."""
+    """Yield a :class:`Pump` for the attempt if output is routed, else ``None``; close it on exit."""
     if not should_route(spec.prefix_output, spec.console_ranks, spec.log_dir):
         yield None
         return
@@ -366,8 +342,7 @@ def routed(ranks: list[int | None], spec: LaunchSpec, restart: int = 0) -> Itera
 
 
 def worker_fds(pump: Pump | None, start_method: str, nprocs: int) -> tuple[RankFds, ...] | None:
-    """The descriptor table the workers take: the pump's pipes, the caller's own fd 1 and 2 under
-    forkserver, else nothing (fork and spawn workers inherit the caller's fd 1 and 2)."""
+    """Return the workers' fd table: the pump's pipes, the caller's fd 1 and 2 under forkserver, else ``None``."""
     if pump is not None:
         return tuple(pump.fds)
     return own_fds(nprocs) if start_method == "forkserver" else None

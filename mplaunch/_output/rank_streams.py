@@ -1,12 +1,7 @@
-"""Per-rank output in a worker: put the descriptors the parent chose in place of fd 1 and fd 2; and the
-caller's terminal as the worker's standard input.
+"""Per-rank output in a worker: the parent's descriptors in place of fd 1 and 2, and the terminal as stdin.
 
-The parent (:mod:`mplaunch._output.pump`) hands every worker a table of descriptors, one pair per local rank: the
-write ends of pipes it drains (for ``prefix_output``, ``console_ranks``, ``log_dir``, or a parent whose
-``sys.stdout`` is not fd 1, e.g. a Jupyter kernel), or the caller's own fd 1 and fd 2 (forkserver workers,
-which would otherwise write to the fork server's). Because the worker's descriptors themselves change,
-everything written to them is caught: Python streams, logging handlers made before the launch, C code,
-child processes, faulthandler.
+The parent's pair per rank is a pair of pipes it drains or the caller's own fd 1 and 2 (not the fork server's).
+As the descriptors change, everything is caught: Python streams, logging handlers, C code, child processes.
 """
 
 from __future__ import annotations
@@ -22,9 +17,7 @@ from typing import TextIO
 from mplaunch._env import whole_number
 from mplaunch._wire.spec import RankFds
 
-#: Written by an elastic worker on its pipes before anything else, followed by ``rank,pid,node_rank`` and a NUL,
-#: so the parent learns the global rank, the pid and the node of what follows.
-RANK_MARK = b"\x00mplaunch:rank="
+RANK_MARK = b"\x00mplaunch:rank="  # an elastic worker's first write, then "rank,pid,node_rank" and a NUL
 
 
 def take_fds(table: tuple[RankFds, ...] | None, local_rank: int, rank: int) -> None:
@@ -56,12 +49,8 @@ def _close(*fds: int) -> None:
 
 
 def _streams_on_fds() -> None:
-    """Make ``sys.stdout``/``sys.stderr`` write to fd 1/2, line-buffered, so that a line reaches the parent
-    when it ends (a rank killed right after loses nothing it printed).
-
-    A stream that is not over its descriptor (ipykernel's ``OutStream`` in a forked worker) is replaced by one
-    that is, and logging handlers holding the old stream (made before the launch) are pointed at the new one.
-    """
+    """Make ``sys.stdout``/``stderr`` line-buffered over fd 1/2, so a rank killed later loses no printed line;
+    another stream (ipykernel's ``OutStream``) is replaced, and logging handlers holding it are repointed."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
         if _writes_to(old, fd):
@@ -76,7 +65,7 @@ def _streams_on_fds() -> None:
 
 
 def _writes_to(stream: TextIO | None, fd: int) -> bool:
-    """Whether ``stream`` is a plain text stream over descriptor ``fd``."""
+    """Return whether ``stream`` is a plain text stream over descriptor ``fd``."""
     if not isinstance(stream, io.TextIOWrapper):
         return False
     try:
@@ -93,28 +82,19 @@ def _repoint_handlers(old: object, new: TextIO) -> None:
                 handler.stream = new
 
 
-#: In a worker that mplaunch forked: the ``sys.stdin`` it inherited, held from multiprocessing's start-up
-#: (see :func:`hold_stdin`) until :func:`terminal_stdin` closes it.
-_HELD: list[TextIO] = []
+_HELD: list[TextIO] = []  # a forked worker's inherited sys.stdin, from hold_stdin to terminal_stdin
 
 
 def hold_stdin() -> None:
-    """In a worker that mplaunch forked, before multiprocessing's start-up runs there: hold the inherited
-    ``sys.stdin`` back from it. Multiprocessing would close it and open ``/dev/null`` in its place (some 50
-    page copies in a forked worker: a new file object allocates from the heap it shares with the parent),
-    and :func:`terminal_stdin` would often replace that again; it then does both at once."""
+    """Hide a forked worker's ``sys.stdin`` from multiprocessing's start-up, for :func:`terminal_stdin`: it
+    would open ``/dev/null`` in its place (some 50 page copies), often replaced again later."""
     if sys.stdin is not None:
         _HELD.append(sys.stdin)
         sys.stdin = None
 
 
 def stdin_stream() -> TextIO:
-    """A new reader for a worker's ``sys.stdin``: the caller's terminal on fd 0 where fd 0 is one (the
-    encoding of the process's original stdin), else ``/dev/null``, as multiprocessing gives its children.
-
-    Raises:
-        OSError: ``/dev/null`` cannot be opened (the open-files limit).
-    """
+    """Open a worker's ``sys.stdin``: the terminal on fd 0 where it is one, else ``/dev/null``; may raise OSError."""
     if os.isatty(0):
         original = sys.__stdin__
         encoding = getattr(original, "encoding", None)
@@ -125,9 +105,7 @@ def stdin_stream() -> TextIO:
 
 @contextlib.contextmanager
 def stdin_for_forks(start_method: str) -> Iterator[TextIO | None]:
-    """In the parent, around the forks of a launch's ranks: under ``fork``, one :func:`stdin_stream` for
-    every rank to take as its ``sys.stdin`` (closed here afterwards; each rank has its copy), so that no rank
-    makes its own; ``None`` under the other start methods, or when it cannot be opened."""
+    """Yield one :func:`stdin_stream` for all the forked ranks (``None`` unless ``fork``); close it after."""
     stream = None
     if start_method == "fork":
         with contextlib.suppress(OSError):
@@ -140,13 +118,8 @@ def stdin_for_forks(start_method: str) -> Iterator[TextIO | None]:
 
 
 def terminal_stdin(prepared: TextIO | None = None) -> None:
-    """In a worker: make ``sys.stdin`` the caller's terminal (``input()``, pdb) where multiprocessing made it
-    ``/dev/null``; a standard input that is no terminal (a pipe, a file) stays the caller's alone.
-
-    In a worker that mplaunch forked (:func:`hold_stdin`), the inherited stream is closed, as multiprocessing
-    closes it, and ``sys.stdin`` becomes ``prepared`` (a :func:`stdin_stream` the parent made before the
-    fork), else a new :func:`stdin_stream`.
-    """
+    """Make a worker's ``sys.stdin`` the caller's terminal where there is one (a pipe stays the caller's);
+    ``prepared``: a :func:`stdin_stream` the parent made before the fork, else one is made here."""
     if _HELD:
         inherited = _HELD.pop()
         with contextlib.suppress(OSError, ValueError, AttributeError):

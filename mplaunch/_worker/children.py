@@ -1,11 +1,5 @@
-"""The processes a worker started (DataLoader workers, a tracker's helper, subprocesses), and stopping them.
-
-A worker stays in its caller's process group (the terminal's, in an interactive shell), so it cannot signal
-a group of its own. It is a child subreaper instead (see :func:`mplaunch._platform.proctree.become_subreaper`):
-a process whose parent ends becomes the worker's child, so the worker's tree in ``/proc`` holds everything
-it started, however deep. A child that has ended is a zombie until its owner reaps it: that is left to the
-owner (a DataLoader joins its workers itself), and such a child counts as gone.
-"""
+"""Stopping the processes a worker started. It has no process group of its own to signal: as a subreaper, its
+tree in ``/proc`` holds all it started. An ended child is left for its owner to reap, and counts as gone."""
 
 from __future__ import annotations
 
@@ -18,7 +12,7 @@ from mplaunch._platform.proctree import children_of, descendants, running
 
 
 def children() -> list[int]:
-    """Direct children of this process (Linux: /proc/self/task/*/children), else an empty list."""
+    """Return the direct children of this process."""
     try:  # one system call says whether there are any (WNOWAIT: an ended child stays for its owner to reap)
         os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
@@ -29,16 +23,8 @@ def children() -> list[int]:
 
 
 def stop_children(wait: float, *, kill: bool) -> None:
-    """Stop what this worker started: SIGTERM to every descendant, then wait up to ``wait`` seconds for them
-    to end; with ``kill``, SIGKILL those still running, and what they start or orphan meanwhile.
-
-    The SIGCHLD handler is reset first, so that, e.g., DataLoader's does not raise about its workers' deaths.
-
-    Args:
-        wait: seconds to wait for them to end.
-        kill: SIGKILL the descendants still running after ``wait`` (the worker is done); without, they are
-            left to end on their own (the worker unwinds, and its parent stops its tree after it exits).
-    """
+    """SIGTERM every descendant and wait up to ``wait`` seconds; with ``kill``, SIGKILL those still running.
+    SIGCHLD's handler is reset first, so that DataLoader's does not raise about its workers' deaths."""
     if not children():
         return
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -56,7 +42,7 @@ def stop_children(wait: float, *, kill: bool) -> None:
 
 
 def _alive(pid: int) -> list[int]:
-    """The running descendants of ``pid``."""
+    """Return the running descendants of ``pid``."""
     return [child for child in descendants(pid) if running(child)]
 
 

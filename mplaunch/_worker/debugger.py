@@ -1,16 +1,12 @@
-"""A debugger in a rank: ``breakpoint()`` on the caller's terminal, one rank at a time; and
-``post_mortem=True``: pdb at the failing frame of the first rank that raises, on the caller's terminal.
+"""A debugger in a rank: ``breakpoint()`` one rank at a time, and ``post_mortem=True`` in the first failing rank.
 
-The rank opens the terminal itself (``/dev/tty``, its controlling terminal, which it shares with the parent)
-and makes its own process group the terminal's foreground group while the debugger runs, so that it may
-read the keyboard (a background group reading it would be stopped by SIGTTIN) and Ctrl-C reaches it; then it
-gives the terminal back to the group that had it. The other ranks go on meanwhile: the launch sees the
-failure only once this rank ends. One rank debugs at a time: the first to create a marker file in the launch
-directory.
+Post-mortem, the rank opens ``/dev/tty`` and makes its group the foreground while pdb runs (a background reader
+gets SIGTTIN; Ctrl-C reaches it). The first rank to create a marker file in the launch directory debugs.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import fcntl
@@ -27,8 +23,7 @@ _MARKER = "post-mortem"
 
 
 def post_mortem(error: BaseException, spec: WorkerSpec, rank: int) -> None:
-    """Open pdb at the frame that raised ``error``, on the terminal, if this rank is the first to fail and
-    the launching process is in the terminal's foreground; return when the session ends (``c`` or ``q``)."""
+    """Open pdb at ``error``'s frame if this rank failed first and the launch has the terminal's foreground."""
     if not isinstance(error, Exception) or error.__traceback__ is None:
         return  # SystemExit, KeyboardInterrupt: not a bug to look at
     try:
@@ -77,8 +72,7 @@ _BREAKPOINT_LOCK = "breakpoint.lock"
 
 
 class _RankPdb(pdb.Pdb):
-    """pdb with ``(Pdb rank N)`` as its prompt, holding the launch's debugger lock until it continues or
-    quits, so that the ranks of a launch debug one at a time on the shared terminal."""
+    """pdb prompting ``(Pdb rank N)``, holding the launch's debugger lock until it continues or quits."""
 
     def __init__(self, rank: int, lock: int) -> None:
         super().__init__()
@@ -102,19 +96,8 @@ class _RankPdb(pdb.Pdb):
 
 
 def install_breakpoint_hook(spec: WorkerSpec, rank: int, plan: BreakpointPlan | None = None) -> None:
-    """Make ``breakpoint()`` in this rank open pdb on the caller's terminal, one rank at a time, the prompt
-    naming the rank (:class:`_RankPdb`). Without a terminal (a notebook's rank, input from a pipe) it says
-    so on stderr, points to ``fn.debug()``, and the rank goes on, rather than pdb reading an empty stdin and
-    raising ``BdbQuit``. A hook the user set (``sys.breakpointhook``, ``PYTHONBREAKPOINT``) is left alone; a
-    Jupyter kernel's (its debugger's, inherited by a forked rank) is not the user's. In a rank forked from a
-    kernel, ``input()`` raises ``EOFError`` at once instead of waiting for the kernel's input box.
-
-    Args:
-        spec: the launch's spec (its directory holds the lock that lets one rank debug at a time).
-        rank: this worker's global rank, for the prompt.
-        plan: what to do, decided by the parent before it forked this rank (:func:`breakpoint_plan`), else
-            decided here.
-    """
+    """Make ``breakpoint()`` open pdb on the terminal, one rank at a time (without one, say so and go on);
+    the user's hook is kept, a Jupyter kernel's is not. ``plan``: the parent's, else made here."""
     plan = plan or breakpoint_plan(os.environ.get("PYTHONBREAKPOINT"))
     if plan.forget_input:
         _forget_kernel_input()
@@ -124,18 +107,14 @@ def install_breakpoint_hook(spec: WorkerSpec, rank: int, plan: BreakpointPlan | 
 
 @dataclasses.dataclass(frozen=True)
 class BreakpointPlan:
-    """What :func:`install_breakpoint_hook` does in a rank: replace a Jupyter kernel's ``input()`` and
-    ``getpass()`` (``forget_input``), and install the rank's ``breakpoint()`` hook (``hook``)."""
+    """What :func:`install_breakpoint_hook` does: replace a kernel's ``input()``; install the rank's hook."""
 
     forget_input: bool
     hook: bool
 
 
 def breakpoint_plan(variable: str | None) -> BreakpointPlan:
-    """Decide what :func:`install_breakpoint_hook` does in a rank that has this process's hooks (the parent
-    asks before it forks the ranks, which inherit them); ``variable``: the rank's ``PYTHONBREAKPOINT``."""
-    import builtins
-
+    """Decide the :class:`BreakpointPlan` of a rank with this process's hooks and ``PYTHONBREAKPOINT=variable``."""
     getpass: Any = sys.modules.get("getpass")
     forget = _from_a_kernel(builtins.input) or (getpass is not None and _from_a_kernel(getpass.getpass))
     own = sys.breakpointhook is not sys.__breakpointhook__ and not _from_a_kernel(sys.breakpointhook)
@@ -143,8 +122,7 @@ def breakpoint_plan(variable: str | None) -> BreakpointPlan:
 
 
 def _rank_hook(rank: int, path: str) -> Callable[..., None]:
-    """Rank ``rank``'s ``sys.breakpointhook`` (see :func:`install_breakpoint_hook`); ``path``: the lock file
-    that lets one rank debug at a time."""
+    """Return rank ``rank``'s ``sys.breakpointhook``, serialised by the lock file ``path``."""
 
     def hook(*args: object, **kwargs: object) -> None:
         if not _reads_a_terminal():
@@ -166,13 +144,12 @@ def _rank_hook(rank: int, path: str) -> Callable[..., None]:
     return hook
 
 
-#: Modules whose hooks a Jupyter kernel installs (its debugger, its input box): in a rank forked from the
-#: kernel they would talk to the kernel's front end over the kernel's own connection, which is not the rank's.
+#: Modules whose hooks a Jupyter kernel installs: in a forked rank they would use the kernel's connection.
 _KERNEL_MODULES = ("ipykernel", "debugpy", "pydevd", "_pydevd", "IPython")
 
 
 def _from_a_kernel(function: object) -> bool:
-    """Whether ``function`` belongs to a Jupyter kernel (see :data:`_KERNEL_MODULES`), not to the user."""
+    """Return whether ``function`` belongs to a Jupyter kernel, not to the user."""
     module = getattr(function, "__module__", None) or getattr(getattr(function, "__func__", None), "__module__", "")
     return str(module).split(".")[0] in _KERNEL_MODULES
 
@@ -185,11 +162,7 @@ def _no_input(*args: object, **kwargs: object) -> str:
 
 
 def _forget_kernel_input() -> None:
-    """In a rank forked from a Jupyter kernel: ``input()`` and ``getpass.getpass()`` are the kernel's, which
-    ask the notebook for an input box over the kernel's connection; in the rank they would wait forever (pdb
-    too, which reads with ``input()``). They raise ``EOFError`` at once instead, as a spawned rank's do."""
-    import builtins
-
+    """Make a kernel's ``input()`` and ``getpass()`` raise ``EOFError``: in a forked rank they wait forever."""
     if _from_a_kernel(builtins.input):
         builtins.input = _no_input
     getpass: Any = sys.modules.get("getpass")
@@ -198,7 +171,7 @@ def _forget_kernel_input() -> None:
 
 
 def _reads_a_terminal() -> bool:
-    """Whether this process's ``sys.stdin`` is a terminal (a rank started from an interactive shell)."""
+    """Return whether ``sys.stdin`` is a terminal."""
     try:
         return sys.stdin is not None and sys.stdin.isatty()
     except (AttributeError, OSError, ValueError):

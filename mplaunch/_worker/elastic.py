@@ -1,5 +1,4 @@
-"""What a worker of a multi-node launch runs: torch elastic's agent starts it with torchrun's environment; it
-sets itself up as a rank, runs the function, and shares rank 0's result with the other nodes."""
+"""What a multi-node launch's worker runs under torch elastic's agent; rank 0's result is shared to every node."""
 
 from __future__ import annotations
 
@@ -20,12 +19,7 @@ from mplaunch._worker.state import state
 
 
 def elastic_entry(spec: WorkerSpec) -> int:
-    """The entrypoint of a worker started by ``torch.distributed.elastic`` on one node of a multi-node launch.
-
-    Elastic has set the torchrun environment. The outcome is written to this node's launch directory; rank
-    0's is also published in the rendezvous store, where the first worker of every other node fetches it,
-    so every node's parent can return rank 0's result. Returns the global rank; a failed worker exits.
-    """
+    """Run the function in a worker elastic started; return the global rank (a failed worker exits)."""
     outcome: Outcome | None = None
     written = False
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -51,12 +45,8 @@ _CONNECT_WAIT = 5.0  # seconds to reach the rendezvous store (c10d may try twice
 
 
 def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome) -> None:
-    """Rank 0 publishes its outcome in the rendezvous store; the first worker of each other node fetches it.
-
-    The fetch waits at most ``spec.launch.result_wait`` seconds, a second at a time, and ends early when the launch
-    stops this worker (the agent saw a lost node). Past that wait, or when the store stops answering, the
-    node's record of rank 0 is a :class:`~mplaunch.NodeLostError` (rank 0's node is gone, or stuck).
-    """
+    """Publish rank 0's outcome in the store for the first worker of each other node, which waits up to
+    ``result_wait`` seconds, then records a :class:`~mplaunch.NodeLostError` for rank 0."""
     from datetime import timedelta
 
     from torch.distributed import DistStoreError, TCPStore  # type: ignore[attr-defined]
@@ -90,15 +80,12 @@ def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome)
     except RuntimeError as error:  # torch's DistStoreError / DistNetworkError: a store gone or a wait expired
         if rank == 0:
             raise
-        lost = NodeLostError(
+        message = (
             f"rank 0's result did not reach node {os.environ.get('GROUP_RANK')} within {spec.launch.result_wait:g} s "
             f"(the rendezvous store at {address}: {type(error).__name__}: {error}). The node that ran rank 0 "
-            "(node 0) is gone, or its store is: its launching process was killed or stopped.",
-            0,
-            None,
-            None,
-            address,
+            "(node 0) is gone, or its store is: its launching process was killed or stopped."
         )
+        lost = NodeLostError(message, 0, None, None, address)
         lost.__cause__ = error
         shared = Raised.of(lost)
     transport.dump(shared, spec.launch.directory, REMOTE_RANK0)

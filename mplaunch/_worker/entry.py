@@ -1,6 +1,5 @@
-"""What a launch's worker process runs: it becomes the rank (:mod:`mplaunch._worker.setup`), restores the
-parent's state, runs the function with private arguments (a generator's values sent as they come), and ends
-with its outcome (:mod:`mplaunch._worker.outcome`)."""
+"""What a launch's worker runs: set up as the rank, restore the parent's state, run the function with private
+arguments (a generator's values sent as they come), and end with its outcome."""
 
 from __future__ import annotations
 
@@ -17,15 +16,7 @@ from mplaunch._platform.csignal import pthread_sigmask
 from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, transport
 from mplaunch._wire.inherited import close_quietly
-from mplaunch._wire.records import (
-    ITEM,
-    PAYLOAD,
-    Outcome,
-    Payload,
-    Raised,
-    Returned,
-    item_name,
-)
+from mplaunch._wire.records import ITEM, PAYLOAD, Outcome, Payload, Raised, Returned, item_name
 from mplaunch._wire.spec import WorkerSpec
 from mplaunch._worker import apply_placement as placement
 from mplaunch._worker.debugger import post_mortem
@@ -39,20 +30,12 @@ from mplaunch._worker.state import state
 def execute(
     rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None, conn: Connection | None = None
 ) -> Outcome:
-    """Restore the parent's state, run the function with private arguments, and return the outcome; with
-    ``conn``, a generator's values are sent as they are yielded (see :func:`stream_values`)."""
+    """Restore the parent's state, run the function, and return the outcome; with ``conn``, stream a generator."""
     try:
-        # devices, CPUs, env=: before anything reads them
-        placement.apply(spec, local_rank, rank, environ_made=state.environ_made)
-        set_threads(placement.thread_count(spec, local_rank))
-        if payload is None:
-            payload = read_payload(spec)
-        payload.state.restore()
+        payload = restore(rank, local_rank, spec, payload)
         function = getattr(payload.function, "_mplaunch_target", payload.function)
         args, kwargs = payload.args, payload.kwargs
-        if spec.launch.start_method == "fork" and _must_unshare(
-            spec
-        ):  # inherited: what mplaunch mapped is made private
+        if spec.launch.start_method == "fork" and _must_unshare(spec):  # what mplaunch mapped is made private
             args, kwargs = unshare((args, kwargs), keep_requested=True)  # what share_memory_() asked stays shared
         with process_group(spec.launch.backend, local_rank):
             try:
@@ -68,14 +51,23 @@ def execute(
             error = state.raised[0]  # the stop landed while the process group was torn down: the function's error first
         if spec.launch.post_mortem and state.signal_received is None:
             post_mortem(error, spec, rank)
-        # a stop that lands while the error is pickled is noted, not raised there (the record would lose the
-        # error's type): decide weighs it against when the error came
+        # a stop while the error is pickled is noted, not raised (the record keeps its type); decide weighs it
         state.outcome_decided = True
         return decide(Raised.of(error, when=None if state.raised is None else state.raised[1]))
 
 
+def restore(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Payload:
+    """Apply the rank's placement, then restore the parent's state from ``payload`` (else read here)."""
+    placement.apply(spec, local_rank, rank, environ_made=state.environ_made)  # before anything reads them
+    set_threads(placement.thread_count(spec, local_rank))
+    if payload is None:
+        payload = read_payload(spec)
+    payload.state.restore()
+    return payload
+
+
 def read_payload(spec: WorkerSpec) -> Payload:
-    """The call, mapped copy-on-write from the parent's memory file or from the launch directory."""
+    """Load the call, mapped copy-on-write from the parent's memory file or the launch directory."""
     if spec.launch.payload_fd is None:
         payload: Payload = transport.load(
             spec.launch.directory, PAYLOAD, private=True, remove=False, start_objects=spec.launch.start_objects
@@ -89,8 +81,7 @@ def read_payload(spec: WorkerSpec) -> Payload:
 
 
 def _must_unshare(spec: WorkerSpec) -> bool:
-    """Whether a forked worker must look for shared memory in its arguments; for large arguments, the
-    parent's answer (see ``WorkerSpec.unshare_pipe``), looking when there is none (the parent failed)."""
+    """Return whether a forked worker must unshare its arguments: the parent's answer on ``unshare_pipe``."""
     if spec.attempt.unshare_pipe is None:
         return spec.launch.unshare is not False
     read_end, write_end = spec.attempt.unshare_pipe
@@ -104,13 +95,8 @@ def _must_unshare(spec: WorkerSpec) -> bool:
 def run(
     rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None = None, conn: Connection | None = None
 ) -> None:
-    """The target of every launch's worker process: set up the rank, run the function, write the outcome, exit.
-
-    The outcome (the return value for reporting ranks, ``None`` for the others, or the exception) is written
-    to the launch directory before the process exits; the parent reads it when it sees the process end.
-    ``forked``: what the parent made for this rank before it forked it (:func:`prepare_forks`); ``conn``: the
-    rank's end of its pipe, where a generator function's values are announced as they are yielded.
-    """
+    """Set up the rank, run the function, write the outcome and exit: every launch worker's target;
+    ``forked``: what the parent made for this rank before the fork; ``conn``: where a generator's values go."""
     outcome: Outcome | None = None
     try:
         set_up(rank, spec, forked=forked)
@@ -125,8 +111,7 @@ def run(
 def stream_values(
     generator: Generator[Any, Any, Any], rank: int, reporting: bool, spec: WorkerSpec, conn: Connection, number: int
 ) -> Any:
-    """Send each value ``generator`` yields in rank ``rank`` (where it is ``reporting``) as it comes, as a file
-    of the launch directory announced with ``ITEM`` on ``conn``; return its return value."""
+    """Send each value ``generator`` yields as a file announced with ``ITEM`` on ``conn``; return its value."""
     index = 0
     try:
         while True:
@@ -146,9 +131,7 @@ def stream_values(
 
 @contextlib.contextmanager
 def whole_messages() -> Iterator[None]:
-    """Hold SIGINT while a message is read or written on a rank's pipe: a ``KeyboardInterrupt`` between the
-    reads of a message's length and of its body would leave the pipe out of step. A SIGINT that came
-    meanwhile raises when the block ends."""
+    """Hold SIGINT while a pipe message is read or written: a ``KeyboardInterrupt`` mid-message desyncs the pipe."""
     previous = pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
     try:
         yield

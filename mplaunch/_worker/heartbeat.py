@@ -1,12 +1,7 @@
-"""The worker's side of watching a launch: its stacks on request, its heartbeat, its usage at exit, and NCCL's
-flight recorder pointed at ``log_dir``.
+"""The worker's side of watching a launch: stacks on request, the heartbeat, usage at exit, NCCL's flight recorder.
 
-Stacks: the worker registers :mod:`faulthandler` for :data:`~mplaunch._wire.board.STACKS_SIGNAL`, writing
-every thread's Python stack to ``rank{N}.stacks`` in the launch directory. faulthandler writes from the
-signal handler itself, without the GIL, so a rank blocked in C (a collective, a ``read``, a lock) dumps too.
-Its handler is installed with ``SA_RESTART``: an interrupted system call resumes. The file appears under its
-final name only once the handler is in place; the parent never signals a rank before (the signal's default
-action would end it).
+:mod:`faulthandler` writes ``rank{N}.stacks`` from the signal handler, without the GIL, so a rank blocked in C
+dumps too. The file gets its final name once the handler is in place: before, the signal would kill the rank.
 """
 
 from __future__ import annotations
@@ -62,9 +57,7 @@ def heartbeat() -> None:
 
 
 def watch(spec: WorkerSpec, rank: int) -> None:
-    """Set up this worker (local rank ``rank``) to dump its stacks on request (where the parent may ask,
-    ``stacks``) and to beat (one-node launches whose parent made a board, ``board``); point NCCL's flight
-    recorder at ``log_dir``."""
+    """Set up stacks on request, the heartbeat's board and NCCL's flight recorder, as ``spec`` asks."""
     global _board, _rank, _slots, _index
     _flight_recorder(spec)
     if spec.launch.stacks:
@@ -74,9 +67,8 @@ def watch(spec: WorkerSpec, rank: int) -> None:
                 raise ValueError("no real-time signals here")
             fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
-            os.rename(
-                pending, os.path.join(spec.launch.directory, stacks_name(rank))
-            )  # the parent may signal from now on
+            # the parent may signal from now on
+            os.rename(pending, os.path.join(spec.launch.directory, stacks_name(rank)))
     if spec.launch.stacks or spec.launch.board:
         os.register_at_fork(after_in_child=_forget)
     if not spec.launch.board:
@@ -89,8 +81,7 @@ def watch(spec: WorkerSpec, rank: int) -> None:
 
 
 def record_usage() -> None:
-    """Write this worker's peak memory and CPU time to its slots, for a parent that cannot read them when it
-    reaps the worker (a fork server's workers are not its children)."""
+    """Write peak memory and CPU time to the board: a fork server's worker is not the parent's child."""
     if _board is None:
         return
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -101,7 +92,7 @@ def record_usage() -> None:
 
 
 def _forget() -> None:
-    """In a process the worker forks (a DataLoader worker): not the rank, so no beat and no dump."""
+    """Stop beating and dumping in a process the worker forks: it is not the rank."""
     global _board, _slots
     _board = _slots = None
     if STACKS_SIGNAL is not None:
@@ -110,8 +101,7 @@ def _forget() -> None:
 
 
 def _flight_recorder(spec: WorkerSpec) -> None:
-    """With ``backend="nccl"`` and ``log_dir``: keep NCCL's flight recorder and dump it to
-    ``log_dir/nccl_trace_rank_{N}`` when a collective times out, unless the user set these variables."""
+    """With nccl and ``log_dir``, dump NCCL's flight recorder to ``log_dir`` on a timeout, unless the user chose."""
     if spec.launch.backend != "nccl" or spec.launch.log_dir is None:
         return
     for name, value in _NCCL_FLIGHT_RECORDER.items():

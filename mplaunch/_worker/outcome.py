@@ -1,9 +1,5 @@
-"""A rank's outcome and its end: the outcome decided (a signal that came first wins), written for the parent,
-then the exit handlers, the rank's children stopped, and the exit with the outcome's status.
-
-A worker writes exactly one outcome record (:mod:`mplaunch._wire.records`) per call and then exits; the
-parent waits on the process, not on the record.
-"""
+"""A rank's end: its outcome decided (a signal that came first wins) and written, the exit handlers run, its
+children stopped, and the exit with the outcome's status. The parent waits on the process, not the record."""
 
 from __future__ import annotations
 
@@ -27,18 +23,14 @@ from mplaunch._worker.exit import close_files
 from mplaunch._worker.heartbeat import record_usage
 from mplaunch._worker.state import state
 
-#: The signals that end a rank's function (``finally`` blocks run): SIGTERM (the launch stopping it), SIGINT (a
-#: terminal's Ctrl-C), and those the parent forwards as torchrun does (SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2). A
-#: handler the function installs for one of them replaces this one.
+#: The signals that end a rank's function (``finally`` blocks run): SIGTERM, SIGINT, and those the parent
+#: forwards as torchrun does. A handler the function installs for one of them replaces ours.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def decide(outcome: Outcome) -> Outcome:
-    """Freeze the outcome: from now on signals no longer raise. A signal that came first wins.
-
-    A process the function forked (``os.fork()``) that returns or raises instead of exiting comes here too:
-    it is not the worker, so it leaves at once, quietly, and never writes the rank's outcome.
-    """
+    """Freeze the outcome: signals no longer raise, and one that came first wins. A process the function
+    forked that returns here instead of exiting leaves at once, quietly."""
     if os.getpid() != state.pid:
         os._exit(0 if isinstance(outcome, Returned) else 1)
     state.outcome_decided = True
@@ -51,9 +43,8 @@ def decide(outcome: Outcome) -> Outcome:
 
 @contextlib.contextmanager
 def stops_held() -> Iterator[None]:
-    """Hold the stop signals while a warm rank records a call's error (:meth:`Raised.of`): one that landed
-    there would cut the pickling of the error short, and the rank would go on serving calls. It is delivered
-    when the block ends, and ends the rank as it would a moment later."""
+    """Hold the stop signals while a warm rank pickles a call's error: one landing there would cut it short,
+    and the rank would go on serving calls. It is delivered when the block ends."""
     held = pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -66,7 +57,7 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
 def _dump_outcome(spec: WorkerSpec, name: str | None, outcome: Outcome) -> None:
-    """Write the outcome as ``name`` in the launch directory, else (``None``) into this rank's memory file."""
+    """Write the outcome as ``name`` in the launch directory, else into this rank's memory file."""
     if name is not None:
         transport.dump(outcome, spec.launch.directory, name)
     else:  # a rank that does not report returns None
@@ -76,9 +67,7 @@ def _dump_outcome(spec: WorkerSpec, name: str | None, outcome: Outcome) -> None:
 
 
 def write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | None = None) -> Outcome:
-    """Write the outcome (as ``name`` in the launch directory, a warm call's; by default as the rank's exit
-    outcome, see :func:`_dump_outcome`); a result that cannot be pickled or written is replaced by the error
-    saying so. Returns what was written."""
+    """Write the outcome (``name``: a warm call's) and return it, or the error replacing an unsendable result."""
     in_directory = name is not None or spec.outcome_fd is None
     name = (name or outcome_name(rank)) if in_directory else None
     try:
@@ -90,26 +79,24 @@ def write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | Non
         if not isinstance(outcome, Returned):
             raise
         kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
-        if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt...: an exit, as if the function had
-            exited = Raised.of(error)
-            exited = dataclasses.replace(exited, message=f"{exited.message} while its result (type {kind}) was pickled")
-            _dump_outcome(spec, name, exited)
-            return exited
-        how = "pickled"
-        if isinstance(error, OSError):
-            how = "written to the launch directory" if in_directory else "written to shared memory"
-        advice = ""
-        if isinstance(error, OSError) and in_directory:
-            advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR."
-        failure = RemoteError(
-            f"the result of rank {rank} (type {kind}) could not be {how} to send it to the parent: "
-            f"{type(error).__name__}: {error}.{advice}",
-            rank,
-            os.getpid(),
-            kind,
-        )
-        failure.__cause__ = error
-        replacement = Raised.of(failure)
+        if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt...: an exit, reported as one
+            replacement = Raised.of(error)
+            message = f"{replacement.message} while its result (type {kind}) was pickled"
+            replacement = dataclasses.replace(replacement, message=message)
+        else:
+            how, advice = "pickled", ""
+            if isinstance(error, OSError) and in_directory:
+                how = "written to the launch directory"
+                advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR."
+            elif isinstance(error, OSError):
+                how = "written to shared memory"
+            message = (
+                f"the result of rank {rank} (type {kind}) could not be {how} to send it to the parent: "
+                f"{type(error).__name__}: {error}.{advice}"
+            )
+            failure = RemoteError(message, rank, os.getpid(), kind)
+            failure.__cause__ = error
+            replacement = Raised.of(failure)
         _dump_outcome(spec, name, replacement)
         return replacement
 
@@ -139,9 +126,7 @@ def finish(spec: WorkerSpec, rank: int, outcome: Outcome | None, *, written: boo
 
 
 def leave(code: int) -> NoReturn:
-    """End the rank with exit status ``code``: first what a normal exit does for data (``logging.shutdown``,
-    open files flushed and closed, the standard streams flushed), then ``os._exit``, so that threads the
-    function left running cannot keep the worker (and the call) alive."""
+    """Close files and flush the standard streams, then ``os._exit(code)``: left threads cannot keep the rank."""
     try:
         close_files()
         for stream in (sys.stdout, sys.stderr):
@@ -153,16 +138,9 @@ def leave(code: int) -> NoReturn:
 
 
 def exit_handlers(spec: WorkerSpec, code: int | None = None) -> None:
-    """Run the ``atexit`` handlers while the processes the rank started still run (an experiment tracker
-    finishes its run through its helper process), then stop what is left, then multiprocessing's finalizers,
-    in the order a normal interpreter exit has them.
-
-    multiprocessing's own exit function joins the rank's non-daemonic children: it runs only once they are
-    stopped (:func:`stop_own_children`, registered first so it runs last), so a child that never ends cannot
-    keep the worker. Where the parent's handlers are still registered below it (``code``: the rank is
-    leaving with that exit status), that handler also runs the finalizers and ends the rank (:func:`leave`),
-    so that none of the parent's runs.
-    """
+    """Run the ``atexit`` handlers while the rank's children run (a tracker's helper), then stop them, then the
+    finalizers: multiprocessing's exit function joins children. With the parent's handlers still registered,
+    :func:`stop_own_children` runs the finalizers and leaves with ``code``, so none of the parent's runs."""
     if state.parents_exits_kept:
         state.leaving = code
     else:
@@ -174,10 +152,8 @@ def exit_handlers(spec: WorkerSpec, code: int | None = None) -> None:
 
 
 def stop_own_children(grace_period: float) -> None:
-    """The last ``atexit`` handler of a worker: stop what the rank started and what is still running, SIGKILL
-    after ``min(1, grace_period / 2)`` seconds; then, if the rank is leaving with the parent's handlers
-    registered below this one, multiprocessing's finalizers and the rank's end (see :func:`exit_handlers`).
-    Does nothing in a process the function forked."""
+    """Stop the rank's children (the last ``atexit`` handler); leave if :func:`exit_handlers` asked. Does
+    nothing in a process the function forked."""
     if os.getpid() == state.pid:
         stop_children(min(1.0, grace_period / 2), kill=True)
         state.children_stopped = True

@@ -12,14 +12,8 @@ import torch
 
 @contextlib.contextmanager
 def process_group(backend: str | None, local_rank: int) -> Iterator[None]:
-    """Initialise the default process group from the torchrun environment (``init_method="env://"``) around
-    the block, and destroy it after, also when the block raises; ``sys.excepthook``, which torch replaces
-    when it makes the group, is put back. ``None``: nothing is done; a process group
-    that already exists is kept as it is (a nested call reuses its caller's).
-
-    Raises:
-        RuntimeError: ``backend="nccl"`` and this process sees no CUDA device.
-    """
+    """Hold a default process group (``env://``) around the block, restoring ``sys.excepthook`` after; reuse an
+    existing one; ``None``: none. Raises ``RuntimeError`` for nccl without CUDA devices."""
     if backend is None:  # (before the import: a worker without a group pays nothing here)
         yield
         return
@@ -46,12 +40,8 @@ _INHERITED: list[Any] = []  # torch.distributed's state copied from the parent a
 
 
 def forget_inherited_groups() -> None:
-    """In a forked worker: drop the process groups copied from the parent (a rank with a group of its own
-    that launches under ``fork``). They are not this process's: the threads of their backend (gloo, the
-    store's client) did not survive the fork, so a collective on them, or ``backend=`` reusing them, would
-    wait forever, and ``init_process_group`` would refuse to make one ("initialize the default process group
-    twice"). Their state is replaced by a fresh one (``distributed_c10d._world``, torch's extension point for
-    it) and kept alive, not destroyed: destroying would close connections the parent still uses."""
+    """Drop the process groups a forked worker inherited: their threads did not survive the fork. The old
+    ``c10d._world`` is kept alive, not destroyed: that would close connections the parent still uses."""
     if not has_groups():
         return
     c10d = sys.modules["torch.distributed.distributed_c10d"]
@@ -60,7 +50,6 @@ def forget_inherited_groups() -> None:
 
 
 def has_groups() -> bool:
-    """Whether this process has a default process group (a forked worker inherits it, see
-    :func:`forget_inherited_groups`); asked by the parent before the fork, so that the worker does not."""
+    """Return whether this process has a default process group (asked by the parent before a fork)."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     return c10d is not None and hasattr(c10d, "_World") and bool(c10d.is_initialized())

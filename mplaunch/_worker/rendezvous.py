@@ -1,12 +1,7 @@
 """A rank that sets its own rendezvous gets it, as under ``torch.multiprocessing.spawn``.
 
-mplaunch's parent hosts the launch's store (torchrun's "agent store"), so a rank is told
-``TORCHELASTIC_USE_AGENT_STORE=True``: torch's ``env://`` and ``tcp://`` rendezvous then connect every rank,
-rank 0 included, as a client of the store at ``MASTER_ADDR:MASTER_PORT``. Code written for ``mp.spawn`` (the
-PyTorch DDP tutorial's ``ddp_setup``) sets ``MASTER_PORT`` itself in each rank and expects rank 0 to host the
-store there: as a client of a port nobody serves, it would wait for ``init_process_group``'s timeout (30
-minutes). When the port a rendezvous uses is not the one mplaunch hosts (``MPLAUNCH_HOSTED_MASTER_PORT``), the
-rank drops ``TORCHELASTIC_USE_AGENT_STORE`` first, so torch does what it does without an agent: rank 0 hosts.
+The parent hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``); ``mp.spawn`` code sets ``MASTER_PORT`` and
+expects rank 0 to host, else waits 30 minutes. On another port than the hosted one, the agent store is dropped.
 """
 
 from __future__ import annotations
@@ -23,13 +18,8 @@ AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def follow_own_rendezvous() -> None:
-    """Make torch's rendezvous in this process honour a port the rank chose itself (see the module's doc).
-
-    Wraps ``torch.distributed.rendezvous._create_c10d_store``, which both the ``env://`` and ``tcp://``
-    handlers call with the address they read; installed once. It acts only while this process runs a rank of
-    an mplaunch launch whose parent hosts the store (``MPLAUNCH_HOSTED_MASTER_PORT`` is set), so a process
-    that torchrun started keeps its agent store.
-    """
+    """Wrap torch's ``_create_c10d_store`` (``env://``, ``tcp://``) to honour a rank's own port, where
+    ``MPLAUNCH_HOSTED_MASTER_PORT`` is set (a process torchrun started keeps its store)."""
     rendezvous = sys.modules.get("torch.distributed.rendezvous")  # not the function of that name
     if rendezvous is None:
         try:
@@ -45,7 +35,7 @@ def follow_own_rendezvous() -> None:
 
 
 def _wrap(original: Any) -> Any:
-    """The wrapper of torch's ``_create_c10d_store`` that :func:`follow_own_rendezvous` installs."""
+    """Return the wrapper :func:`follow_own_rendezvous` installs."""
 
     @functools.wraps(original)
     def create_store(hostname: str, port: int, *args: Any, **kwargs: Any) -> Any:
@@ -59,8 +49,7 @@ def _wrap(original: Any) -> Any:
 
 
 def _made_on_import() -> dict[int, tuple[Any, Any]]:
-    """The wrapper, made once where this module is imported (a launching process) for torch's function as it
-    is then: a forked worker only installs it (each worker making its own cost a tenth of a millisecond)."""
+    """Make the wrapper once at import, in the parent: a forked worker only installs it (speed: 0.1 ms each)."""
     rendezvous = sys.modules.get("torch.distributed.rendezvous")
     original = getattr(rendezvous, "_create_c10d_store", None)
     if original is None or getattr(original, "_mplaunch", False):

@@ -1,17 +1,8 @@
-"""What a warm worker (:class:`mplaunch.Workers`) runs: set up the rank once, then serve calls until told to
-leave.
+"""What a warm worker (:class:`mplaunch.Workers`) runs: set up the rank and process group once, then serve calls.
 
-The worker sets itself up as a launch's does (:func:`mplaunch._worker.setup.set_up`), restores the parent's
-state, and enters the process group when ``backend`` is set; the group, the modules it imported and the
-globals it set live as long as the worker. Then it waits on its end of a pipe for a small control message
-(:data:`~mplaunch._wire.records.CALL`): it reads the call from the launch directory (one copy, mapped
-private), runs it in its main thread, writes the outcome there and says so on the pipe
-(:data:`~mplaunch._wire.records.DONE`). A generator's values are written one by one as they are yielded,
-each announced with :data:`~mplaunch._wire.records.ITEM`.
-
-SIGINT interrupts the call that is running (``KeyboardInterrupt`` in the function, reported as its outcome)
-and is ignored between calls; SIGTERM ends the worker, as in a launch. The parent sends
-:data:`~mplaunch._wire.records.CANCEL` before its SIGINT, so a call that had not started yet is skipped.
+Each ``CALL`` is read from the launch directory, run in the main thread, answered with its outcome and ``DONE``.
+SIGINT interrupts a running call (the parent sends ``CANCEL`` first, so one not started is skipped) and is
+ignored between calls; SIGTERM ends the worker.
 """
 
 from __future__ import annotations
@@ -42,13 +33,12 @@ from mplaunch._wire.records import (
     result_name,
 )
 from mplaunch._wire.spec import WorkerSpec
-from mplaunch._worker import apply_placement as placement
 from mplaunch._worker import entry
 from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.heartbeat import watch
 from mplaunch._worker.outcome import finish, stops_held, write_outcome
 from mplaunch._worker.process_group import process_group
-from mplaunch._worker.setup import Forked, set_threads, set_up
+from mplaunch._worker.setup import Forked, set_up
 from mplaunch._worker.state import state
 
 _in_call = False  # SIGINT raises KeyboardInterrupt only while a call runs
@@ -61,36 +51,21 @@ class _Cancelled(KeyboardInterrupt):
 
 
 def _on_interrupt(signum: int, frame: object) -> None:
-    """SIGINT in a warm rank: interrupt the call that runs, if the parent cancelled it (it sends CANCEL
-    before its SIGINT) or if the call takes a Ctrl-C (made from the caller's main thread). A submitted call
-    runs on when a terminal's Ctrl-C, or a notebook's interrupt of an idle kernel, reaches the whole group,
-    as a submitted launch's workers do."""
+    """Interrupt the running call if the parent cancelled it or the call takes a Ctrl-C (a submitted call
+    runs on when a Ctrl-C reaches the whole group, as a submitted launch's workers do)."""
     if _in_call and (_takes_ctrl_c or (_current is not None and _current[0].poll(0) and _cancelled(*_current))):
         raise KeyboardInterrupt()
 
 
 def serve(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None, conn: Connection) -> None:
-    """The target of every warm worker: set up the rank, serve calls from ``conn`` until told to leave (or
-    the parent closes its end), then exit as a launch's worker does.
-
-    Args:
-        rank: this worker's rank.
-        spec: the workers' spec.
-        payload: the parent's state for forked workers (its function is unused); ``None``: read it as a
-            launch's worker does.
-        forked: what the parent made for this rank before it forked it (see ``entry.prepare_forks``).
-        conn: this rank's end of its control pipe.
-    """
+    """Set up the rank, serve calls from ``conn`` until told to leave, then exit: every warm worker's target;
+    ``payload``: the parent's state (its function unused), else read as a launch's worker does."""
     outcome: Outcome | None = None
     try:
         set_up(rank, spec, _on_interrupt, forked)  # a SIGINT while starting must not end the rank
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
         flags.attach(spec.launch.directory, None if forked is None else forked.flag)  # for mplaunch.preempted()
-        placement.apply(spec, rank, rank, environ_made=state.environ_made)  # devices, CPUs, env=
-        set_threads(placement.thread_count(spec, rank))
-        if payload is None:
-            payload = entry.read_payload(spec)
-        payload.state.restore()
+        entry.restore(rank, rank, spec, payload)
         del payload
         with process_group(spec.launch.backend, rank):
             conn.send((READY,))  # a call's timeout counts from here: the start is not the call's
@@ -103,7 +78,7 @@ def serve(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked |
 
 
 def _loop(rank: int, spec: WorkerSpec, conn: Connection) -> None:
-    """Serve calls until :data:`EXIT` or the end of the pipe."""
+    """Serve calls until ``EXIT`` or the end of the pipe."""
     while True:
         try:
             message = _early.pop(0) if _early else conn.recv()
@@ -122,8 +97,7 @@ _early: list[tuple[Any, ...]] = []  # a message read ahead while looking for a C
 def _serve_call(
     rank: int, spec: WorkerSpec, conn: Connection, number: int, takes_ctrl_c: bool, report_all: bool
 ) -> None:
-    """Run call ``number``, write its outcome (the value where this rank reports: every rank with
-    ``report_all``), and say so."""
+    """Run call ``number``, write its outcome (the value where this rank reports), and say so."""
     reporting = report_all or rank in spec.launch.reporting_ranks
     global _in_call, _takes_ctrl_c, _current
     _takes_ctrl_c, _current = takes_ctrl_c, (conn, number)
@@ -165,8 +139,7 @@ def _serve_call(
 
 
 def _cancelled(conn: Connection, number: int) -> bool:
-    """Whether the message waiting on ``conn`` cancels call ``number``: a CANCEL of it, or an EXIT (the workers
-    are closing: their ``finally`` blocks and exit handlers run before the ranks are stopped)."""
+    """Return whether the waiting message cancels call ``number``: its CANCEL, or an EXIT (workers closing)."""
     with entry.whole_messages():
         message = conn.recv()
     if message[0] == CANCEL:
@@ -176,13 +149,8 @@ def _cancelled(conn: Connection, number: int) -> bool:
 
 
 def _in_main(function: Any, filename: str | None) -> Any:
-    """The plain function to call: a decorated function's target; a function of ``__main__`` that travelled
-    by value runs in this worker's ``__main__`` namespace, so that the globals the ranks set there persist
-    from call to call, as they do for an imported module's functions.
-
-    The globals it brought from the parent (the values of the names it uses) are set there first, except
-    those that a function run here assigns (``global model; model = ...``): from the first such call on,
-    they belong to the ranks. A function sent by value gets back its ``filename``."""
+    """Return the function to call; one of ``__main__`` sent by value runs in this worker's ``__main__``, so
+    globals persist between calls. Its globals are copied there, except those a function run here assigns."""
     function = getattr(function, "_mplaunch_target", function)
     if isinstance(function, types.FunctionType) and filename and function.__code__.co_filename != filename:
         function.__code__ = _in_file(function.__code__, filename)
@@ -209,7 +177,7 @@ _rank_globals: set[str] = set()  # the globals of __main__ that functions run he
 
 
 def _assigned_globals(code: types.CodeType) -> set[str]:
-    """The global names that ``code`` (and the code nested in it) assigns or deletes."""
+    """Return the global names that ``code`` and its nested code assign or delete."""
     names = {i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
@@ -218,6 +186,6 @@ def _assigned_globals(code: types.CodeType) -> set[str]:
 
 
 def _in_file(code: types.CodeType, filename: str) -> types.CodeType:
-    """``code`` (and the code nested in it) as defined in ``filename``."""
+    """Return ``code`` and its nested code as defined in ``filename``."""
     consts = tuple(_in_file(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
     return code.replace(co_filename=filename, co_consts=consts)

@@ -1,10 +1,7 @@
 """How a process becomes a rank: signals, the parent's death, exit handlers, output, environment, the debugger.
 
-A stop signal (SIGTERM, SIGINT, or one the parent forwards; from the launch, a terminal or someone else) ends
-the function as :class:`Terminated` / :class:`Interrupted`, and whatever the function raises after that is a
-consequence of the signal: the outcome is then ``Signalled``, never a failure of its own. Once the outcome is
-decided (:mod:`mplaunch._worker.outcome`), further signals are noted and ignored.
-"""
+A stop signal ends the function as :class:`Terminated` / :class:`Interrupted`; the outcome is then
+``Signalled``, whatever the function raises after it. Once the outcome is decided, signals are only noted."""
 
 from __future__ import annotations
 
@@ -41,13 +38,8 @@ from mplaunch._worker.state import state
 
 
 def _die_with_parent(parent_pid: int, start_method: str) -> None:
-    """Make sure this worker dies when the launching process dies, even by SIGKILL; exit now if it is gone.
-
-    Under fork and spawn the launching process is the parent: Linux's ``PR_SET_PDEATHSIG`` sends SIGKILL (as
-    in ``torch.multiprocessing.spawn`` workers).
-    Under forkserver the parent is the fork server, which outlives a killed launcher (its children keep the
-    server's "alive" pipe open), so a daemon thread waits on a pidfd of the launching process instead.
-    """
+    """Make this worker die with the launching process, even by SIGKILL: ``PR_SET_PDEATHSIG``, as torch's spawn;
+    under forkserver (the server outlives the launcher) a thread waits on its pidfd. Exit now if it is gone."""
     if not sys.platform.startswith("linux"):
         return
     if start_method != "forkserver":
@@ -71,8 +63,7 @@ def _die_with_parent(parent_pid: int, start_method: str) -> None:
 
 
 class Terminated(SystemExit):
-    """Raised in a worker by SIGTERM (the launch stopping it, or a ``kill``), SIGHUP, SIGQUIT, SIGUSR1 or
-    SIGUSR2; a ``SystemExit``, so ``finally`` blocks run and ``except Exception`` does not swallow it."""
+    """Raised in a worker by SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 or SIGUSR2 (a ``SystemExit``: ``finally`` runs)."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -91,23 +82,18 @@ def _on_signal(signum: int, frame: object) -> None:
 
 
 def _quiet_consequences() -> None:
-    """A stop prints nothing: errors that unwinding causes where nobody can catch them (a ``__del__``, e.g. of
-    a DataLoader iterator interrupted in its ``__init__``, or a thread of the rank) are dropped, not printed.
-    What the function itself prints while it unwinds (``finally`` blocks) still appears."""
+    """Drop uncatchable errors the unwinding causes (a ``__del__``, a thread); ``finally`` blocks still print."""
     sys.unraisablehook = _ignore
     threading.excepthook = _ignore
 
 
 def _ignore(*args: object) -> None:
-    """Swallow an unraisable or thread exception (see :func:`_quiet_consequences`)."""
+    """Swallow an unraisable or thread exception."""
 
 
 @forks.in_child
 def _default_signals() -> None:
-    """In a process forked by a worker: the stop signals as in any Python process, not the worker's.
-
-    Runs in every child of a process that imported mplaunch; in one of a process that is no worker, it
-    does nothing."""
+    """Restore the default stop signals in a process a worker forks (in any other child: nothing)."""
     if state.pid == -1:
         return
     for signum in STOP_SIGNALS:
@@ -124,34 +110,21 @@ def set_threads(num_threads: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Forked:
-    """What the parent makes for one rank just before it forks it (:func:`prepare_forks`), so that the rank
-    does not: every page a forked worker writes is copied from the parent's memory first, and each step of
-    set-up done once in the parent saves each rank its copies (issue 26).
+    """What the parent makes for a rank just before forking it, as each page a forked rank writes is a copy;
+    ``None`` for ``environ`` or ``stdin``: the rank makes its own."""
 
-    Attributes:
-        environ: the rank's whole environment, or ``None`` (the rank sets its variables).
-        stdin: the stream that becomes its ``sys.stdin`` (:func:`~mplaunch._output.rank_streams.stdin_stream`), or
-            ``None`` (it makes its own).
-        logging: logging's handlers, which the rank inherits and leaves to the parent.
-        groups: whether the parent has a default process group, which the rank inherits and forgets.
-        flag: whether the launch has a preemption flag (:mod:`mplaunch._wire.flags`) for the rank to map.
-        debugger: what the rank does about ``breakpoint()`` (see :func:`breakpoint_plan`).
-    """
-
-    environ: ForkEnviron | None
-    stdin: TextIO | None
-    logging: InheritedLogging
-    groups: bool
-    flag: bool
+    environ: ForkEnviron | None  # the rank's whole environment
+    stdin: TextIO | None  # its sys.stdin
+    logging: InheritedLogging  # the handlers it inherits and leaves to the parent
+    groups: bool  # the parent has a default process group, which the rank forgets
+    flag: bool  # the launch has a preemption flag for the rank to map
     debugger: BreakpointPlan
 
 
 def start(
     spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None, forked: Forked | None = None
 ) -> None:
-    """Signals, parent-death and exit handlers: the first things a worker does. ``on_interrupt``: the
-    SIGINT handler instead of the one that ends the worker (a warm worker's, which interrupts a call);
-    ``forked``: what the parent made for it before the fork."""
+    """Set up signals, parent death and exit handlers: a worker's first steps; ``on_interrupt``: a SIGINT handler."""
     state.pid, state.leaving = os.getpid(), None
     for signum in STOP_SIGNALS:  # one the caller ignores (nohup: SIGHUP) is ignored here too
         ignored = signum in spec.launch.ignored_signals and signum != signal.SIGTERM  # SIGTERM: how a launch stops it
@@ -161,8 +134,8 @@ def start(
     if getsignal(signal.SIGCHLD) == SIG_IGN:  # inherited: the rank's children's codes would be lost
         set_handler(signal.SIGCHLD, SIG_DFL)
     _die_with_parent(spec.launch.parent_pid, spec.launch.start_method)
-    # the parent's or the fork server's atexit handlers are not the rank's to run. A rank mplaunch forked leaves
-    # them registered (letting go of each writes to it: a page copy apiece) and ends before them (exit_handlers)
+    # the parent's atexit handlers are not the rank's; a forked rank leaves them (each unregister copies a page)
+    # and ends before them (exit_handlers)
     state.parents_exits_kept = forked is not None and spec.launch.start_method == "fork"
     if spec.launch.start_method != "spawn" and not state.parents_exits_kept:
         atexit._clear()
@@ -174,16 +147,14 @@ def start(
     if spec.launch.start_method != "fork":  # a forked worker has the parent's already
         # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
         multiprocessing.set_start_method(spec.launch.mp_start_method, force=True)
-    # the caller's process group, as torch.multiprocessing's workers: in a terminal, the foreground job, so a
-    # rank may read and configure the terminal; orphans stay in the worker's tree, which stops it all
+    # the rank stays in the caller's process group (a terminal's foreground job); orphans stay in its tree
     become_subreaper()
     terminal_stdin(None if forked is None else forked.stdin)
     pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked while starting: may raise now
 
 
 def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
-    """The environment changes that make a process rank ``rank`` of ``spec``'s one-node launch: torchrun's
-    variables, and ``None`` (removed) for each rank variable of the parent's that they do not set."""
+    """Return the changes that make a process rank ``rank``: torchrun's variables, ``None`` for ones removed."""
     return replacing(
         rank_environment(
             rank,
@@ -198,21 +169,15 @@ def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
 
 
 def _keep_own_outcome_fd(spec: WorkerSpec) -> None:
-    """Under fork, close the memory files inherited from the parent but this rank's outcome's: the other
-    ranks', and those of other launches running in the parent (``submit()``)."""
+    """Under fork, close the inherited memory files but this rank's outcome's (other ranks', other launches')."""
     if spec.launch.start_method == "fork":
         close_memory_files(set() if spec.outcome_fd is None else {spec.outcome_fd.fd})
 
 
 def set_up(
-    rank: int,
-    spec: WorkerSpec,
-    on_interrupt: Callable[[int, Any], None] | None = None,
-    forked: Forked | None = None,
+    rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None, forked: Forked | None = None
 ) -> None:
-    """Make this process rank ``rank`` of a one-node launch: signals and parent death (:func:`start`, which
-    takes ``on_interrupt``), the output descriptors, and torchrun's environment. ``forked``: what the parent
-    made for this rank before the fork (:func:`prepare_forks`), else it is made here."""
+    """Make this process rank ``rank`` of a one-node launch; ``forked``: what the parent made, else made here."""
     start(spec, on_interrupt, forked)
     take_fds(spec.attempt.output_fds, rank, rank)
     _keep_own_outcome_fd(spec)
@@ -224,7 +189,6 @@ def set_up(
     else:
         apply_environment(os.environ, rank_changes(spec, rank))
     follow_own_rendezvous()  # a rank that sets its own MASTER_PORT (mp.spawn code) gets that rendezvous
-    # breakpoint(): one rank at a time, the prompt naming the rank; PYTHONBREAKPOINT as the function will see it
     if forked is not None:
         plan = forked.debugger
     else:

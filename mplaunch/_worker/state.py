@@ -1,48 +1,23 @@
-"""What a worker process knows of itself while it runs, apart from its spec: one object, read by its signal
-handler, its function's run and its exit handlers."""
+"""What a worker knows of itself apart from its spec: read by its signal handler, its run and its exit."""
 
 from __future__ import annotations
 
+import dataclasses
 
+
+@dataclasses.dataclass(slots=True)
 class WorkerState:
-    """This worker's own state (one per process: :data:`state`).
+    """This worker's own state (one per process: :data:`state`)."""
 
-    Attributes:
-        pid: this worker's pid, set at start (a process the function forks is not the worker); ``-1`` in a
-            process that is no worker.
-        signal_received: the first stop signal this worker got, or ``None``.
-        signal_at: when (``time.monotonic()``) it came.
-        raised: what the function raised, and when: its outcome, whatever follows.
-        outcome_decided: from then on, signals are noted and ignored.
-        children_stopped: the last exit handler stopped what the rank started.
-        parents_exits_kept: the parent's ``atexit`` handlers stay registered, below the rank's own.
-        leaving: the exit code with which the rank's last ``atexit`` handler ends it, or ``None``.
-        environ_made: the rank installed the environment its parent made for it (``fork_environs``).
-    """
-
-    __slots__ = (
-        "children_stopped",
-        "environ_made",
-        "leaving",
-        "outcome_decided",
-        "parents_exits_kept",
-        "pid",
-        "raised",
-        "signal_at",
-        "signal_received",
-    )
-
-    def __init__(self) -> None:
-        self.pid = -1
-        self.signal_received: int | None = None
-        self.signal_at = 0.0
-        self.raised: tuple[BaseException, float] | None = None
-        self.outcome_decided = False
-        self.children_stopped = False
-        self.parents_exits_kept = False
-        self.leaving: int | None = None
-        self.environ_made = False
+    pid: int = -1  # set at start (a process the function forks is not the worker); -1: no worker
+    signal_received: int | None = None  # the first stop signal
+    signal_at: float = 0.0  # when it came (time.monotonic())
+    raised: tuple[BaseException, float] | None = None  # the function's error and when: its outcome
+    outcome_decided: bool = False  # from then on, signals are noted and ignored
+    children_stopped: bool = False  # the last exit handler stopped what the rank started
+    parents_exits_kept: bool = False  # the parent's atexit handlers stay registered, below the rank's
+    leaving: int | None = None  # the exit code the rank's last atexit handler ends it with
+    environ_made: bool = False  # the rank installed the environment its parent made for it
 
 
-#: This process's.
 state = WorkerState()
