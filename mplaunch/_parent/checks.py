@@ -16,16 +16,15 @@ from typing import Any
 
 import torch
 
-from mplaunch._errors import LaunchRefusedError
+from mplaunch._errors import InvalidOptionError, LaunchRefusedError
+from mplaunch._frames import warn_at_user
 from mplaunch._parent import policy
 from mplaunch._wire import pickling, start_objects
 from mplaunch._wire.importable import WorkerImports, rerun_main_file, script_source
 
 
 def main_is_importable() -> bool:
-    """Whether a ``spawn``/``forkserver`` worker runs the parent's ``__main__`` again (a script file or a
-    ``python -m mod`` module); not so for ``python -m pkg`` (``pkg/__main__.py``), a zipapp, ``python -c``,
-    stdin, the REPL or a notebook. See :mod:`mplaunch._wire.importable`."""
+    """Tell whether a spawn/forkserver worker runs ``__main__`` again (see :mod:`mplaunch._wire.importable`)."""
     return rerun_main_file(sys.modules.get("__main__")) is not None
 
 
@@ -37,9 +36,8 @@ def record_cuda_init() -> None:
 
     Opt-in, for the parent process (e.g. the first cell of a notebook). It wraps ``torch.cuda._lazy_init``,
     which PyTorch calls before the first CUDA operation (a tensor or module moved to the GPU, most
-    ``torch.cuda.*`` calls), and keeps the call stack of the first successful initialisation. Costs one
-    stack capture, once. Calling it again has no effect; if CUDA is already initialised there is nothing
-    left to record.
+    ``torch.cuda.*`` calls), and keeps the call stack of the first successful initialisation: one stack
+    capture, once. Calling it again has no effect; once CUDA is initialised there is nothing left to record.
 
     Example:
         >>> import mplaunch
@@ -76,17 +74,8 @@ def _where_cuda_was_initialised() -> str:
 
 
 def check_cuda_fork(start_method: str) -> None:
-    """Refuse ``fork`` when CUDA is initialised in the parent: a forked child cannot use CUDA.
-
-    ``torch.cuda.is_available()`` and ``device_count()`` do not initialise CUDA and are not a problem.
-    ``forkserver`` children fork from a clean server process, so they are not affected. A process that is
-    itself a fork of one that had initialised CUDA (torch's "bad fork": ``is_initialized()`` is false there)
-    is refused too: its forked workers cannot use CUDA either.
-
-    Raises:
-        LaunchRefusedError: ``start_method`` is ``"fork"`` and CUDA is initialised here, or this process is a
-            bad CUDA fork.
-    """
+    """Refuse ``fork`` when CUDA is initialised here, or this process is torch's "bad fork" of one that had
+    initialised it (``is_initialized()`` is false there): a forked child cannot use CUDA."""
     if start_method != "fork":
         return
     bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
@@ -114,17 +103,13 @@ def check_cuda_fork(start_method: str) -> None:
 
 
 def check_not_bootstrapping(name: str = "the function") -> None:
-    """Refuse to launch from a worker that is still importing the parent's ``__main__`` (a missing guard).
-
-    Args:
-        name: the decorated function's name, for the advice.
-    """
+    """Refuse to launch from a worker still importing the parent's ``__main__`` (a missing guard)."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise LaunchRefusedError(_guard_message("A worker re-imported your script and it", name, None))
 
 
 def _guard_message(where: str, name: str, line: str | None) -> str:
-    """The advice for a call at import time: the user's own call, moved under the guard."""
+    """Return the advice for a call at import time: the user's own call, moved under the guard."""
     return (
         f"{where} called the parallel function {name}() at import time. With start_method 'spawn' or "
         "'forkserver' each worker runs your script again, so the call must be under "
@@ -140,8 +125,7 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _main_frame(frame: FrameType | None, path: str) -> FrameType | None:
-    """The outermost frame running the top-level code of ``__main__``'s file ``path``. A runner's own frames
-    (pdb's, runpy's: other files, or the same globals running other code) never count."""
+    """Return the outermost frame running the top-level code of ``__main__``'s file ``path`` (never a runner's)."""
     main = sys.modules.get("__main__")
     found = None
     while frame is not None:
@@ -154,22 +138,8 @@ def _main_frame(frame: FrameType | None, path: str) -> FrameType | None:
 
 
 def check_main_guard(start_method: str, frame: FrameType | None, name: str = "the function") -> None:
-    """Refuse ``spawn``/``forkserver`` when the call comes from top-level code of the script that every
-    worker runs again on start (outside an ``if __name__ == "__main__":`` block), which would launch again.
-
-    Only a script that a worker runs again is judged (see :func:`main_is_importable`): under ``python -m
-    pdb`` and ``runpy.run_path`` that is the user's script; under ``cProfile``, ``trace`` or ``python -m
-    pkg`` workers do not run it again, so a call at its top level is harmless.
-
-    Args:
-        start_method: the start method of the launch.
-        frame: the caller's frame; the outermost frame running the script's top-level code above it is examined.
-        name: the decorated function's name, for the advice.
-
-    Raises:
-        LaunchRefusedError: the call is at import time of the script that workers run again; the message
-            names the script, the line and the call to move under the guard.
-    """
+    """Refuse spawn/forkserver when ``frame`` is under top-level code (outside the main guard) of a script
+    that every worker runs again (the user's under ``pdb`` and ``runpy``; not under ``cProfile``), naming the line."""
     path = rerun_main_file(sys.modules.get("__main__"))
     if start_method == "fork" or path is None:
         return
@@ -186,9 +156,7 @@ def check_main_guard(start_method: str, frame: FrameType | None, name: str = "th
 def describe_unpicklable(
     args: tuple[Any, ...], kwargs: dict[str, Any], imports: WorkerImports | None, function: Any = None
 ) -> str:
-    """Name the first argument that cannot be pickled for workers that can import ``imports``, and why (a
-    positional one also by its parameter's name in ``function``'s signature, where it has one);
-    ``"the function"`` if every argument can."""
+    """Name the first argument that cannot be pickled for workers that can import ``imports``, and why."""
     for index, value in enumerate(args):
         error = pickling.pickle_error(value, imports=imports, start_objects=True)
         if error is not None:
@@ -203,7 +171,7 @@ def describe_unpicklable(
 
 
 def _positional_name(function: Any, index: int) -> str | None:
-    """The name of ``function``'s parameter that takes positional argument ``index``, else ``None``."""
+    """Return the name of ``function``'s parameter that takes positional argument ``index``, if any."""
     if function is None:
         return None
     try:
@@ -217,28 +185,17 @@ def _positional_name(function: Any, index: int) -> str | None:
 
 
 def check_start_objects(objects: list[Any], start_method: str) -> None:
-    """Refuse, before any worker starts, an argument that ``multiprocessing`` would fail to send to a starting
-    ``spawn``/``forkserver`` worker (see :mod:`mplaunch._wire.start_objects`), as ``Process.start()`` would
-    fail: e.g. a ``Queue`` or lock made from a ``fork`` context, whose semaphores a spawned process cannot open.
-
-    Args:
-        objects: the call's objects that travel with each worker's start.
-        start_method: the launch's start method, for the advice.
-
-    Raises:
-        LaunchRefusedError: one of them cannot be sent; the message names its type, the error and the fix.
-    """
+    """Refuse an object that ``Process.start()`` would fail to send (e.g. a ``Queue`` of a ``fork`` context)."""
     failure = start_objects.rehearse(objects)
     if failure is None:
         return
     culprit, error = failure
-    if "fork context" in str(error):
-        advice = (
-            "It was made from a 'fork' context (multiprocessing's default on Linux before Python 3.14): make it "
-            f"from multiprocessing.get_context({start_method!r}) instead"
-        )
-    else:
-        advice = "Create it inside the function, or use start_method='fork'"
+    advice = (
+        "It was made from a 'fork' context (multiprocessing's default on Linux before Python 3.14): make it "
+        f"from multiprocessing.get_context({start_method!r}) instead"
+        if "fork context" in str(error)
+        else "Create it inside the function, or use start_method='fork'"
+    )
     raise LaunchRefusedError(
         f"cannot send the {type(culprit).__qualname__} in the call's arguments to {start_method!r} workers: "
         f"{type(error).__name__}: {str(error).rstrip('.')}. {advice}."
@@ -246,16 +203,9 @@ def check_start_objects(objects: list[Any], start_method: str) -> None:
 
 
 def check_log_dir(log_dir: str | None) -> None:
-    """Create ``log_dir`` (with its parents) here, before any worker starts, and check that it is a writable
-    directory.
-
-    Raises:
-        InvalidOptionError: it is an existing file, cannot be created, or is not writable.
-    """
+    """Create ``log_dir`` (with its parents) and refuse one that is a file or is not writable."""
     if log_dir is None:
         return
-    from mplaunch._errors import InvalidOptionError
-
     try:
         os.makedirs(log_dir, exist_ok=True)
     except OSError as error:
@@ -272,8 +222,7 @@ def check_log_dir(log_dir: str | None) -> None:
 def check_arguments(
     function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, before: str = "launching any worker"
 ) -> None:
-    """Raise the ``TypeError`` a plain call would raise for wrong arguments, here, before any worker runs it
-    (``before``: before what, for the message)."""
+    """Raise here the ``TypeError`` a plain call would raise for wrong arguments."""
     target = getattr(function, "_mplaunch_target", function)
     signature, bound = _signature(target)
     if signature is None:  # builtins and other callables without a signature
@@ -291,9 +240,7 @@ def check_arguments(
 
 
 def post_mortem_terminal(post_mortem: bool) -> bool:
-    """Whether the workers may open the post-mortem debugger: ``post_mortem`` is set and this process reads a
-    terminal. Where it does not (a notebook, a pipe), warn once per call and point to ``fn.debug()``, which
-    runs the function here, where a debugger works."""
+    """Tell whether workers may open the post-mortem debugger; without a terminal, point to ``fn.debug()``."""
     if not post_mortem:
         return False
     try:
@@ -301,8 +248,6 @@ def post_mortem_terminal(post_mortem: bool) -> bool:
     except (AttributeError, ValueError, OSError):
         interactive = False
     if not interactive:
-        from mplaunch._frames import warn_at_user
-
         warn_at_user(
             "post_mortem=True needs a terminal, and this process reads none (a notebook, or input from a pipe): "
             "no debugger opens in the workers. Run the function here with fn.debug(...) and debug it in this "
@@ -312,28 +257,23 @@ def post_mortem_terminal(post_mortem: bool) -> bool:
     return interactive
 
 
-#: ``inspect.signature`` of each launched function, with what it was computed from (code and defaults), and
-#: the argument shapes that bound to it (how many positional arguments, which keywords in which order).
+#: Per launched function: its code and defaults, ``inspect.signature``, and the argument shapes that bound.
 _SIGNATURES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], inspect.Signature | None, set[Any]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def _signature(target: Any) -> tuple[inspect.Signature | None, set[tuple[int, tuple[str, ...]]]]:
-    """``inspect.signature(target)`` (``None`` when it has none) and the argument shapes known to bind to it,
-    kept per function while its code and defaults stay the same: building the signature walks the
-    parameters, and binding builds a ``BoundArguments``; each costs a launch more than the check."""
+    """Return ``inspect.signature(target)`` (or ``None``) and the argument shapes known to bind to it (speed)."""
     key = (
         getattr(target, "__code__", None),
         getattr(target, "__defaults__", None),
         getattr(target, "__kwdefaults__", None),
     )
-    try:
+    with contextlib.suppress(KeyError, TypeError):  # not seen, or not weakly referable
         known, signature, bound = _SIGNATURES[target]
         if known == key and key[0] is not None:
             return signature, bound
-    except (KeyError, TypeError):  # not seen, or not weakly referable
-        pass
     try:
         signature = inspect.signature(target)
     except (TypeError, ValueError):

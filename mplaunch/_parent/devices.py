@@ -1,15 +1,7 @@
-"""The process-wide pool of CUDA devices that ``devices=`` draws from.
-
-Launches of one process that ask for devices get disjoint ones: a launch whose devices are taken waits (its
-future stays pending) until another launch releases them, and a launch releases its devices when it ends,
-however it ends. Waiting launches are served in the order they asked, a later one going first only where an
-earlier one cannot start yet (a request for two devices may wait while one-device requests overtake it).
-
-The devices are this process's visible ones, numbered from 0 as ``torch.cuda`` numbers them. A launch's ranks
-see exactly its devices, in order, through ``CUDA_VISIBLE_DEVICES``, written with the names this process's own
-``CUDA_VISIBLE_DEVICES`` gives them (index 1 of ``"4,5,6"`` is ``"5"``; UUIDs stay UUIDs). The pool follows
-Ray's ``num_gpus`` resource and Lightning's ``devices=[...]``.
-"""
+"""The process-wide pool of CUDA devices that ``devices=`` draws from (after Ray's ``num_gpus`` and Lightning's
+``devices=[...]``): launches of one process get disjoint devices, waiting in the order asked unless an earlier
+request cannot start yet. Ranks see theirs through ``CUDA_VISIBLE_DEVICES`` under this process's names for them
+(index 1 of ``"4,5,6"`` is "5")."""
 
 from __future__ import annotations
 
@@ -17,6 +9,8 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
+
+import torch
 
 from mplaunch._env import whole_number
 from mplaunch._errors import InvalidOptionError
@@ -28,15 +22,12 @@ _POLL = 0.05
 
 
 def device_count() -> int:
-    """The number of CUDA devices this process sees, without initialising CUDA (tests replace this function)."""
-    import torch
-
+    """Count the CUDA devices this process sees, without initialising CUDA (tests replace this function)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def visible_names(environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:
-    """What each visible device (by index) is called in this process's ``CUDA_VISIBLE_DEVICES``: its entries,
-    or ``"0"``, ``"1"``, ... where it is not set."""
+    """Return each visible device's name in this process's ``CUDA_VISIBLE_DEVICES`` (``"0"``, ... unset)."""
     count = device_count()
     given = environ.get("CUDA_VISIBLE_DEVICES")
     if given is None:
@@ -46,12 +37,7 @@ def visible_names(environ: dict[str, str] | os._Environ[str] = os.environ) -> li
 
 
 def check_request(devices: int | tuple[int, ...] | None) -> None:
-    """Refuse a request this process can never grant, before anything waits or starts.
-
-    Raises:
-        InvalidOptionError: an index that is not a visible device, or more devices than are visible; the
-            message lists the visible ones.
-    """
+    """Refuse a request this process can never grant, before anything waits or starts."""
     if devices is None:
         return
     names = visible_names()
@@ -86,7 +72,7 @@ class _Ticket:
 
 
 class DevicePool:
-    """Hands out device indices to launches, each at most to one launch at a time (see the module docstring)."""
+    """Hand out device indices, each to at most one launch at a time."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
@@ -94,7 +80,7 @@ class DevicePool:
         self._waiting: list[_Ticket] = []
 
     def busy(self) -> frozenset[int]:
-        """The indices held by running launches now."""
+        """Return the indices held by running launches now."""
         with self._condition:
             return frozenset(self._busy)
 
@@ -105,16 +91,8 @@ class DevicePool:
         return None if self._busy & set(request) else request
 
     def acquire(self, request: int | tuple[int, ...], control: LaunchControl | None = None) -> tuple[int, ...]:
-        """Wait until the request can be granted, take its devices and return their indices.
-
-        Args:
-            request: a number of any free devices, or the indices of the devices wanted, in order.
-            control: the launch's control; a stop requested while waiting ends the wait.
-
-        Raises:
-            InvalidOptionError: the request can never be granted (see :func:`check_request`).
-            LaunchStopped: the launch was stopped while waiting.
-        """
+        """Wait until ``request`` (a count, or indices) can be granted, take its devices and return them; a
+        stop of ``control`` ends the wait (``LaunchStopped``)."""
         check_request(request)
         count = device_count()
         ticket = _Ticket(request if isinstance(request, int) else tuple(request))
@@ -146,8 +124,7 @@ _pool: tuple[int, DevicePool] | None = None  # (the pid that made it, the pool)
 
 
 def pool() -> DevicePool:
-    """This process's pool, made on first use in each process: a forked child (a rank that launches in
-    turn) starts with none busy, since its parent's launches are not its own."""
+    """Return this process's pool, made anew in a forked child (its parent's launches are not its own)."""
     global _pool
     with _POOL_LOCK:
         if _pool is None or _pool[0] != os.getpid():
@@ -157,8 +134,7 @@ def pool() -> DevicePool:
 
 @contextlib.contextmanager
 def held(request: int | tuple[int, ...] | None, control: LaunchControl | None = None) -> Iterator[list[str] | None]:
-    """Hold the devices of ``request`` for the block and yield their ``CUDA_VISIBLE_DEVICES`` names, in order;
-    ``None`` (all visible, not pooled) yields ``None``. Released on the way out, however the block ends."""
+    """Hold the devices of ``request`` (``None``: all, not pooled) and yield their ``CUDA_VISIBLE_DEVICES`` names."""
     if request is None:
         yield None
         return
@@ -172,9 +148,8 @@ def held(request: int | tuple[int, ...] | None, control: LaunchControl | None = 
 
 
 def bus_ids(names: list[str]) -> list[str | None]:
-    """The PCI bus id of each named device where NVML (the ``nvidia-ml-py`` package) can tell without
-    initialising CUDA, else ``None``; NVML's index order is the PCI bus order, CUDA's only with
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, so indices are looked up only then (UUIDs always)."""
+    """Return each named device's PCI bus id where NVML (``nvidia-ml-py``) tells, else ``None``. NVML indexes
+    by PCI bus, CUDA only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: only then are indices looked up."""
     try:
         import pynvml  # type: ignore[import-not-found]
 

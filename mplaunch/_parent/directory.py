@@ -1,14 +1,7 @@
-"""The launch directory: where a launch's payload and outcomes live, in shared memory, and how it is removed.
-
-Each launch makes ``<root>/mplaunch-<pid>-<pid namespace>-<random>``, where ``<root>`` is
-``MPLAUNCH_SHM_DIR``, else ``/dev/shm``, else the temp dir. It is removed when the launch ends, also when a
-SIGTERM ends the parent. A parent that dies abruptly (SIGKILL, SIGHUP, SIGQUIT, a crash) cannot remove it, so
-the first launch of a process starts a *reaper*: a tiny Python process (no torch) that holds the read end of a
-pipe whose write end only this process keeps, and removes this process's launch directories when the pipe
-closes, i.e. within moments of the parent's death, however it died. It is the approach of CPython's
-``multiprocessing.resource_tracker``, which cannot remove directories. Before starting it, that first launch
-also removes the directories of dead parents of this pid namespace that had none (a reaper killed too).
-"""
+"""The launch directory ``<root>/mplaunch-<pid>-<pid namespace>-<random>`` in shared memory, where a launch's
+payload and outcomes live. For a parent that dies abruptly, its first launch starts a *reaper* that removes its
+directories when a pipe only the parent holds closes (as CPython's ``multiprocessing.resource_tracker``), and
+removes those of dead parents of this pid namespace."""
 
 from __future__ import annotations
 
@@ -28,7 +21,7 @@ _reapers: dict[tuple[int, str], int] = {}  # (pid, root) -> pid of this process'
 
 
 def shm_root() -> str:
-    """Where launch directories go: ``MPLAUNCH_SHM_DIR`` if set, else /dev/shm, else the temp dir."""
+    """Return where launch directories go: ``MPLAUNCH_SHM_DIR`` if set, else /dev/shm, else the temp dir."""
     configured = os.environ.get("MPLAUNCH_SHM_DIR")
     if configured:
         return configured
@@ -39,8 +32,7 @@ def shm_root() -> str:
 
 
 def _pid_namespace() -> str:
-    """This process's pid namespace, so that directories of another namespace sharing /dev/shm (e.g. a
-    container with --ipc=host) are never judged by pids of this one."""
+    """Return this pid namespace, so that another's directories sharing /dev/shm (--ipc=host) are never judged."""
     try:
         return os.readlink("/proc/self/ns/pid").strip("pid:[]")
     except OSError:
@@ -48,7 +40,7 @@ def _pid_namespace() -> str:
 
 
 def own_prefix() -> str:
-    """The name prefix of this process's launch directories."""
+    """Return the name prefix of this process's launch directories."""
     return f"{_DIR_PREFIX}{os.getpid()}-{_pid_namespace()}-"
 
 
@@ -68,20 +60,18 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's
+        pass
     return True
 
 
 def reaper_pids() -> list[int]:
-    """Pids of this process's reapers (one per root directory used), for leak checks in tests."""
+    """Return the pids of this process's reapers (one per root), for leak checks in tests."""
     return [reaper for (pid, _), reaper in _reapers.items() if pid == os.getpid()]
 
 
 def _ensure_reaper(root: str) -> None:
-    """Start this process's reaper for ``root`` unless it runs (see the module docstring); when starting it,
-    remove first what parents that died without one left there. One at a time: concurrent launches
-    (``submit()``) would start one each."""
+    """Start this process's reaper for ``root`` unless it runs; one at a time, or concurrent launches start one each."""
     with _ENSURING:
         _start_reaper(root)
 
@@ -101,9 +91,7 @@ def _start_reaper(root: str) -> None:
 
 @contextlib.contextmanager
 def launch_directory() -> Iterator[str]:
-    """Create this launch's directory, yield its path, and remove it (with whatever is left in it) after; in
-    that process only: a process forked meanwhile that closes this generator (its garbage collector, at its
-    exit) leaves the directory to the launch."""
+    """Create this launch's directory, yield its path, and remove it after, in this process only (not a child's)."""
     root = shm_root()
     maker = os.getpid()
     try:
@@ -128,9 +116,7 @@ def launch_directory() -> Iterator[str]:
 
 
 def _remove(directory: str) -> None:
-    """Remove a launch directory: itself if empty (which needs no descriptor: a launch refused at the
-    open-files limit), else its files (a board, stacks, a flag, outcomes) then itself; what that cannot
-    remove (a directory inside), ``shutil.rmtree`` removes, errors ignored."""
+    """Remove a launch directory, with no descriptor where it is empty (at the open-files limit)."""
     try:
         os.rmdir(directory)
         return
@@ -145,7 +131,7 @@ def _remove(directory: str) -> None:
 
 
 def space_hint(directory: str) -> str:
-    """Say how much room the shared-memory file system has, and how to get more."""
+    """Say how much room ``directory``'s file system has, and how to get more."""
     try:
         stats = os.statvfs(directory)
     except OSError:

@@ -1,12 +1,8 @@
-"""The limits of a machine or container that a launch can run into while it starts its workers, and the
-errors that name them and their fix: the process limit (a cgroup's ``pids.max``, ``RLIMIT_NPROC``), the size
-of an environment that ``exec`` accepts (``E2BIG``), the open-files limit (``RLIMIT_NOFILE``), and the
-length of a Unix socket's path, which a long ``TMPDIR`` exceeds for the fork server's socket.
-
-Without them, multiprocessing reports each as something else: a bare ``BlockingIOError: [Errno 11]`` from
-``fork``, a spawned worker that "exited with code 255" (its ``exec`` failed after the fork, where no error
-can be raised), or an ``EOFError`` / ``BrokenPipeError`` from a fork server that died of it.
-"""
+"""The limits a launch can hit while starting workers, and errors that name them and their fix: the process
+limit (``pids.max``, ``RLIMIT_NPROC``), the environment ``exec`` accepts (``E2BIG``), the open-files limit,
+and a Unix socket's path length (a long ``TMPDIR``, for the fork server). Multiprocessing reports them as a
+bare ``BlockingIOError``, a spawned worker that "exited with code 255", or an ``EOFError`` from a dead fork
+server."""
 
 from __future__ import annotations
 
@@ -29,12 +25,10 @@ from mplaunch._platform.cgroup import pids_limit
 MAX_ARG_STRLEN = 32 * mmap.PAGESIZE
 #: The longest path of a Unix socket (``sun_path`` holds 108 bytes, the final NUL included).
 SUN_PATH_MAX = 107
-#: What multiprocessing adds to the temporary directory for the fork server's socket: ``/pymp-XXXXXXXX``
-#: (its own directory) and ``/listener-XXXXXXXX``.
+#: What multiprocessing adds to the temporary directory for the fork server's socket.
 _SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
 #: Where a shorter directory for that socket is looked for, in order (CPython 3.13's own list).
 _SHORT_BASES = ("/tmp", "/var/tmp", "/usr/tmp")
-_FORK_FAILED = (errno.EAGAIN, errno.ENOMEM)
 _FILES = (errno.EMFILE, errno.ENFILE)
 
 
@@ -51,14 +45,13 @@ def _open_fds() -> int | None:
 
 
 def _files_short(margin: int = 16) -> bool:
-    """Whether this process has fewer than ``margin`` descriptors left below its open-files limit (a fork
-    server, started from it, has the same limit and about as many open)."""
+    """Tell whether fewer than ``margin`` descriptors are left below the open-files limit (a fork server's too)."""
     soft, open_now = resource.getrlimit(resource.RLIMIT_NOFILE)[0], _open_fds()
     return soft != resource.RLIM_INFINITY and open_now is not None and soft - open_now < margin
 
 
 def process_limits() -> str:
-    """The process limits that apply here, e.g. ``pids.max=64 (63 in use), RLIMIT_NPROC=unlimited``."""
+    """Describe the process limits here, e.g. ``pids.max=64 (63 in use), RLIMIT_NPROC=unlimited``."""
     found = []
     pids = pids_limit()
     if pids is not None:
@@ -86,8 +79,7 @@ def _files_text() -> str:
 
 
 def environment_problem(environ: Mapping[str, str], argv: list[str] | None = None) -> str | None:
-    """Why ``exec`` would refuse a new Python with ``environ`` (``E2BIG``), or ``None`` if it would not: a
-    variable longer than :data:`MAX_ARG_STRLEN`, or arguments and environment together over ``ARG_MAX``."""
+    """Say why ``exec`` would refuse a new Python with ``environ`` (``E2BIG``), or return ``None``."""
     strings = [f"{name}={value}" for name, value in environ.items()]
     sizes = [len(entry.encode(errors="surrogateescape")) + 1 for entry in strings]
     for (name, _), size in zip(environ.items(), sizes, strict=False):
@@ -113,12 +105,7 @@ def environment_problem(environ: Mapping[str, str], argv: list[str] | None = Non
 
 
 def check_exec_environment(environ: Mapping[str, str], start_method: str) -> None:
-    """Refuse before starting a ``spawn`` worker (or the fork server) whose ``exec`` would fail with ``E2BIG``:
-    multiprocessing cannot report that failure, and the worker would just "exit with code 255".
-
-    Raises:
-        LaunchRefusedError: the environment is too large for ``exec``.
-    """
+    """Refuse a spawn worker (or fork server) whose ``exec`` would fail with ``E2BIG`` ("exit code 255")."""
     problem = environment_problem(environ)
     if problem is not None:
         raise LaunchRefusedError(_environment_text(problem, start_method))
@@ -133,12 +120,8 @@ def _environment_text(problem: str, start_method: str) -> str:
 
 
 def short_socket_directory() -> None:
-    """Before the fork server starts: when ``TMPDIR`` is too long for the path of its Unix socket (e.g. a
-    job's own directory deep in a cluster's scratch space), give ``multiprocessing`` its temporary directory
-    in the first usable one of ``/tmp``, ``/var/tmp`` and ``/usr/tmp``, made and removed at exit as
-    ``multiprocessing.util.get_temp_dir`` does. CPython 3.13 does the same in ``get_temp_dir``; 3.10 to
-    3.12 fail with ``OSError: AF_UNIX path too long``. Nothing changes when ``multiprocessing`` has its
-    directory already, or when ``TMPDIR`` is short enough."""
+    """Give multiprocessing a temporary directory in ``/tmp`` when ``TMPDIR`` is too long for the fork server's
+    socket, as CPython 3.13 does (3.10-3.12 fail: "AF_UNIX path too long")."""
     config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
     if config.get("tempdir") is not None or len(os.fsencode(tempfile.gettempdir())) + _SOCKET_SUFFIX <= SUN_PATH_MAX:
         return
@@ -158,8 +141,7 @@ def short_socket_directory() -> None:
 
 
 def start_refused(error: BaseException, start_method: str, rank: int, nprocs: int) -> LaunchRefusedError | None:
-    """The error to raise instead of ``error``, which starting worker ``rank`` raised, when a limit is the
-    cause (or the likely cause: a fork server that died says nothing); ``None`` for any other error."""
+    """Return the error to raise instead of ``error`` when a limit is (likely) the cause, else ``None``."""
     what = f"could not start rank {rank} of {nprocs} ({start_method}): {type(error).__name__}: {error}"
     code = getattr(error, "errno", None)
     if isinstance(error, OSError) and code in _FILES:
@@ -196,12 +178,7 @@ def start_refused(error: BaseException, start_method: str, rank: int, nprocs: in
 
 @contextlib.contextmanager
 def open_files_explained() -> Iterator[None]:
-    """Turn running out of descriptors in the parent while a launch sets up (pipes, memory files, the store)
-    into an error that names the limit; a worker's own ``OSError``, re-raised, passes unchanged.
-
-    Raises:
-        LaunchRefusedError: ``EMFILE`` / ``ENFILE`` in the parent.
-    """
+    """Turn the parent's (not a worker's) ``EMFILE``/``ENFILE`` during set-up into an error naming the limit."""
     try:
         yield
     except OSError as error:

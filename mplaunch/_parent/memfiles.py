@@ -1,13 +1,6 @@
-"""Where a launch's payload and outcomes are written: anonymous memory files the parent makes and the workers
-inherit, else files in the launch directory.
-
-A memory file (``memfd_create``) is shared memory that no file system's size limit counts, so neither a
-container's small ``/dev/shm`` nor the space left there bounds an argument or a result, and a result the
-caller keeps holds no space there: once the parent has read it, only the caller's mappings hold its pages.
-The parent makes the files before the workers start, so it holds every descriptor itself and no worker has
-to outlive its outcome for the parent to get it (CPython's ``multiprocessing.heap`` arenas use such files
-the same way).
-"""
+"""Where a launch's payload and outcomes are written: memory files (``memfd_create``: no file system's size
+bounds them) that the parent makes before the workers start, so it holds every descriptor and no worker has to
+outlive its outcome (as CPython's ``multiprocessing.heap`` arenas do); else files in the launch directory."""
 
 from __future__ import annotations
 
@@ -28,8 +21,7 @@ from mplaunch._wire.records import PAYLOAD, Payload
 
 @contextlib.contextmanager
 def outcome_files(nprocs: int) -> Iterator[tuple[InheritedFd, ...] | None]:
-    """Make one memory file per rank for its outcome and yield them, by rank, or ``None`` where there are none
-    (the ranks then write to the launch directory); close them after."""
+    """Yield one memory file per rank for its outcome (``None`` where there are none), and close them after."""
     fds: list[int] = []
     try:
         for rank in range(nprocs):
@@ -47,8 +39,7 @@ def outcome_files(nprocs: int) -> Iterator[tuple[InheritedFd, ...] | None]:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """Where a payload was written: its memory file (``None``: in the launch directory), and the objects that
-    travel with each worker's start instead (see :mod:`mplaunch._wire.start_objects`)."""
+    """Where a payload was written (``fd=None``: the launch directory), and what travels with each start instead."""
 
     fd: InheritedFd | None = None
     start_objects: tuple[Any, ...] = ()
@@ -64,15 +55,9 @@ def payload_written(
     memory: bool,
     keep_shared: bool = False,
 ) -> Iterator[Written]:
-    """Write the call for workers that cannot inherit it: to a memory file (with ``memory``, where there are
-    such files), else to the launch directory; yield where (:class:`Written`); close the file after. Refuse,
-    naming the argument, what cannot be pickled. The call's objects that travel with each worker's start
-    (queues, locks..., and with ``keep_shared`` the storages the user put in torch's shared memory, so the
-    workers share them) are left out of it, and yielded.
-
-    Raises:
-        LaunchRefusedError: an argument cannot be pickled, or there is no room for the call.
-    """
+    """Write the call for workers that cannot inherit it, to a memory file (with ``memory``) else the launch
+    directory, and yield :class:`Written`; refuse an argument that cannot be pickled, or no room. What travels
+    with each start (queues, locks; with ``keep_shared`` torch's shared storages) is left out and yielded."""
     fd = memory_file("payload") if memory else None
     try:
         try:

@@ -1,12 +1,8 @@
-"""The parent's signals during a launch.
-
-SIGTERM ends the launch: it unwinds the parent, so the workers are stopped first. SIGHUP (a closed SSH
-session), SIGQUIT, SIGUSR1 and SIGUSR2 do the same, and the workers are stopped with that signal instead of
-SIGTERM, so a rank's own handler for it runs, as torchrun forwards them (``TORCHELASTIC_SIGNALS_TO_HANDLE``).
-The caller's handlers are put back after the launch. SIGINT is Python's ``KeyboardInterrupt``. While
-workers are forked these signals wait (:func:`signals_held`), and a SIGCHLD the caller ignores is reset for
-the launch (:func:`exit_statuses_kept`), so that every worker's exit status can be read.
-"""
+"""The parent's signals during a launch. SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 unwind the parent, which
+stops the workers with that signal, so a rank's own handler runs (as torchrun forwards them); SIGINT is Python's
+``KeyboardInterrupt``. The caller's handlers are put back after. These signals wait while workers fork
+(:func:`signals_held`), and an ignored SIGCHLD is reset for the launch (:func:`exit_statuses_kept`) so every exit
+status can be read."""
 
 from __future__ import annotations
 
@@ -23,19 +19,14 @@ from typing import Any
 from mplaunch._platform import forks
 from mplaunch._platform.csignal import SIG_DFL, SIG_IGN, getsignal, pthread_sigmask, set_handler
 
-#: Signals that end a launch, the workers being stopped with the same signal (SIGTERM is how a launch stops
-#: its workers anyway).
+#: Signals that end a launch, the workers being stopped with the same signal.
 ENDING = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 #: Signals held while workers start; a worker unblocks them once its handlers are in place.
 HELD = (signal.SIGINT, *ENDING)
 
 
 class ParentSignalled(BaseException):
-    """Raised in the parent by one of :data:`ENDING` during a launch, to unwind and stop the workers first.
-
-    Args:
-        signum: the signal received; the workers are stopped with it.
-    """
+    """Raised in the parent by one of :data:`ENDING` (``signum``) during a launch, to stop the workers first."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -43,13 +34,8 @@ class ParentSignalled(BaseException):
 
 
 def ignored_signals() -> frozenset[int]:
-    """The signals of :data:`HELD` that the workers of a launch made now, from this thread, ignore: those this
-    process ignores (``SIG_IGN``), and SIGINT for a launch from another thread than the main thread.
-
-    Python gives SIGINT to the main thread, and the main thread decides what a Ctrl-C stops: a submitted
-    launch is stopped when an interrupted notebook cell ends, when ``result()`` is interrupted, or at exit.
-    The workers of such a launch, in the terminal's foreground job too, leave the terminal's Ctrl-C to it.
-    """
+    """Return the signals of :data:`HELD` that workers launched now from this thread ignore: those this process
+    ignores, and SIGINT off the main thread, which alone decides what a Ctrl-C stops."""
     ignored = {signum for signum in HELD if getsignal(signum) == SIG_IGN}
     if threading.current_thread() is not threading.main_thread():
         ignored.add(signal.SIGINT)
@@ -58,15 +44,9 @@ def ignored_signals() -> frozenset[int]:
 
 @contextlib.contextmanager
 def parent_signals() -> Iterator[None]:
-    """During the launch, let the signals of :data:`ENDING` unwind the parent (the workers are stopped with
-    the signal received); then end as the caller's disposition says, and put the caller's handlers back.
-
-    A signal the caller ignores stays ignored, and one whose handler was not set from Python (e.g.
-    ``faulthandler.register``) is left alone. After the workers are stopped, the parent ends as it would have
-    without mplaunch: with the default disposition it dies by the signal; with a Python handler, that handler
-    is called (with frame ``None``) and, if it returns, the call raises ``KeyboardInterrupt``. Only the main
-    thread can set handlers: a launch from another thread (``submit()``) leaves them as they are.
-    """
+    """Let the signals of :data:`ENDING` unwind the parent during the launch, then end as the caller's disposition
+    says (die by it, or call its handler with frame ``None`` and raise ``KeyboardInterrupt``). Ignored signals,
+    handlers set outside Python, and all handlers off the main thread are left alone."""
     with exit_statuses_kept():
         if threading.current_thread() is not threading.main_thread():
             yield
@@ -104,7 +84,7 @@ def _restore(previous: dict[int, Any], handled: list[int]) -> None:
 
 
 def _end_as(signum: int, previous: Any) -> None:
-    """End the parent as ``signum`` would have without mplaunch: call the caller's handler, else die by it."""
+    """End the parent as ``signum`` would have without mplaunch."""
     name = signal.Signals(signum).name
     if callable(previous):
         previous(signum, None)
@@ -114,9 +94,8 @@ def _end_as(signum: int, previous: Any) -> None:
 
 
 def sigchld_handled() -> bool:
-    """Whether the caller handles SIGCHLD (a Python handler; ``None``: one set outside Python): a handler that
-    reaps every child (a common server pattern) may reap a forked worker before the launch reads the kernel's
-    account of it (peak memory, CPU time), so the workers then leave their own on the board."""
+    """Tell whether the caller handles SIGCHLD: a handler may reap a worker before the launch reads the
+    kernel's account of it, so workers then leave their own on the board."""
     return getsignal(signal.SIGCHLD) not in (SIG_DFL, SIG_IGN)
 
 
@@ -126,12 +105,8 @@ _children_users = 0
 
 @contextlib.contextmanager
 def exit_statuses_kept() -> Iterator[None]:
-    """While launches run, reset a SIGCHLD that the caller ignores to the default, so that the workers' exit
-    codes and signals can be read (with SIGCHLD ignored, the kernel reaps ended children at once); put it
-    back when the last launch ends, and reap the children that ended meanwhile, as ignoring SIGCHLD would have.
-
-    It works from any thread: the disposition is set through libc, out of Python's sight.
-    """
+    """While launches run, reset an ignored SIGCHLD (the kernel would reap workers at once) to the default;
+    when the last ends, ignore it again and reap what ended meanwhile. Set through libc: from any thread."""
     global _children_users
     setter = _libc_signal()
     with _children_lock:
@@ -152,7 +127,7 @@ def exit_statuses_kept() -> Iterator[None]:
 
 
 def _reap_ended() -> None:
-    """Reap the children that ended while SIGCHLD was not ignored (the caller expects none to linger)."""
+    """Reap the children that ended while SIGCHLD was not ignored."""
     with contextlib.suppress(ChildProcessError, OSError):
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
             pass
@@ -171,18 +146,11 @@ def _libc_signal() -> Any:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold the signals of :data:`HELD` for a moment that must not be cut, and deliver them after: while
-    workers fork, and while a worker is reaped (a KeyboardInterrupt between multiprocessing's ``waitpid`` and
-    its noting the exit code would lose the worker's status for good).
-
-    They are blocked in this thread: a forked child inherits the mask, so a signal sent to it before it has
-    installed its own handlers waits instead of unwinding the parent's stack copied into it (the worker
-    unblocks them first thing). The kernel may still hand the parent's signal to another thread (a notebook
-    kernel's, a timer's), and Python would then run the handler in the main thread at any point, for
-    instance inside logging's fork hook, where CPython only prints the KeyboardInterrupt and drops it. So in
-    the main thread the Python handlers meanwhile only note what came, and it is raised again, to the real
-    handlers, on exit.
-    """
+    """Hold the signals of :data:`HELD` while workers fork or one is reaped (an interrupt between ``waitpid`` and
+    the noting of the exit code loses it), and deliver them after. They are blocked in this thread, so a forked
+    child inherits the mask until its handlers are in place. The kernel may still deliver to another thread, and
+    Python would run the handler anywhere in the main thread (CPython drops it in logging's fork hook), so there
+    the handlers only note signals, raised at the end."""
     replaced: dict[int, Any] = {}
     main = threading.current_thread() is threading.main_thread()
     if main:
@@ -213,10 +181,8 @@ def signals_held() -> Iterator[None]:
 
 
 class _Hold:
-    """The main thread's :func:`signals_held`: how many are open, and the signals noted meanwhile (raised
-    again when the outermost ends). :func:`parent_signals`' handler stays in place during a hold and notes
-    by itself, so that a hold swaps only the handlers that are not mplaunch's (two system calls each); it
-    used to swap six, eight times per launch."""
+    """The main thread's open :func:`signals_held` count and the signals noted meanwhile. speed:
+    :func:`parent_signals`' handler notes by itself, so a hold swaps only other handlers."""
 
     def __init__(self) -> None:
         self.depth = 0
@@ -228,6 +194,6 @@ _hold = _Hold()
 
 @forks.in_child
 def _forget_holds() -> None:
-    """In a child forked during a hold (a worker): the hold, and what it noted, are the parent's."""
+    """Drop, in a forked child, the parent's hold and what it noted."""
     _hold.depth = 0
     _hold.noted = []

@@ -19,20 +19,8 @@ from mplaunch._wire.spec import RankPlacement
 def plan(
     config: ParallelConfig, nprocs: int, names: list[str] | None, *, multinode: bool, threads_kept: bool
 ) -> tuple[RankPlacement, ...] | None:
-    """Each local rank's :class:`RankPlacement`, or ``None`` when no option asks for one.
-
-    Args:
-        config: the launch's options.
-        nprocs: ranks on this node.
-        names: the ``CUDA_VISIBLE_DEVICES`` names of the launch's devices, or ``None`` without ``devices=``.
-        multinode: the ranks are numbered by the rendezvous: ``env=``'s function is called in the workers.
-        threads_kept: each rank may run as many intra-op threads as it has CPUs (the user did not set
-            ``OMP_NUM_THREADS``, and forked workers can run more than one).
-
-    Raises:
-        InvalidOptionError: ``env=``'s function returned a bad mapping.
-        LaunchRefusedError: ``cpu_binding`` has fewer CPUs than ranks to share.
-    """
+    """Return each local rank's :class:`RankPlacement`, or ``None`` when no option asks for one. With
+    ``multinode``, workers call ``env=``'s function; with ``threads_kept``, a rank may run a thread per CPU."""
     if names is None and config.cpu_binding is None and config.env is None:
         return None
     cuda = ",".join(names) if names is not None else None
@@ -57,11 +45,7 @@ def plan(
 
 
 def env_function(config: ParallelConfig, start_method: str) -> Callable[[int], Mapping[str, str]] | None:
-    """``env=``'s function, for the workers of a multi-node launch to call with their global rank.
-
-    Raises:
-        InvalidOptionError: the function cannot be pickled, as ``spawn``/``forkserver`` workers need.
-    """
+    """Return ``env=``'s function for multi-node workers to call; refuse one spawn/forkserver cannot pickle."""
     if not callable(config.env):
         return None
     if start_method != "fork":
@@ -89,7 +73,7 @@ def _rank_env(env: object, rank: int, devices: bool) -> dict[str, str]:
 
 
 def _bind(kind: str, nprocs: int, names: list[str] | None) -> list[tuple[int | None, tuple[int, ...] | None]]:
-    """Each rank's NUMA node (``"numa"``) and CPUs, within this process's affinity mask (and so its cpuset)."""
+    """Return each rank's NUMA node (``"numa"``) and CPUs, within this process's affinity mask."""
     allowed = sorted(os.sched_getaffinity(0))
     if kind == "numa":
         preferred: list[int | None] = []
@@ -106,5 +90,5 @@ def _bind(kind: str, nprocs: int, names: list[str] | None) -> list[tuple[int | N
 
 
 def topology_text(cpus: list[int]) -> str:
-    """``cpus`` as a short list for messages."""
+    """Format ``cpus`` as a short list for messages."""
     return ",".join(map(str, cpus[:16])) + ("..." if len(cpus) > 16 else "")

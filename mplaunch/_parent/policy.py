@@ -1,12 +1,7 @@
-"""Launch policy, decided in the parent: the start method when none is given, ``nprocs="auto"``,
-``backend="auto"``, and how many intra-op threads each worker uses.
-
-Forked workers keep ``cores // nprocs`` threads because the parent frees its OpenMP pools right before
-forking (see :mod:`mplaunch._platform.openmp`); the parent's pool is rebuilt on its next parallel region
-(a few threads created, microseconds). Only where no runtime can be paused (another thread of the parent is
-inside a parallel region, or an OpenMP without the call) do forked workers fall back to one thread, as
-PyTorch's own DataLoader workers always do.
-"""
+"""Launch policy, decided in the parent: the default start method, ``nprocs="auto"``, ``backend="auto"``, and
+each worker's intra-op threads. Forked workers keep ``cores // nprocs`` threads because the parent frees its
+OpenMP pools right before forking (:mod:`mplaunch._platform.openmp`); where none can be freed, they get one
+thread, as PyTorch's DataLoader workers always do."""
 
 from __future__ import annotations
 
@@ -25,7 +20,7 @@ _warned = False
 
 
 def is_interactive() -> bool:
-    """Whether this is an interactive session: the REPL, ``python -i``, or an IPython/Jupyter shell."""
+    """Tell whether this is the REPL, ``python -i``, or an IPython/Jupyter shell."""
     if hasattr(sys, "ps1") or sys.flags.interactive:
         return True
     ipython = sys.modules.get("IPython")
@@ -33,17 +28,14 @@ def is_interactive() -> bool:
 
 
 def default_start_method() -> str:
-    """The start method used when none is given: ``fork`` in an interactive session where ``fork`` exists and
-    CUDA is not initialised, ``spawn`` otherwise (functions of notebook cells travel by value there)."""
+    """Return ``fork`` in an interactive session where it exists and CUDA is not initialised, else ``spawn``."""
     if is_interactive() and "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
         return "fork"
     return "spawn"
 
 
 def resolve_nprocs(nprocs: int | str) -> int:
-    """Turn ``nprocs`` into a number: ``"auto"`` is the number of visible CUDA devices when CUDA is
-    available, otherwise the number of usable CPU cores (affinity mask and cgroup quota). Probing CUDA this
-    way does not initialise it."""
+    """Turn ``"auto"`` into the visible CUDA devices (without initialising CUDA), else the usable CPU cores."""
     if isinstance(nprocs, int):
         return nprocs
     if torch.cuda.is_available():
@@ -52,8 +44,7 @@ def resolve_nprocs(nprocs: int | str) -> int:
 
 
 def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None) -> str | None:
-    """Turn ``"auto"`` into ``"nccl"`` when CUDA is available with at least ``nprocs`` devices (the launch's
-    ``devices`` when given), else ``"gloo"``; other values are returned as they are. Does not initialise CUDA."""
+    """Turn ``"auto"`` into ``"nccl"`` given ``nprocs`` devices (``devices``, else visible ones), else ``"gloo"``."""
     if backend != "auto":
         return backend
     if devices is not None:
@@ -62,8 +53,7 @@ def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None
 
 
 def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
-    """Threads per worker: the user's ``OMP_NUM_THREADS`` when it is a number, else usable cores // nprocs,
-    at least 1."""
+    """Return the user's ``OMP_NUM_THREADS`` when it is a number, else usable cores // nprocs (at least 1)."""
     user = whole_number(environ.get("OMP_NUM_THREADS", ""))
     if user is not None:
         return max(1, user)
@@ -71,11 +61,7 @@ def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.
 
 
 def worker_threads(nprocs: int, start_method: str, wanted: int | None = None) -> int:
-    """Intra-op threads for each worker of a launch: ``wanted`` (by default :func:`wanted_threads`).
-
-    Under ``fork`` the parent's OpenMP pools are released first (see the module docstring); if that fails,
-    forked workers get one thread and a one-time ``RuntimeWarning`` pointing at the caller's line says so.
-    """
+    """Return ``wanted`` threads, freeing the OpenMP pools under fork; if that fails, 1 (warned once)."""
     global _warned
     wanted = wanted_threads(nprocs) if wanted is None else wanted
     if start_method != "fork" or wanted == 1 or openmp.release_pools():

@@ -1,10 +1,6 @@
 """The only code that starts processes: a launch's workers (forked here where pidfds exist, else through
-``torch.multiprocessing``), the fork server, the launch-directory reaper. Signalling and killing them is
-:mod:`mplaunch._parent.signalling`.
-
-While workers start, the parent holds: a ``__main__`` that multiprocessing can describe to a spawned child,
-one string-hashing seed for spawned workers, the signals of ``signals.HELD``, and a lock against concurrent
-starts."""
+``torch.multiprocessing``), the fork server, the launch-directory reaper. While workers start, the parent holds
+a ``__main__`` spawn can describe, one hash seed for spawn workers, the signals of ``HELD``, and a lock."""
 
 from __future__ import annotations
 
@@ -36,27 +32,21 @@ from mplaunch._wire.records import Payload
 from mplaunch._wire.spec import WorkerSpec
 from mplaunch._worker.entry import run
 
-#: Held while a launch starts its workers: one launch forks at a time. Where multiprocessing starts them, it
-#: makes a worker's sentinel pipe, forks, then closes the pipe's write end here: a fork from another thread
-#: (a concurrent ``submit()``) in between would give that end to the other launch's worker, and this launch
-#: would never see its own worker end. A forked child gets the lock as its parent held it, so it is made new
-#: there (CPython's own re-initialisation, as logging's).
+#: Held while a launch starts its workers: a fork from another thread would inherit the write end of a sentinel
+#: pipe multiprocessing has yet to close, and this launch would never see its worker end. A child gets it new.
 _STARTING = forks.new_lock()
 
 
 @forks.in_child
 def _forget_fork_server() -> None:
-    """In a child forked from this process (a fork-launched rank, a ``multiprocessing.Pool`` worker): the fork
-    server this process started is not the child's own (``ensure_running`` would fail in ``waitpid`` with a
-    bare ``ChildProcessError``), so the child starts one of its own when it launches with ``forkserver``."""
+    """Forget the parent's fork server in a forked child: its ``waitpid`` would fail there (``ChildProcessError``)."""
     server: Any = multiprocessing.forkserver._forkserver
     alive = getattr(server, "_forkserver_alive_fd", None)
     if getattr(server, "_forkserver_pid", None) is None:
         return
     server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
     if alive is not None:
-        with contextlib.suppress(OSError):  # the parent's server ends when the parent lets it go, not this child
-            os.close(alive)
+        _close_quietly(alive)  # the parent's server ends when the parent lets it go, not this child
 
 
 def start_workers(
@@ -68,20 +58,8 @@ def start_workers(
     target: Callable[..., None] = run,
     rank_args: Sequence[tuple[Any, ...]] = (),
 ) -> None:
-    """Start one worker per spec of ``specs``, rank 0 first, each running ``target`` (a launch's
-    :func:`mplaunch._worker.entry.run`); hand each to ``started`` as soon as it runs (the engine opens its
-    pidfd before anything can reap it).
-
-    Args:
-        specs: each rank's worker spec (the launch's start method, nprocs, ...).
-        payload: the call, for forked workers to inherit; ``None`` where workers read it from the launch
-            directory.
-        preload: modules the fork server imports once, when this launch starts it.
-        started: called with each started process, in rank order.
-        target: what each worker runs, called as ``target(rank, specs[rank], payload, *rank_args[rank])``.
-        rank_args: per rank, more arguments for ``target`` (e.g. a warm worker's end of its pipe);
-            empty: none.
-    """
+    """Start one worker per spec, rank 0 first, each running ``target(rank, specs[rank], payload,
+    *rank_args[rank])``, and hand each to ``started`` as soon as it runs (before anything can reap it)."""
     spec = specs[0].launch
     context = mp.get_context(spec.start_method)
     rank = 0
@@ -111,8 +89,7 @@ def start_workers(
                     return
                 for rank, process in enumerate(processes):  # noqa: B007 - the rank that failed is reported
                     process.start()
-                    # the launch reaps it, as it does forked ones: multiprocessing's list of children is where
-                    # another thread's start or active_children() reaps ended children, exit code and usage
+                    # the launch reaps it, not another thread's start or active_children() (they reap this list)
                     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
                     started(process)
     except (OSError, EOFError) as error:
@@ -126,18 +103,10 @@ def start_workers(
 
 
 def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], None]) -> tuple[int, OSError | None]:
-    """Fork every one of ``processes``, one right after the other, then hand each to ``started``. Returns
-    ``(len(processes), None)``, else the rank that could not start and why: a fork refused, or a pidfd that
-    could not be opened (that worker is killed and reaped); the workers forked before it are handed over.
-
-    Each worker is forked as ``multiprocessing`` would (the child runs the process's ``_bootstrap``, so it is
-    ``current_process()`` there), without what it adds for a child that nobody else waits on: two pipes, a
-    finalizer, and a poll of every earlier child, per start. Each worker's pidfd is opened right after its
-    fork, before it can end (and be reaped by someone else: a caller's SIGCHLD handler); the rest of the
-    parent's bookkeeping comes after the last fork: after each fork, each page the parent writes is copied,
-    so bookkeeping between forks copied the same pages once per worker. Each worker sees its parent through
-    a pidfd too (``parent_process()``). The workers are not ``multiprocessing``'s children: starting another
-    process (a fork from another thread) never reaps them before the launch does."""
+    """Fork each process in turn, then hand each to ``started``; return how many started and the error that
+    stopped the rest (that worker killed and reaped), else ``None``. Unlike multiprocessing: no pipes, finalizer
+    or reaping of earlier children; a pidfd opens right after each fork, before a SIGCHLD handler can reap it,
+    other bookkeeping after the last fork (speed: each page written between forks is copied once per worker)."""
     multiprocessing.util._flush_std_streams()  # type: ignore[attr-defined] # once: nothing is written between
     parent = os.pidfd_open(os.getpid())
     forked: list[BaseProcess] = []
@@ -171,8 +140,7 @@ def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], Non
 
 
 class _Forked(multiprocessing.popen_fork.Popen):
-    """``multiprocessing``'s handle of a child that :func:`_fork_all` forked (poll, wait, terminate, kill); its
-    ``sentinel`` is a pidfd, closed with it."""
+    """Multiprocessing's handle of a child :func:`_fork_all` forked; its ``sentinel`` is a pidfd."""
 
     def __init__(self, pid: int) -> None:  # (not super().__init__: that forks)
         self.started_at = time.monotonic()  # right after the fork: the start of the worker's wall time
@@ -192,14 +160,7 @@ class _Forked(multiprocessing.popen_fork.Popen):
 
 
 def open_pidfd(process: BaseProcess) -> int:
-    """A new pidfd of the started ``process``, for the caller to close: a copy of the one :func:`_fork_all`
-    opened right after its fork (before anything could reap it: a worker that ends at once may be reaped by a
-    caller's SIGCHLD handler before the launch's bookkeeping), else ``os.pidfd_open`` of its pid.
-
-    Raises:
-        OSError: no pidfds here (Linux before 5.3), or the process is gone.
-        AttributeError: ``os.pidfd_open`` does not exist here.
-    """
+    """Return a new pidfd of ``process``: a copy of :func:`_fork_all`'s, else ``os.pidfd_open``'s (which may raise)."""
     popen = getattr(process, "_popen", None)
     if isinstance(popen, _Forked) and popen.sentinel >= 0:
         return os.dup(popen.sentinel)
@@ -207,16 +168,14 @@ def open_pidfd(process: BaseProcess) -> int:
 
 
 def started_at(process: BaseProcess) -> float:
-    """When ``process`` started (``time.monotonic()``): right after its fork where :func:`_fork_all` forked
-    it (the launch's bookkeeping comes after the last fork), else now."""
+    """Return when ``process`` started (``time.monotonic()``): right after its fork in :func:`_fork_all`, else now."""
     popen = getattr(process, "_popen", None)
     return popen.started_at if isinstance(popen, _Forked) else time.monotonic()
 
 
 def release(process: BaseProcess) -> None:
-    """Close ``process``'s descriptors once the launch is done with it: ``Process.close()``, and where
-    ``multiprocessing`` still takes it for running (someone else reaped it: a caller's SIGCHLD handler, or a
-    Ctrl-C landed between its reaping and the noting of its exit code), its pidfd."""
+    """Close ``process``'s descriptors; its pidfd too where multiprocessing still takes it for running (reaped
+    by a caller's SIGCHLD handler, or a Ctrl-C between its reaping and the noting of its exit code)."""
     try:
         process.close()
     except ValueError:
@@ -227,7 +186,7 @@ def release(process: BaseProcess) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _pidfds_work() -> bool:
-    """Whether this kernel gives pidfds (Linux 5.3+), which :func:`_fork_all` needs."""
+    """Tell whether this kernel gives pidfds (Linux 5.3+)."""
     try:
         os.close(os.pidfd_open(os.getpid()))
     except (AttributeError, OSError):
@@ -236,9 +195,8 @@ def _pidfds_work() -> bool:
 
 
 class _ForkPopen(multiprocessing.popen_fork.Popen):
-    """CPython's ``popen_fork.Popen`` (3.11), which closes its pipes when ``fork`` or the second pipe fails;
-    CPython's leaves them open (two or four descriptors each time the process limit or the open-files limit
-    is hit)."""
+    """CPython 3.11's ``popen_fork.Popen``, but closing its pipes when ``fork`` or the second pipe fails
+    (CPython leaks them each time a process or open-files limit is hit)."""
 
     def _launch(self, process_obj: Any) -> None:
         parent_r, child_w = os.pipe()
@@ -267,7 +225,7 @@ class _ForkPopen(multiprocessing.popen_fork.Popen):
 
 
 class _ForkProcess(multiprocessing.context.ForkProcess):
-    """A fork-started process using :class:`_ForkPopen`."""
+    """Start by fork with :class:`_ForkPopen`."""
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:  # noqa: N802 - multiprocessing's name
@@ -275,13 +233,13 @@ class _ForkProcess(multiprocessing.context.ForkProcess):
 
 
 def _forkserver_running() -> bool:
-    """Whether multiprocessing's fork server runs (a new one is started with ``exec``)."""
+    """Tell whether multiprocessing's fork server runs (a new one is started with ``exec``)."""
     pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     return pid is not None and _alive(pid)
 
 
 def _alive(pid: int) -> bool:
-    """Whether child ``pid`` has not ended (it is left unreaped)."""
+    """Tell whether child ``pid`` has not ended, leaving it unreaped."""
     try:
         return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
     except ChildProcessError:
@@ -289,8 +247,7 @@ def _alive(pid: int) -> bool:
 
 
 def _forget_dead_forkserver() -> None:
-    """Reap a fork server that died (of a limit, while forking a worker) and let the next launch start a new
-    one; multiprocessing would leave it a zombie until then."""
+    """Reap a fork server that died (of a limit) so the next launch starts a new one, not a zombie's."""
     server = multiprocessing.forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
     if pid is not None and not _alive(pid):
@@ -300,13 +257,8 @@ def _forget_dead_forkserver() -> None:
 
 @contextlib.contextmanager
 def daemonic_allowed() -> Iterator[None]:
-    """Let a daemonic process (a ``multiprocessing.Pool`` worker, where hyper-parameter searches run their
-    trials) start workers: ``Process.start()`` refuses children there (``AssertionError: daemonic processes
-    are not allowed to have children``), because a daemonic process is terminated without running its exit
-    code, which would leave its children running. A worker never outlives the process that launched it
-    (``PR_SET_PDEATHSIG`` under fork and spawn, a pidfd watch under forkserver), nor does the launch
-    directory (the reaper), so the flag is lifted while the workers start; the workers themselves are not
-    daemonic."""
+    """Let a daemonic process (a ``Pool`` worker) start workers, refused lest children outlive it: ours never
+    outlive their launcher (``PR_SET_PDEATHSIG``, a pidfd watch, the reaper)."""
     current = multiprocessing.process.current_process()
     config = getattr(current, "_config", None)
     if not isinstance(config, dict) or not config.get("daemon"):
@@ -321,10 +273,8 @@ def daemonic_allowed() -> Iterator[None]:
 
 @contextlib.contextmanager
 def main_prepared() -> Iterator[None]:
-    """Hide a ``__main__.__file__`` that is no real file (``python -`` sets ``<stdin>``): multiprocessing's
-    spawn would try to run it in the child and fail before our code runs. A ``__main__`` without
-    ``__spec__`` (``python -m pdb`` clears its namespace for the script) gets ``None``, as a script has:
-    multiprocessing reads it."""
+    """Hide a ``__main__.__file__`` that is no real file (``python -`` sets ``<stdin>``), which spawn would
+    run; give a ``__main__`` without ``__spec__`` (``python -m pdb``'s) ``None``, which multiprocessing reads."""
     main = sys.modules.get("__main__")
     if main is None:
         yield
@@ -347,20 +297,14 @@ def main_prepared() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def _hash_seed() -> str:
-    """This process's seed for the string hashing of its spawn workers, drawn once."""
+    """Draw this process's string-hashing seed for its spawn workers, once."""
     return str(int.from_bytes(os.urandom(4), "little") or 1)
 
 
 @contextlib.contextmanager
 def spawn_hash_seed(start_method: str) -> Iterator[None]:
-    """Give spawn workers one ``PYTHONHASHSEED`` (unless the user set one), so that every rank hashes strings
-    alike, as forked ranks (the parent's hashing) and forkserver ranks (the server's) do.
-
-    The seed must be in the environment a spawned interpreter starts with, and multiprocessing execs it with
-    this process's environment: it is set only while the workers start, with SIGINT and SIGTERM blocked (so
-    no handler of ours runs in between), and removed at once. The same seed serves every launch of this
-    process, so ranks of successive launches agree too.
-    """
+    """Give spawn workers one ``PYTHONHASHSEED`` (unless the user set one), so all ranks of all launches hash
+    strings alike; it is in this process's environment (which exec passes on) only while workers start."""
     if start_method != "spawn" or os.environ.get("PYTHONHASHSEED") not in (None, "", "random"):
         yield
         return
@@ -382,13 +326,8 @@ for entry in os.listdir(root):
 
 
 def start_reaper(root: str, prefix: str) -> int | None:
-    """Start the reaper of this process's launch directories in ``root`` (named ``prefix...``): a tiny Python
-    (no site, no torch) in a session of its own, holding the read end of a pipe whose write end only this
-    process keeps; when the pipe closes (this process died, however), it removes the directories.
-
-    Returns:
-        The reaper's pid, or ``None`` when it could not be started.
-    """
+    """Start the reaper of this process's launch directories ``root/prefix*`` (a bare Python in its own session)
+    and return its pid, or ``None``; it removes them when a pipe only this process holds closes."""
     read_end, write_end = os.pipe()
     try:
         reaper = os.posix_spawn(
@@ -423,15 +362,12 @@ def forget_reaper(reaper: int) -> None:
         os.close(_reaper_pipes.pop(reaper))
 
 
-#: The write end of each running reaper's pipe, by the reaper's pid. The pipe must close when this process
-#: dies, so a forked child (a worker, the user's) closes them all first thing: exactly the ends open now,
-#: never a descriptor number that a closed pipe once had and a new file reuses.
+#: The write end of each running reaper's pipe, by the reaper's pid. A forked child closes exactly these (never
+#: a reused number), so the pipe closes when this process dies.
 _reaper_pipes: dict[int, int] = {}
 
 
 @forks.in_child
 def _close_reaper_pipes() -> None:
-    for fd in _reaper_pipes.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
+    _close_quietly(*_reaper_pipes.values())
     _reaper_pipes.clear()

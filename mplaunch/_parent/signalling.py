@@ -27,18 +27,14 @@ def signal_worker(process: BaseProcess, signum: int) -> None:
 
 
 def kill_tree(process: BaseProcess) -> None:
-    """SIGKILL a live worker and every process it started, however deep (it stays in its caller's process
-    group, so there is no group of its own to kill). The worker is not reaped yet, so its pid is its own."""
+    """SIGKILL a live, unreaped worker and every process it started (it has no process group of its own)."""
     if process.pid is not None:
         _kill_trees([process.pid])
 
 
 def kill_leftovers(rank: int, master_port: int) -> None:
-    """SIGKILL what a worker that ended without stopping its tree (killed by someone else, ``os._exit``) left
-    running: its orphans have gone to init, so they are found by the environment that the worker gave them
-    when they were executed (``MASTER_PORT`` is this attempt's own). The idea is Jenkins' ProcessTreeKiller
-    (its ``BUILD_ID`` cookie). A process forked without ``exec`` shows its exec-time environment, not the
-    rank's, and is not found: DataLoader workers end on their own when their rank is gone."""
+    """SIGKILL the orphans of a worker that ended without stopping its tree, found by the environment it gave
+    what it executed (Jenkins' ProcessTreeKiller cookie); forked-only ones (DataLoader workers) end alone."""
     cookie = {WORKER_VARIABLE: "1", "RANK": str(rank), "MASTER_PORT": str(master_port)}
     found = with_environment(cookie)
     if found:
@@ -46,9 +42,8 @@ def kill_leftovers(rank: int, master_port: int) -> None:
 
 
 def _kill_trees(roots: list[int]) -> None:
-    """SIGKILL processes ``roots`` and their descendants. The trees are frozen first, top down (SIGSTOP: a
-    stopped process forks no more, and a descendant orphaned meanwhile becomes a worker's child, a worker
-    being a child subreaper), until a walk of ``/proc`` finds nothing new; then everything found is killed."""
+    """SIGKILL ``roots`` and their descendants, frozen first top down (SIGSTOP: no more forks; a worker is a
+    subreaper, so orphans stay found) until ``/proc`` shows nothing new."""
     frozen: list[int] = []
     found = roots
     for _ in range(100):
@@ -65,13 +60,7 @@ def _kill_trees(roots: list[int]) -> None:
 
 
 def send_signal(pid: int, pidfd: int | None, signum: int) -> None:
-    """Send ``signum`` to process ``pid`` through ``pidfd`` (never to a process that took a reaped worker's
-    pid), else by pid.
-
-    Raises:
-        ProcessLookupError: the process has ended (and been reaped).
-        OSError: the signal could not be sent.
-    """
+    """Send ``signum`` through ``pidfd`` (never to a process that took a reaped worker's pid), else to ``pid``."""
     if pidfd is not None and hasattr(signal, "pidfd_send_signal"):
         signal.pidfd_send_signal(pidfd, signum)
     else:
@@ -90,13 +79,8 @@ def _tgkill() -> Any:
 
 
 def _to_main_thread(pid: int, signum: int) -> None:
-    """Send ``signum`` to the main thread of process ``pid`` (``tgkill``), else to the process.
-
-    A signal sent to a process goes to any of its threads that does not block it. Python runs its handlers in
-    the main thread, but a main thread blocked in a system call (a DataLoader waiting for a batch) is woken
-    only by a signal delivered to it; otherwise the worker would sit until SIGKILL. A thread-directed signal
-    interrupts that call, so the handler runs at once.
-    """
+    """Send ``signum`` to the main thread of ``pid`` (``tgkill``), else to the process: only a signal to the
+    main thread interrupts its blocking system call, so Python's handler runs at once."""
     tgkill = _tgkill()
     if tgkill is None or tgkill(pid, pid, signum) != 0:
         os.kill(pid, signum)

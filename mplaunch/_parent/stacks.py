@@ -1,10 +1,7 @@
-"""Every live rank's Python stacks, on request: each worker dumps them with :mod:`faulthandler` when it gets
-:data:`~mplaunch._wire.board.STACKS_SIGNAL` (see :mod:`mplaunch._worker.heartbeat`); and where each rank was, in
-one line: the innermost frame of the user's code in the thread that runs the function.
-
-The idea of dumping every thread without the GIL from a signal handler is CPython's ``faulthandler`` (as
-``py-spy dump`` does from outside); torchrun has no equivalent, NCCL's flight recorder covers collectives.
-"""
+"""Every live rank's Python stacks, on request (each worker dumps them with :mod:`faulthandler` on
+:data:`~mplaunch._wire.board.STACKS_SIGNAL`), and where each rank was, in one line: the innermost frame of the
+user's code in the thread that runs the function. Dumping every thread from a signal handler is CPython's
+``faulthandler`` idea (``py-spy dump`` does it from outside)."""
 
 from __future__ import annotations
 
@@ -42,7 +39,7 @@ _LIBRARIES = ("site-packages", "dist-packages")
 
 @dataclasses.dataclass(frozen=True)
 class Frame:
-    """One line of a dump: ``File "<file>", line <line> in <function>``."""
+    """One frame line of a dump."""
 
     file: str
     line: int | None
@@ -56,18 +53,8 @@ class Frame:
 
 
 def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: float = DUMP_BOUND) -> dict[int, str]:
-    """Ask each rank in ``senders`` for its stacks and return those that came within ``bound`` seconds.
-
-    Args:
-        directory: the launch directory, where each rank's dump file is.
-        senders: per rank, a function that sends it :data:`~mplaunch._wire.board.STACKS_SIGNAL` (raising
-            ``OSError`` when the worker is gone).
-        bound: seconds to wait for every dump together.
-
-    Returns:
-        Each rank's dump text, by rank; a rank that cannot dump yet (still starting), has ended, or did not
-        finish its dump in time is missing (a partial dump is returned as it is).
-    """
+    """Signal each rank through ``senders`` (which raise ``OSError`` once it is gone) and return, by rank, the
+    dumps written in ``directory`` within ``bound`` seconds in all (a partial dump as it is)."""
     paths: dict[int, str] = {}
     for rank, send in senders.items():
         path = os.path.join(directory, stacks_name(rank))
@@ -77,8 +64,7 @@ def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: fl
         except OSError:  # no dump file yet (the rank is starting: the signal would end it), or it has ended
             continue
         paths[rank] = path
-    sizes = dict.fromkeys(paths, 0)
-    steady = dict.fromkeys(paths, 0)
+    sizes, steady = dict.fromkeys(paths, 0), dict.fromkeys(paths, 0)
     deadline = time.monotonic() + bound
     while any(count < _STEADY for count in steady.values()) and time.monotonic() < deadline:
         time.sleep(_POLL)
@@ -97,9 +83,7 @@ def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: fl
 
 
 def above_the_fork(text: str) -> str:
-    """A forked worker's dump without the frames it inherited: a forked process goes on from its parent's
-    ``os.fork()`` call, so its stack goes down through the parent's launch to the caller's own code, which
-    this process never ran. Each thread's frames from mplaunch's forking function down are left out."""
+    """Drop from a forked worker's dump the frames it inherited, from mplaunch's forking function down."""
     kept: list[str] = []
     inherited = False
     for line in text.splitlines(keepends=True):
@@ -113,15 +97,14 @@ def above_the_fork(text: str) -> str:
 
 
 def forget(directory: str, rank: int) -> None:
-    """Remove the dump file of ``rank``'s worker of an earlier attempt: the next attempt's worker cannot dump
-    until it has made its own, and a signal before that would end it (its default action)."""
+    """Remove an earlier attempt's dump files of ``rank``: a signal before the new worker makes its own ends it."""
     for name in (stacks_name(rank), stacks_pending_name(rank)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, name))
 
 
 def threads(text: str) -> list[list[Frame]]:
-    """The frames of each thread in a faulthandler dump, innermost first, in the dump's order."""
+    """Parse a faulthandler dump into each thread's frames, innermost first."""
     found: list[list[Frame]] = []
     for line in text.splitlines():
         if _THREAD.match(line) or line.startswith("Stack (most recent call first)"):
@@ -135,9 +118,7 @@ def threads(text: str) -> list[list[Frame]]:
 
 
 def _tier(file: str) -> int:
-    """0: the user's code, also code without a file (typed at a prompt, ``python -c``, ``exec``: ``<stdin>``,
-    ``<string>``, ``<ipython-input-...>``); 1: another installed library; 2: mplaunch, torch, the standard
-    library (also its frozen modules, ``<frozen ...>``)."""
+    """Rank ``file``: 0 the user's (also ``<stdin>``, ``<string>``), 1 another library, 2 mplaunch, torch, stdlib."""
     if file.startswith("<frozen ") or file.startswith(_PACKAGE + os.sep) or file.startswith(_TORCH + os.sep):
         return 2
     if any(f"{os.sep}{name}{os.sep}" in file for name in _LIBRARIES):
@@ -153,9 +134,8 @@ def _stdlib() -> tuple[str, ...]:
 
 
 def innermost_user_frame(text: str) -> Frame | None:
-    """Where the rank was: in the thread that runs the function (the one under mplaunch's worker entry; else
-    the first thread), its innermost frame of the user's code above the entry (else of another library, else
-    its innermost frame). ``None`` for a dump without frames."""
+    """Return, in the thread under the worker entry (else the first), the innermost frame above the entry of
+    the user's code, else another library's, else any."""
     stacks = [stack for stack in threads(text) if stack]
     if not stacks:
         return None
@@ -170,15 +150,12 @@ def innermost_user_frame(text: str) -> Frame | None:
 
 
 def _runs_function(frame: Frame) -> bool:
-    """Whether ``frame`` is the worker entry's frame that calls the user's function."""
+    """Tell whether ``frame`` is the worker entry's frame that calls the user's function."""
     return (frame.file, frame.function) in _RUNS_FUNCTION
 
 
 def summary(stacks: Mapping[int, str]) -> str:
-    """One clause per rank, e.g. ``rank 0 in stuck_here (train.py:12); rank 1 in step (train.py:30)``; a rank
-    with no frame of the user's code or of another library on its stack (stuck in torch's code, or after the
-    function returned, in a destructor) is ``outside your code``, so that mplaunch's or torch's frame is not
-    read as the user's."""
+    """Summarise one clause per rank, e.g. ``rank 0 in stuck_here (train.py:12)``, or ``outside your code``."""
     parts = []
     for rank in sorted(stacks):
         frame = innermost_user_frame(stacks[rank])
@@ -192,7 +169,7 @@ def summary(stacks: Mapping[int, str]) -> str:
 
 
 def write_to_log_dir(log_dir: str | None, stacks: Mapping[int, str]) -> None:
-    """Write each rank's dump to ``log_dir/rank{N}.stacks`` (nothing without ``log_dir``); never raises."""
+    """Write each rank's dump to ``log_dir/rank{N}.stacks``; never raises."""
     if log_dir is None:
         return
     for rank, text in stacks.items():

@@ -1,9 +1,6 @@
-"""Warm workers are started from one long-lived thread of the parent.
-
-A worker's ``PR_SET_PDEATHSIG`` fires when the *thread* that forked it ends, not the process: warm workers
-outlive the call that started them, so they must not be started from a thread that ends before them (a
-``submit()``'s, or a thread of the user's). Every start of warm workers runs in this module's thread.
-"""
+"""Warm workers are started from one long-lived thread of the parent: a worker's ``PR_SET_PDEATHSIG`` fires
+when the *thread* that forked it ends, and warm workers outlive the call (a ``submit()``'s thread) that
+started them."""
 
 from __future__ import annotations
 
@@ -20,16 +17,12 @@ T = TypeVar("T")
 _Jobs = queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue[tuple[bool, Any]]]]
 _jobs: _Jobs | None = None
 _starter: threading.Thread | None = None
-_owner = -1  # the pid of the process whose starter this is: a forked child (a rank of fork-started warm
-# workers runs in the thread that forked it, the starter) has none serving its jobs, so it starts its own
+_owner = -1  # the pid whose starter this is: a forked child has none serving its jobs, so it starts its own
 _starter_lock = forks.new_lock()
 
 
 def in_starter(job: Callable[[], T]) -> T:
-    """Run ``job`` (which starts processes) in one long-lived thread and return its value or raise its error.
-
-    A worker's ``PR_SET_PDEATHSIG`` fires when the *thread* that forked it ends, so warm workers must not be
-    started from a thread that ends before them (a ``submit()``'s)."""
+    """Run ``job`` (which starts processes) in the starter thread; return its value or raise its error."""
     global _jobs, _starter, _owner
     with _starter_lock:
         if _owner != os.getpid() or _jobs is None:

@@ -1,12 +1,6 @@
-"""The rendezvous store a single-node launch hosts for its workers (``MASTER_ADDR``/``MASTER_PORT``).
-
-The parent listens on a port the OS assigns (port 0) and holds it for the whole launch, as torchrun's agent
-does: no "free port" is picked and released, so concurrent launches cannot collide. It starts the c10d
-``TCPStore`` on that socket (``master_listen_fd``) only when a worker connects: a launch whose function
-never sets up a process group pays for no store (its threads, its start-up, torch's reverse lookup of the
-store's own address), and one that does starts it while its workers start, not before them. Connections
-made meanwhile wait in the socket's backlog; the store accepts them when it starts.
-"""
+"""The rendezvous store a single-node launch hosts for its workers (``MASTER_ADDR``/``MASTER_PORT``). The
+parent holds a port the OS assigns for the whole launch, as torchrun's agent does, so launches cannot collide,
+and starts the c10d ``TCPStore`` on it only when a worker connects: no process group, no store."""
 
 from __future__ import annotations
 
@@ -24,18 +18,13 @@ import torch
 from mplaunch._env import DEFAULT_MASTER_ADDR, OWN_PORT_VARIABLE, whole_number
 from mplaunch._errors import LaunchRefusedError
 
-#: How long the hosted store waits for a client's request before giving up on it.
+#: How long the hosted store waits for a client's request.
 STORE_TIMEOUT = timedelta(seconds=60)
 
 
 class Rendezvous:
-    """Where the workers of one launch meet: ``addr`` and ``port`` (``MASTER_ADDR``/``MASTER_PORT``), and,
-    when ``agent_store`` is true, the store this process hosts there for them.
-
-    While the store is not started, :meth:`fileno` is the listening socket, readable when a worker has
-    connected; :meth:`serve` then starts the store on it. Without a socket (the user's ``MASTER_PORT``, a
-    store started at once, no ``torch.distributed``), there is nothing to watch.
-    """
+    """Where one launch's workers meet (``MASTER_ADDR``/``MASTER_PORT``), and with ``agent_store`` the store
+    hosted here. Until :meth:`serve`, :meth:`fileno` is the listening socket, readable once a worker connects."""
 
     def __init__(
         self, addr: str, port: int, agent_store: bool, listener: socket.socket | None = None, store: Any = None
@@ -47,22 +36,18 @@ class Rendezvous:
         self._store = store
 
     def fileno(self) -> int | None:
-        """The listening socket to watch for a first connection, or ``None`` once served (or none hosted)."""
+        """Return the listening socket to watch for a first connection, or ``None``."""
         return None if self._listener is None else self._listener.fileno()
 
     def serve(self) -> None:
-        """Start the c10d ``TCPStore`` on the listening socket, which it takes over; does nothing if started.
-
-        Raises:
-            LaunchRefusedError: torch cannot host a store on the socket.
-        """
+        """Start the c10d ``TCPStore`` on the listening socket, once."""
         if self._listener is None:
             return
         listener, self._listener = self._listener, None
         self._store = _host(self.addr, self.port, listener.detach())
 
     def close(self) -> None:
-        """Stop the store and close the socket (a worker still connecting is refused from now on)."""
+        """Stop the store and close the socket."""
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -71,18 +56,9 @@ class Rendezvous:
 
 @contextlib.contextmanager
 def rendezvous(*, lazy: bool = True, resolve_within: float | None = None) -> Iterator[Rendezvous]:
-    """Yield the launch's :class:`Rendezvous`: the user's ``MASTER_ADDR``/``MASTER_PORT`` when the user set
-    the port (a worker then hosts the store, as under ``torch.multiprocessing.spawn``), else a store hosted
-    here on a port the OS assigns. With ``lazy``, the store starts when :meth:`Rendezvous.serve` is called
-    on the first connection (the caller watches :meth:`Rendezvous.fileno`); without, it starts now (for a
-    function run in this very thread). ``MASTER_ADDR`` given as a host name is resolved first, waiting up to
-    ``resolve_within`` seconds (``None``: as long as the system's resolver takes), then its store starts at
-    once (torch resolves it again).
-
-    Raises:
-        LaunchRefusedError: ``MASTER_PORT`` is not a port, ``MASTER_ADDR`` does not resolve (in time), or no
-            store can be hosted at ``MASTER_ADDR``.
-    """
+    """Yield the launch's :class:`Rendezvous`: the user's ``MASTER_PORT`` if set (a worker hosts the store, as
+    under ``torch.multiprocessing.spawn``), else a store hosted here, started on the first connection with
+    ``lazy``; a host name ``MASTER_ADDR`` must resolve within ``resolve_within`` seconds, and starts it now."""
     own_port = os.environ.get(OWN_PORT_VARIABLE)
     port = os.environ.get("MASTER_PORT")
     if port and port == own_port:  # inherited from the launch this process is a worker of: not the user's
@@ -116,7 +92,7 @@ def rendezvous(*, lazy: bool = True, resolve_within: float | None = None) -> Ite
 
 
 def _listen(addr: str) -> socket.socket | None:
-    """A socket listening on ``addr`` (an IP address) at a port the OS assigns; ``None`` for a host name."""
+    """Return a socket listening on IP address ``addr`` at a port the OS assigns; ``None`` for a host name."""
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(addr).version == 6 else socket.AF_INET
     except ValueError:
@@ -128,12 +104,7 @@ def _listen(addr: str) -> socket.socket | None:
 
 
 def _resolve(addr: str, within: float | None) -> None:
-    """Refuse a host name ``addr`` that does not resolve, or not within ``within`` seconds (the lookup runs in
-    a daemon thread, left to end on its own when it takes longer).
-
-    Raises:
-        LaunchRefusedError: the name does not resolve, or not in time; the message names ``MASTER_ADDR``.
-    """
+    """Refuse a host name ``addr`` that does not resolve within ``within`` seconds (looked up in a daemon thread)."""
     found: list[BaseException | None] = []
 
     def look_up() -> None:

@@ -1,12 +1,7 @@
 """What each rank of a launch cost and how it ended, from the kernel (the records of :mod:`mplaunch._reports`).
-
-A worker that is this process's child is reaped with ``wait4``, which returns the kernel's account of it
-(peak resident memory, CPU time), also after a SIGKILL; ``multiprocessing`` is then told its exit code
-(``Popen.returncode``, which its ``poll()`` returns once set). A fork server's workers are not this process's
-children: they write their own account to the launch's board when they exit (none after a SIGKILL). The
-out-of-memory killer's count of each worker's cgroup is read before it starts and, when a SIGKILL ended it,
-before it is reaped: only a SIGKILL can be the killer's, so a launch whose workers exit reads it once.
-"""
+A child worker is reaped with ``wait4`` (peak memory, CPU time, even after a SIGKILL) and multiprocessing told
+its exit code; a fork server's workers leave their own account on the board. Each worker's cgroup OOM-kill
+count is read before it starts and, only after a SIGKILL (the killer's signal), before it is reaped."""
 
 from __future__ import annotations
 
@@ -24,12 +19,7 @@ from mplaunch._wire.board import MAX_RSS, SYSTEM_TIME, USER_TIME, Board
 
 
 class RankRecords:
-    """The parent's notes on each worker of one attempt: start, cgroup counts, end, usage.
-
-    Args:
-        board: the attempt's board, where fork-server workers leave their usage, or ``None``.
-        start_method: the launch's start method.
-    """
+    """The parent's notes on each worker of one attempt: start, cgroup counts, end, usage."""
 
     def __init__(self, board: Board | None, start_method: str) -> None:
         self.board = board
@@ -46,9 +36,7 @@ class RankRecords:
             self._own = (counters, oom_kills(counters))
 
     def started(self, rank: int, pid: int | None, at: float | None = None) -> None:
-        """Note that ``rank`` started as ``pid`` (``at``: when, ``time.monotonic()``; default now); read its
-        cgroup's out-of-memory count if it is not this process's child (a fork server's worker starts in
-        the server's cgroup)."""
+        """Note that ``rank`` started as ``pid`` at ``at`` (default now), with its cgroup's OOM-kill count."""
         self._started[rank] = time.monotonic() if at is None else at
         if self._own is not None:
             self._counters[rank] = self._own
@@ -57,9 +45,8 @@ class RankRecords:
             self._counters[rank] = (counters, oom_kills(counters))
 
     def reap(self, rank: int, process: BaseProcess, pidfd: int | None = None) -> None:
-        """Reap ``rank``'s ended worker (``process``), keeping the kernel's account of it; wait for it if it
-        has not ended. Idempotent. ``pidfd``: a pidfd of the worker, which still gives its exit status where
-        someone else reaped it first (a caller's SIGCHLD handler; Linux 6.15+)."""
+        """Reap (waiting for) ``rank``'s worker, keeping the kernel's account of it; idempotent. ``pidfd`` still
+        gives the exit status where a caller's SIGCHLD handler reaped it first (Linux 6.15+)."""
         if rank in self._ended:
             process.join()
             return
@@ -85,21 +72,19 @@ class RankRecords:
         self._ended[rank] = time.monotonic()
 
     def _count_oom_kills(self, rank: int) -> None:
-        """Note how many kills ``rank``'s cgroup counted since it started; read before it is reaped (the
-        cgroup is the one it died in)."""
+        """Note the kills ``rank``'s cgroup counted since it started (read before it is reaped)."""
         counters, before = self._counters.get(rank, ((), None))
         after = oom_kills(counters)
         self._oom_kills[rank] = None if before is None or after is None else after - before
 
     def oom_kills(self, rank: int) -> int | None:
-        """How many processes the out-of-memory killer ended in ``rank``'s cgroup while it ran, or ``None``."""
+        """Return how many processes the OOM killer ended in ``rank``'s cgroup while it ran, or ``None``."""
         return self._oom_kills.get(rank)
 
     def report(
         self, processes: list[BaseProcess], states: Mapping[int, object], stopped: set[int]
     ) -> tuple[RankReport, ...]:
-        """One :class:`RankReport` per rank (``states``, ``stopped``: the supervisor's, for the out-of-memory
-        verdict: a rank the launch stopped was not the killer's)."""
+        """Return one :class:`RankReport` per rank (a rank the launch ``stopped`` was not the OOM killer's)."""
         found = []
         for rank, process in enumerate(processes):
             usage = self._usage.get(rank) or self._board_usage(rank)
@@ -137,8 +122,7 @@ class RankRecords:
 
 
 def live_usage(pid: int | None) -> tuple[int, float, float] | None:
-    """A running process's peak resident memory so far (bytes) and CPU time (user, system; seconds), from
-    ``/proc``; ``None`` where it cannot be read (the process ended, no ``/proc``)."""
+    """Return a running process's peak RSS (bytes) and user and system CPU seconds from ``/proc``, or ``None``."""
     if pid is None:
         return None
     try:
@@ -153,8 +137,7 @@ def live_usage(pid: int | None) -> tuple[int, float, float] | None:
 
 
 def _killed(pid: int) -> bool:
-    """Whether child ``pid`` ended by SIGKILL (the out-of-memory killer's signal), or may have: it has not
-    ended yet (it is then waited for), or its end cannot be looked at. It is not reaped."""
+    """Tell, without reaping, whether child ``pid`` may have ended by SIGKILL (also: not ended yet, unknown)."""
     try:
         found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except (ChildProcessError, OSError):

@@ -1,12 +1,7 @@
-"""Multi-node launches, delegated to ``torch.distributed.elastic`` (the engine torchrun runs on).
-
-mplaunch does not start or watch these workers itself: elastic's agent does, with c10d rendezvous. What
-mplaunch adds around it: the state snapshot, private arguments, per-rank output and the process group (all
-in :func:`mplaunch._worker.elastic_entry`), rank 0's result on every node, the original exception type, the
-caller's signal handlers and environment as they were (elastic replaces the handlers and sets variables),
-and, through the rendezvous handler of :mod:`mplaunch._parent.nodes.handler`, ``timeout`` and a clear error for a
-lost node.
-"""
+"""Multi-node launches, delegated to ``torch.distributed.elastic`` (the engine torchrun runs on), whose agent
+starts and watches the workers. mplaunch adds rank 0's result on every node, the original exception type, the
+caller's signal handlers and environment kept, and (:mod:`.handler`) ``timeout`` and a clear error for a lost
+node; the worker's side is :func:`mplaunch._worker.elastic_entry`."""
 
 from __future__ import annotations
 
@@ -42,9 +37,7 @@ _HANDLED = (*_ELASTIC_SIGNALS, signal.SIGUSR2)
 
 @contextlib.contextmanager
 def _caller_state_kept() -> Iterator[None]:
-    """Put back the signal handlers and environment variables that elastic changes. Elastic sets handlers only
-    from the main thread, and only the main thread may set them back: a submitted launch (in a thread of its
-    own) leaves them alone."""
+    """Put back the signal handlers (main thread only, as elastic) and environment variables elastic changes."""
     main = threading.current_thread() is threading.main_thread()
     handlers = {signum: signal.getsignal(signum) for signum in _HANDLED} if main else {}
     try:
@@ -57,9 +50,7 @@ def _caller_state_kept() -> Iterator[None]:
 
 
 def _signals_to_handle(preempt_signals: tuple[int, ...]) -> str:
-    """Elastic's ``signals_to_handle``: its own signals less ``preempt_signals``, which preempt instead of
-    stopping (elastic would replace their handlers at each start of the workers). Never empty, which elastic
-    would warn about: SIGUSR2, which ends a launch anyway, stands in."""
+    """Return elastic's ``signals_to_handle``: its own less ``preempt_signals``, else SIGUSR2 (never none)."""
     names = [signal.Signals(signum).name for signum in _ELASTIC_SIGNALS if signum not in preempt_signals]
     if not names and signal.SIGUSR2 not in preempt_signals:
         names = ["SIGUSR2"]
@@ -67,8 +58,7 @@ def _signals_to_handle(preempt_signals: tuple[int, ...]) -> str:
 
 
 def _shutdown_timeout(grace_period: float) -> dict[str, Any]:
-    """``grace_period`` as elastic's ``shutdown_timeout``: whole seconds between its SIGTERM and SIGKILL of
-    the workers it stops (30 by default), where this torch's ``LaunchConfig`` takes it."""
+    """Return ``grace_period`` as elastic's ``shutdown_timeout`` (whole seconds), where this torch takes it."""
     from torch.distributed.launcher.api import LaunchConfig
 
     if "shutdown_timeout" not in {field.name for field in dataclasses.fields(LaunchConfig)}:
@@ -79,9 +69,8 @@ def _shutdown_timeout(grace_period: float) -> dict[str, Any]:
 def launch_nodes(
     spec: LaunchSpec, nodes: NodeSetup, config: ParallelConfig, preemption: Preemption | None = None
 ) -> list[Any]:
-    """Run this node's share of a multi-node launch; return the values of rank 0 (``return_all=False``) or of
-    this node's ranks, in rank order. ``preemption``: the launch's notice (see :mod:`mplaunch._parent.nodes.notice`);
-    once noticed, the launch raises :class:`~mplaunch.PreemptedError`."""
+    """Run this node's share of a multi-node launch; return rank 0's value, or with ``return_all`` this node's
+    ranks' values; raise :class:`~mplaunch.PreemptedError` once ``preemption`` is noticed."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -91,7 +80,6 @@ def launch_nodes(
     handler.register()
     told = preemption if preemption is not None and preemption.attached else None
     node_watch = handler.NodeWatch(nodes.rdzv_endpoint, nodes.nnodes, config.timeout, preemption=told)
-    # a worker waits for rank 0's result at most this long (rank 0's node may be gone)
     elastic_config = ElasticConfig(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
@@ -114,11 +102,8 @@ def launch_nodes(
         if told is not None
         else contextlib.nullcontext()
     )
-    with (
-        _caller_state_kept(),
-        exchanged,
-        routed([None] * spec.nprocs, spec) as pump,
-    ):  # ranks: as the rendezvous assigns
+    # ranks: as the rendezvous assigns
+    with _caller_state_kept(), exchanged, routed([None] * spec.nprocs, spec) as pump:
         worker = WorkerSpec(spec, AttemptSpec(output_fds=worker_fds(pump, spec.start_method, spec.nprocs)))
         if pump is not None:
             pump.start(keep_writers=True)  # elastic may restart workers on the same pipes
@@ -158,8 +143,7 @@ def launch_nodes(
 
 
 def _collect(spec: LaunchSpec, failed: dict[int, Any], config: ParallelConfig) -> list[Any]:
-    """Raise this node's first real failure (the first raised in time; a rank ended by elastic's own stop, lowest
-    rank first, only when no rank raised), else rank 0's (fetched from node 0); else return the values."""
+    """Raise this node's first failure in time (else lowest rank), else rank 0's; else return the values."""
     ranks = sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None)
     outcomes: dict[int, Outcome] = {
         rank: transport.load(spec.directory, outcome_name(rank), private=False, remove=True) for rank in ranks
@@ -189,7 +173,7 @@ def _leave_barrier(node_watch: handler.NodeWatch) -> None:
 
 
 def _preempted(spec: LaunchSpec, preemption: Preemption, node_rank: int) -> BaseException:
-    """The :class:`~mplaunch.PreemptedError` of this node: its ranks that returned, were stopped, or failed."""
+    """Return this node's :class:`~mplaunch.PreemptedError`."""
     ranks = range(node_rank * spec.nprocs, (node_rank + 1) * spec.nprocs) if node_rank >= 0 else range(0)
     states = {}
     for rank in sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None):

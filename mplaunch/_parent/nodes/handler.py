@@ -1,22 +1,8 @@
 """Watching the other nodes of a multi-node launch: a lost node and ``timeout`` end this node's launch.
-
-Elastic's agent checks the rendezvous between two looks at its workers (``num_nodes_waiting``) but notices
-neither a node that vanished nor the end of a time limit: a node whose peers were killed waits forever when
-its own ranks do not fail. :class:`WatchedRendezvous` wraps elastic's c10d rendezvous handler and, at each of
-those checks, raises :class:`~mplaunch.NodeLostError` when a node of the current round stopped sending its
-rendezvous heartbeats (c10d rendezvous drops it after ``keep_alive_interval * keep_alive_max_attempt``
-seconds of silence), when the rendezvous store stopped answering (its host is gone), or when another node
-closed the rendezvous (its launch ended); and :class:`~mplaunch.LaunchTimeoutError` past ``timeout``. The
-exception leaves elastic's agent, which stops this node's workers on its way out.
-
-A rank in a collective with a rank of a lost node fails first, with the backend's error. Then
-:meth:`WatchedRendezvous.lost_peer` tells whether a node is lost: each node marks the end of its launch in
-the store; a node that neither marked its end nor sent a heartbeat for a few seconds is lost.
-
-The handler is registered as the rendezvous backend ``mplaunch-c10d`` (elastic's documented way to bring a
-handler: ``torch.distributed.elastic.rendezvous.registry``); the launch's :class:`NodeWatch` travels in the
-rendezvous configuration under ``mplaunch_watch``.
-"""
+Elastic's agent notices neither a vanished node nor a time limit. :class:`WatchedRendezvous` wraps its c10d
+handler (registered as backend ``mplaunch-c10d``) and, at each ``num_nodes_waiting``, raises out of the agent,
+which stops this node's workers: a node dropped for missed heartbeats, a silent store, a closed rendezvous,
+past ``timeout``. After a rank fails, :meth:`WatchedRendezvous.lost_peer` looks for a node that went silent."""
 
 from __future__ import annotations
 
@@ -45,33 +31,18 @@ PROBE_WAIT = 2 * KEEP_ALIVE_INTERVAL + 1  # seconds a node that failed waits for
 
 @dataclasses.dataclass
 class NodeWatch:
-    """What one node's launch knows about its rendezvous, shared with its :class:`WatchedRendezvous`.
+    """What one node's launch knows about its rendezvous, shared with (and filled by) its rendezvous handler."""
 
-    Attributes:
-        endpoint: the rendezvous endpoint, ``host:port``.
-        nnodes: the number of nodes of the launch.
-        timeout: the launch's ``timeout`` in seconds, or ``None``.
-        deadline: the ``time.monotonic()`` at which ``timeout`` expires, or ``None``.
-        joined: the rendezvous completed at least once (the nodes met).
-        store_lost: the error with which the rendezvous store stopped answering, once it did.
-        peers: the other nodes of the last round, by node rank: ``(host, pid of the launching process)``.
-        lost_peer: once the nodes met, the rendezvous's :meth:`WatchedRendezvous.lost_peer`.
-        preemption: the launch's preemption notice, when its ranks can be told (see
-            :mod:`mplaunch._parent.nodes.notice`), else ``None``.
-        node_rank: this node's rank in the last round, or -1 before the nodes met.
-        leave_barrier: once the nodes met, the rendezvous's :meth:`WatchedRendezvous.leave_barrier`.
-    """
-
-    endpoint: str
+    endpoint: str  # host:port
     nnodes: int
-    timeout: float | None
-    deadline: float | None = None
-    joined: bool = False
-    store_lost: BaseException | None = None
-    peers: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    timeout: float | None  # seconds
+    deadline: float | None = None  # time.monotonic() at which timeout expires
+    joined: bool = False  # the nodes met at least once
+    store_lost: BaseException | None = None  # the store's error, once it stopped answering
+    peers: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)  # node rank: (host, pid)
     lost_peer: Callable[[], NodeLostError | None] | None = None
-    preemption: Preemption | None = None
-    node_rank: int = -1
+    preemption: Preemption | None = None  # the notice, when the ranks can be told
+    node_rank: int = -1  # -1 before the nodes met
     leave_barrier: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
@@ -79,7 +50,7 @@ class NodeWatch:
             self.deadline = time.monotonic() + self.timeout
 
     def remaining(self) -> float | None:
-        """Seconds left before ``timeout`` (at least a tenth of a second), or ``None`` without one."""
+        """Return the seconds left before ``timeout`` (at least 0.1), or ``None`` without one."""
         return None if self.deadline is None else max(0.1, self.deadline - time.monotonic())
 
     def check_deadline(self) -> None:
@@ -94,7 +65,7 @@ class NodeWatch:
             )
 
     def store_error(self, error: BaseException) -> NodeLostError:
-        """The error for a rendezvous store that stopped answering after the nodes met."""
+        """Return the error for a rendezvous store that stopped answering after the nodes met."""
         self.store_lost = error
         node_rank, host, pid, which = None, self.endpoint.rsplit(":", 1)[0], None, "the node hosting it"
         if len(self.peers) == 1:  # the store is not this node's: it is the other node's
@@ -113,8 +84,7 @@ class NodeWatch:
 
 
 class WatchedRendezvous(RendezvousHandler):
-    """Elastic's c10d rendezvous handler, plus the checks of :class:`NodeWatch` between two looks at the
-    workers (see the module's docstring). Everything else is the wrapped handler's."""
+    """Elastic's c10d rendezvous handler, plus the checks of :class:`NodeWatch` (see the module docstring)."""
 
     def __init__(self, handler: Any, watch: NodeWatch) -> None:
         self._handler = handler
@@ -170,9 +140,7 @@ class WatchedRendezvous(RendezvousHandler):
         return closed
 
     def num_nodes_waiting(self) -> int:
-        """Elastic's count of nodes waiting to join; raises :class:`NodeLostError` for a lost node,
-        :class:`LaunchTimeoutError` past ``timeout`` (see the module's docstring), and
-        :class:`~mplaunch._parent.nodes.notice.Preempted` at the end of this node's preemption grace."""
+        """Return elastic's count of waiting nodes; raise for a lost node, ``timeout`` or the end of the grace."""
         self._watch.check_deadline()
         notice.check_grace(self._watch.preemption)
         try:
@@ -198,15 +166,13 @@ class WatchedRendezvous(RendezvousHandler):
         return waiting
 
     def leave_barrier(self) -> None:
-        """Check this node in at elastic's exit barrier, where the other nodes wait once their ranks returned:
-        its launch ends before it gets there (see :mod:`mplaunch._parent.nodes.notice`)."""
+        """Check this node in at elastic's exit barrier, which its preempted launch never reaches."""
         if self._store is not None:
             notice.leave_barrier(self._store, len(self._participants) or self._watch.nnodes)
 
     def lost_peer(self) -> NodeLostError | None:
-        """After this node's ranks failed: the first other node of the round that neither marked the end of
-        its launch nor sent a heartbeat within ``PROBE_WAIT`` seconds, as the error to raise; else ``None``
-        (every node accounted for, or the store is gone, which the launch reports)."""
+        """Return the error for the first other node that neither marked its launch's end in the store nor sent
+        a heartbeat within ``PROBE_WAIT`` seconds, else ``None`` (a gone store is reported elsewhere)."""
         holder, state = getattr(self._handler, "_state_holder", None), self._state()
         if holder is None or state is None or self._store is None:
             return None
@@ -246,7 +212,7 @@ class WatchedRendezvous(RendezvousHandler):
         )
 
     def _state(self) -> Any:
-        """c10d's rendezvous state as last synced (private to elastic: ``None`` where it is not found)."""
+        """Return c10d's rendezvous state as last synced (elastic's private; ``None`` where not found)."""
         holder = getattr(self._handler, "_state_holder", None)
         return getattr(holder, "state", None)
 
@@ -260,12 +226,12 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def register() -> None:
-    """Register the ``mplaunch-c10d`` rendezvous backend with elastic (once; again is a no-op)."""
+    """Register the ``mplaunch-c10d`` rendezvous backend with elastic (idempotent)."""
     _registry.register(BACKEND, _create)
 
 
 def rendezvous_configs(watch: NodeWatch, join_timeout: float) -> dict[str, Any]:
-    """The rendezvous configuration of a launch watched by ``watch``."""
+    """Return the rendezvous configuration of a launch watched by ``watch``."""
     return {
         "join_timeout": join_timeout,
         "keep_alive_interval": KEEP_ALIVE_INTERVAL,

@@ -1,16 +1,8 @@
-"""Preemption of a multi-node launch: a notice received by one node reaches every node's ranks.
-
-Each node's launching process handles its own ``preempt_signals`` (see :mod:`mplaunch._parent.preemption`).
-A thread of the launching process (:func:`notices_exchanged`) writes this node's notice in the rendezvous
-store the moment it comes, and looks for another node's every tenth of a second, which it passes to this
-node's :class:`~mplaunch._parent.preemption.Preemption`: every rank's ``mplaunch.preempted()`` turns true
-wherever the signal landed. Each node counts its own ``preempt_grace``: between two looks at the workers,
-elastic's agent asks the rendezvous handler for waiting nodes, which raises :class:`Preempted` once the grace
-is over, out of the agent, which stops the node's ranks.
-
-A node that ends that way does not reach elastic's exit barrier, where the other nodes' agents wait for
-every node (up to 300 s) once their ranks returned: :func:`leave_barrier` checks it in there.
-"""
+"""Preemption of a multi-node launch: a notice received by one node reaches every node's ranks. A thread
+(:func:`notices_exchanged`) writes this node's notice to the rendezvous store and passes another node's to this
+node's :class:`~mplaunch._parent.preemption.Preemption`. Each node counts its own grace; then the rendezvous
+handler raises :class:`Preempted` out of elastic's agent, which stops the node's ranks, and :func:`leave_barrier`
+checks the node in at elastic's exit barrier, where the others would wait up to 300 s."""
 
 from __future__ import annotations
 
@@ -31,12 +23,11 @@ LOOK_INTERVAL = 0.1
 
 
 class Preempted(Exception):
-    """Raised out of elastic's agent when this node's grace is over (or a second notice came): the agent
-    stops the node's ranks on its way out. An ``Exception``, as elastic's agent expects of its handler."""
+    """Raised out of elastic's agent (which expects an ``Exception``) when this node's grace is over."""
 
 
 def check_grace(preemption: Preemption | None) -> None:
-    """Raise :class:`Preempted` once this node's grace is over (or a second notice came)."""
+    """Raise :class:`Preempted` once this node's grace is over."""
     if preemption is not None and preemption.noticed and preemption.remaining() == 0.0:
         raise Preempted()
 
@@ -45,11 +36,8 @@ def check_grace(preemption: Preemption | None) -> None:
 def notices_exchanged(
     preemption: Preemption, endpoint: str, run_id: str, node_rank: Callable[[], int]
 ) -> Iterator[None]:
-    """While the launch runs, exchange preemption notices with the other nodes through the rendezvous store at
-    ``endpoint`` (``host:port``), once the nodes met (``node_rank()``, this node's rank, is no longer -1; the
-    store is up then): this node's, written the
-    moment it comes, and theirs, looked for every :data:`LOOK_INTERVAL` seconds. A store that does not answer
-    ends the exchange; the node watch reports it."""
+    """While the launch runs, exchange preemption notices through the store at ``endpoint`` once the nodes met
+    (``node_rank()`` >= 0); a store that does not answer ends the exchange (the node watch reports it)."""
     stop = threading.Event()
     key = f"mplaunch/{run_id}/preempted"
 
@@ -83,7 +71,7 @@ def notices_exchanged(
 
 
 def _connect(endpoint: str) -> Any:
-    """A client of the rendezvous store at ``endpoint``, of this thread's own."""
+    """Connect this thread's own client of the rendezvous store at ``endpoint``."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     host, _, port = endpoint.rpartition(":")
@@ -93,8 +81,7 @@ def _connect(endpoint: str) -> Any:
 
 
 def leave_barrier(store: Any, nnodes: int) -> None:
-    """Check this node in at elastic's exit barrier without waiting there (its launch ends preempted before
-    reaching it), so that the other nodes' agents do not wait for it."""
+    """Check this node in at elastic's exit barrier without waiting there, so the other agents need not wait."""
     with contextlib.suppress(Exception):  # a store gone: nobody waits on it
         if store.add(f"{EXIT_BARRIER}/num_members", 1) == nnodes:
             store.set(f"{EXIT_BARRIER}/last_member", "<val_ignored>")
