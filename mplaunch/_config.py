@@ -9,7 +9,7 @@ import os
 import signal
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, TypeGuard
 
 from mplaunch._env import check_extra_env
 from mplaunch._errors import InvalidOptionError
@@ -56,12 +56,9 @@ class LaunchOptions(TypedDict, total=False):
     post_mortem: bool
 
 
-#: The ways of calling, as the options reference's table names them: a call of a decorated function,
-#: ``fn.submit()``, a decorated generator function, ``Workers(...)``, a decorated function's own options in
-#: ``Workers.run``/``submit``, and a launch on more than one node.
+#: The ways of calling, as the options reference's table names them.
 MODES = ("call", "submit()", "generator function", "Workers(...)", "Workers.run/submit", "multi-node")
-#: The options that apply to each call of warm workers rather than to their ranks' start: a decorated
-#: function's own values of these apply to its call in ``Workers.run``/``submit``.
+#: The options of each call of warm workers, not of their ranks' start (a decorated function's own apply).
 PER_CALL = ("return_all", "timeout", "stall_timeout", "preempt_signals", "preempt_grace")
 
 _RESTARTED = "the ranks a restart would start have lost the state a failed call needs; the next call starts them again"
@@ -75,9 +72,7 @@ _WITH_NODES = {"call": "with nnodes > 1", "submit()": "with nnodes > 1"}
 
 
 def _option(default: Any, *, refused: Mapping[str, str] | None = None, note: Mapping[str, str] | None = None) -> Any:
-    """A field of :class:`ParallelConfig`, with where it applies: ``refused``, per mode of :data:`MODES`, why
-    that mode cannot honour it (a value other than the default is refused there, naming the mode); ``note``,
-    per mode, how it applies there (for the table)."""
+    """Return a field of :class:`ParallelConfig` with, per mode of :data:`MODES`, why it is refused or a note."""
     return dataclasses.field(default=default, metadata={"refused": dict(refused or {}), "note": dict(note or {})})
 
 
@@ -99,16 +94,14 @@ class ParallelConfig:
     ``devices=``, else the visible CUDA devices when there are any, else the usable CPU cores (the affinity
     mask, capped by a container's CPU quota)."""
     start_method: StartMethod | None = _option(None)
-    """``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names); ``None``: ``fork`` in an
-    interactive session (REPL, IPython, Jupyter) where fork exists and CUDA is not initialised, else
-    ``spawn``."""
+    """``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names); ``None``: ``fork`` in an interactive
+    session (REPL, IPython, Jupyter) where fork exists and CUDA is not initialised, else ``spawn``."""
     return_all: bool = _option(False, note={"generator function": "(rank, value) pairs", "multi-node": "this node's"})
     """Return a list of every rank's value, ordered by rank, instead of rank 0's value."""
     timeout: float | None = _option(None, note={"Workers(...)": "per call", "Workers.run/submit": "its call"})
-    """Seconds the whole call may take (restarts included), or ``None`` for no limit. Then each rank's stacks
-    are collected (about a second at most), the ranks are stopped (a warm call is interrupted), and
-    ``LaunchTimeoutError`` carries the stacks and names where each rank was. Multi-node: each node stops its
-    own workers, without stacks."""
+    """Seconds the whole call may take (restarts included), or ``None`` for no limit. Then each rank's stacks are
+    collected (about a second at most), the ranks are stopped (a warm call is interrupted), and ``LaunchTimeoutError``
+    carries the stacks and names where each rank was. Multi-node: each node stops its own workers, without stacks."""
     stall_timeout: float | None = _option(
         None,
         refused={"multi-node": "torch elastic's agent watches the ranks of each node; heartbeat() does nothing there"},
@@ -130,9 +123,8 @@ class ParallelConfig:
     subprocesses) with ``[rank N] `` (``True``), or with a template of the fields ``rank``, ``local_rank``,
     ``node_rank`` and ``pid``, e.g. ``"{rank}|{pid} "``."""
     console_ranks: frozenset[int] | None = _option(None)
-    """The ranks whose output reaches the console, e.g. ``[0]`` (any collection of ints; kept as a
-    ``frozenset``); the others' is dropped unless ``log_dir`` is set (as torchrun's
-    ``--local-ranks-filter``). ``None``: every rank's."""
+    """The ranks whose output reaches the console, e.g. ``[0]`` (any collection of ints; kept as a ``frozenset``); the
+    others' is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``). ``None``: every rank's."""
     log_dir: str | None = _option(None)
     """A directory (created before any rank starts) where each rank's output also goes to ``rank{N}.log``,
     overwritten at each call (a restart appends, after a ``--- restart N ---`` line); the stacks of a timeout
@@ -159,12 +151,11 @@ class ParallelConfig:
     """``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
     (``MPLAUNCH_RDZV_ENDPOINT``; default port 29400)."""
     max_restarts: int = _option(0, refused={"Workers(...)": _RESTARTED})
-    """Times all ranks are stopped and started again after a worker failure (torchrun's
-    ``--max-restarts``): each restart is announced with a ``RestartWarning``, ranks read the count from
-    ``worker_info().restart_count`` to resume from a checkpoint, ``timeout`` bounds all attempts together,
-    and the failure raised at the end carries the earlier ones in ``earlier_attempts``. A generator
-    function's values of a failed attempt were delivered; the next attempt's follow them. Multi-node: torch
-    elastic's restarts."""
+    """Times all ranks are stopped and started again after a worker failure (torchrun's ``--max-restarts``): each
+    restart is announced with a ``RestartWarning``, ranks read the count from ``worker_info().restart_count`` to resume
+    from a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries the earlier
+    ones in ``earlier_attempts``. A generator function's values of a failed attempt were delivered; the next attempt's
+    follow them. Multi-node: torch elastic's restarts."""
     rdzv_timeout: float = _option(
         600.0,
         refused={"generator function": _ONE_NODE_STREAM},
@@ -277,53 +268,38 @@ class ParallelConfig:
             object.__setattr__(self, name, value)
 
 
-#: The option names, in the order of :class:`ParallelConfig`'s fields (one list for the decorator and options()).
 OPTIONS = tuple(field.name for field in dataclasses.fields(ParallelConfig))
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
-
-
-#: How the messages name each mode of :data:`MODES`.
 _MODE_NAMES = {
     "call": "a call",
-    "submit()": "submit()",
     "generator function": "a generator function",
-    "Workers(...)": "Workers(...)",
-    "Workers.run/submit": "Workers.run/submit",
     "multi-node": "a launch on more than one node",
 }
 
 
 def refused_in(mode: str) -> dict[str, str]:
-    """The options that ``mode`` (one of :data:`MODES`) refuses, with why."""
+    """Return the options that ``mode`` refuses, with why."""
     return {f.name: reason for f in dataclasses.fields(ParallelConfig) if (reason := f.metadata["refused"].get(mode))}
 
 
 def check_mode(config: ParallelConfig, mode: str, what: str | None = None) -> None:
-    """Refuse each option of ``config`` that ``mode`` (one of :data:`MODES`) cannot honour and that is set to
-    another value than its default (``nnodes``: to more than one node); ``what``: how the message names the
-    mode, if not as :data:`MODES` does.
-
-    Raises:
-        InvalidOptionError: the first such option; the message names it, its value, the mode and why.
-    """
+    """Raise InvalidOptionError for the first option that ``mode`` refuses and ``config`` sets (``what``: the
+    mode's name in the message)."""
     for name, reason in refused_in(mode).items():
         value = getattr(config, name)
         default = _DEFAULTS[name]
         if value == default or (name == "nnodes" and value == 1):
             continue
         raise InvalidOptionError(
-            f"{name}={value!r} is not valid for {what or _MODE_NAMES[mode]}: {reason}. Leave it out "
+            f"{name}={value!r} is not valid for {what or _MODE_NAMES.get(mode, mode)}: {reason}. Leave it out "
             f"(default {default!r})."
         )
 
 
 def call_config(own: ParallelConfig, workers: ParallelConfig, name: str) -> ParallelConfig:
-    """The options of a call of the decorated function ``name`` (its options: ``own``) on warm workers (theirs:
-    ``workers``): the workers', with the function's own options of :data:`PER_CALL` that it sets.
+    """Return the options of a call of ``name`` on warm workers: theirs, with the function's own of PER_CALL.
 
-    Raises:
-        InvalidOptionError: the function sets an option that decides how the ranks were started (``nprocs``,
-            ``start_method``, ``env``...) to another value than the workers'.
+    Raises InvalidOptionError where the function sets an option of the ranks' start to another value.
     """
     overrides = {}
     for field in dataclasses.fields(ParallelConfig):
@@ -342,23 +318,13 @@ def call_config(own: ParallelConfig, workers: ParallelConfig, name: str) -> Para
 
 
 def make_config(**options: Any) -> ParallelConfig:
-    """Return the :class:`ParallelConfig` of these keyword options (defaults for the others).
-
-    Raises:
-        InvalidOptionError: an option has a wrong type or value.
-        TypeError: an option name that does not exist; the message lists the valid ones.
-    """
+    """Return the :class:`ParallelConfig` of these options; TypeError for an unknown name."""
     _check_names(options, OPTIONS)
     return ParallelConfig(**options)
 
 
 def replace_options(config: ParallelConfig, overrides: Mapping[str, Any]) -> ParallelConfig:
-    """``config`` with the options in ``overrides`` replaced (every option but ``return_all``).
-
-    Raises:
-        InvalidOptionError: an option has a wrong type or value.
-        TypeError: an option name that does not exist, or ``return_all``; the message lists the valid ones.
-    """
+    """Return ``config`` with ``overrides`` replaced; TypeError for an unknown name or ``return_all``."""
     _check_names(overrides, tuple(LaunchOptions.__annotations__))
     return dataclasses.replace(config, **overrides)
 
@@ -369,8 +335,12 @@ def _check_names(options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
         raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}: the options are {', '.join(allowed)}.")
 
 
+def _is_whole(value: object, low: int) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def _check_nprocs(nprocs: object) -> None:
-    if nprocs != "auto" and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
+    if nprocs != "auto" and not _is_whole(nprocs, 1):
         raise InvalidOptionError(
             f"nprocs={nprocs!r} is not valid: pass a whole number of processes >= 1 (e.g. nprocs=2), or 'auto'."
         )
@@ -399,7 +369,7 @@ def _check_seconds(name: str, value: object, allowed: str, *, allow_zero: bool =
 
 
 def _check_whole(name: str, value: object, low: int, what: str = "") -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+    if value is not None and not _is_whole(value, low):
         raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number{what} >= {low}.")
 
 
@@ -414,7 +384,7 @@ def _check_ranks(console_ranks: Iterable[int]) -> frozenset[int]:
         ranks = frozenset(console_ranks)
     except TypeError:
         raise InvalidOptionError(message) from None
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+    if not all(_is_whole(r, 0) for r in ranks):
         raise InvalidOptionError(message)
     return ranks
 
@@ -448,20 +418,12 @@ def _check_devices(devices: object) -> int | tuple[int, ...] | None:
         f"devices={devices!r} is not valid: pass a number of CUDA devices >= 1 (any free ones, e.g. devices=1), "
         "a list of distinct device indices (e.g. devices=[2, 3]), or None for every visible device."
     )
-    if devices is None:
-        return None
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        if devices < 1:
-            raise InvalidOptionError(message)
+    if devices is None or _is_whole(devices, 1):
         return devices
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
         raise InvalidOptionError(message)
     indices = tuple(devices)
-    if (
-        not indices
-        or len(set(indices)) != len(indices)
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in indices)
-    ):
+    if not indices or len(set(indices)) != len(indices) or not all(_is_whole(i, 0) for i in indices):
         raise InvalidOptionError(message)
     return indices
 

@@ -13,8 +13,7 @@ from mplaunch._errors import InvalidOptionError
 
 
 class _IndexedCall:
-    """The function of a :func:`spawn` call: runs ``function(i, *args)``, ``i`` the process index
-    (``LOCAL_RANK``), as ``torch.multiprocessing.spawn`` calls it."""
+    """Run ``function(i, *args)``, ``i`` the process index (``LOCAL_RANK``), as ``torch.multiprocessing.spawn`` does."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.function = function
