@@ -7,7 +7,6 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
-from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import ParamSpec, Unpack
@@ -21,7 +20,6 @@ from mplaunch._reports import RunReport
 from mplaunch._state.snapshot import GlobalState
 
 P = ParamSpec("P")
-_Unset = EllipsisType  # an option left out of options() keeps its value
 R = TypeVar("R")
 T = TypeVar("T")
 
@@ -29,12 +27,11 @@ T = TypeVar("T")
 class ParallelFunction(Generic[P, T]):
     """A function that, when called, runs on ``nprocs`` worker processes and returns rank 0's value.
 
-    Made by :func:`parallel`, with the wrapped function's signature, ``__name__``, ``__qualname__``, ``__module__``
-    and ``__doc__``; ``__wrapped__`` is the plain function. It pickles by reference (module and qualified name), so
-    workers started with ``spawn`` or ``forkserver`` find it by importing its module, without launching again.
-    :meth:`debug` runs it here as rank 0 of a world of 1 with a worker's setup (environment, process group), for
-    debuggers; :meth:`submit` launches in the background and returns a future; :meth:`options` returns a copy with
-    some options replaced.
+    Made by :func:`parallel`, with the wrapped function's signature, ``__name__``, ``__qualname__``, ``__module__`` and
+    ``__doc__``; ``__wrapped__`` is the plain function. It pickles by reference (module and qualified name), so
+    ``spawn`` and ``forkserver`` workers find it by importing its module, without launching again. :meth:`debug` runs it
+    here as rank 0 of a world of 1 with a worker's setup, for debuggers; :meth:`submit` launches in the background;
+    :meth:`options` returns a copy with some options replaced.
 
     Attributes:
         config: the validated launch options (:class:`~mplaunch.ParallelConfig`).
@@ -94,8 +91,7 @@ class ParallelFunction(Generic[P, T]):
         except BaseException as error:
             if not raised_by_design(error):
                 raise
-            # the caller's line and the worker's own traceback (the cause) tell what happened; the frames of
-            # mplaunch in between do not: cut them, as concurrent.futures' result() does
+            # as concurrent.futures' result() does: cut our frames; the caller's line and the cause tell what happened
             raise error.with_traceback(None) from error.__cause__
         finally:
             if control.report is not None:
@@ -121,12 +117,11 @@ class ParallelFunction(Generic[P, T]):
     def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> futures.LaunchFuture[T]:
         """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.
 
-        The future's ``result()`` returns or raises exactly what calling the function with these arguments would
-        (``exception()`` returns that exception), checks before launching included: those that depend on the call
-        (wrong arguments, a missing main guard) run here, in the calling thread, and a refusal comes back in the
-        future, as ``ProcessPoolExecutor.submit`` does. The parent's global state (RNG states...) is captured here,
-        so what runs after ``submit()`` does not change it for the workers. Several launches may run at once;
-        ``asyncio.wrap_future(fn.submit(...))`` makes it awaitable.
+        ``result()`` returns or raises exactly what calling the function with these arguments would (``exception()``
+        returns that exception): the checks that depend on the call (wrong arguments, a missing main guard) run here, in
+        the calling thread, and a refusal comes back in the future, as in ``ProcessPoolExecutor.submit``. The parent's
+        global state (RNG states...) is captured here, so what runs after ``submit()`` does not change it for the
+        workers. Several launches may run at once; ``asyncio.wrap_future(fn.submit(...))`` makes one awaitable.
 
         Stopping: ``future.cancel()`` stops a running launch's workers (SIGTERM, then SIGKILL after
         ``grace_period``), waits until none is left, and returns ``True`` (``result()`` then raises
@@ -196,11 +191,9 @@ class ParallelFunction(Generic[P, T]):
         return ParallelFunction(self.__wrapped__, replace_options(self.config, overrides))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        """Pickle by reference (module and qualified name), else by value (the plain function and the options).
-
-        By value also where a pickler sends ``__main__``'s functions by value (cloudpickle: submitit, loky, Ray,
-        dask), to a fresh interpreter whose ``__main__`` lacks it.
-        """
+        """Pickle by reference (module and qualified name); by value (the plain function and options) if its name
+        does not find it, or if it belongs to ``__main__`` and the pickler sends ``__main__``'s functions by value
+        (cloudpickle, as submitit, loky, Ray and dask use, to a fresh interpreter without this ``__main__``)."""
         module = getattr(self, "__module__", "")
         by_value = module == "__main__" and _main_by_value(sys._getframe(1))
         if resolve(module, getattr(self, "__qualname__", "")) is self and not by_value:
@@ -216,10 +209,8 @@ class ParallelFunction(Generic[P, T]):
 
 
 class BoundParallelMethod:
-    """A decorated method bound to an instance (``trainer.fit``), passed first as a bound method passes it.
-
-    Other attributes (``config``, ``last_report``...) are the decorated function's.
-    """
+    """A decorated method bound to an instance (``trainer.fit``), passed first as a bound method passes it; other
+    attributes (``config``, ``last_report``...) are the decorated function's."""
 
     def __init__(self, function: ParallelFunction[..., Any], instance: object) -> None:
         self.__func__ = function
@@ -320,12 +311,11 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
         ...     weights = train(0.1)
 
     Note:
-        Under ``spawn`` and ``forkserver`` the function and its arguments are pickled (by reference when a
-        worker can import them, by value with cloudpickle otherwise: notebooks, ``python -c``, closures), and
-        a script must call the function under ``if __name__ == "__main__":``. Queues, locks, events, shared
-        values, ``Pipe`` ends and ``Manager`` proxies in the arguments travel with each worker's start, as
-        ``torch.multiprocessing.spawn`` sends its ``args``. Under ``fork`` nothing is pickled, but CUDA must
-        not be initialised in the parent.
+        Under ``spawn`` and ``forkserver`` the function and its arguments are pickled (by reference when a worker can
+        import them, else by value with cloudpickle: notebooks, ``python -c``, closures), and a script must call the
+        function under ``if __name__ == "__main__":``. Queues, locks, events, shared values, ``Pipe`` ends and
+        ``Manager`` proxies in the arguments travel with each worker's start, as ``torch.multiprocessing.spawn`` sends
+        its ``args``. Under ``fork`` nothing is pickled, but CUDA must not be initialised in the parent.
 
     The decorator form follows tenacity's ``retry`` and attrs' ``define``; the launcher follows
     ``torch.multiprocessing.start_processes`` and torchrun's environment contract.
@@ -333,11 +323,7 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
     config = make_config(return_all=return_all, **options)  # the options and their defaults are ParallelConfig's
     if function is not None:
         return _wrap(function, config)
-
-    def decorate(fn: Callable[P, R]) -> ParallelFunction[P, Any]:
-        return _wrap(fn, config)
-
-    return decorate
+    return functools.partial(_wrap, config=config)
 
 
 def _main_by_value(frame: types.FrameType | None) -> bool:

@@ -68,7 +68,12 @@ _THREAD = (
 )
 _ONE_NODE = "Workers run on one node"
 _ONE_NODE_STREAM = "a generator function runs on one node, and there is no rendezvous of nodes to name or bound"
+_STREAM_NODES = "a generator's values stream from the ranks of one node: return them instead"
+_AGENT_WATCHES = "torch elastic's agent watches the ranks of each node; heartbeat() does nothing there"
+_AGENT_RESTARTS = "torch elastic's agent on each node restarts that node's ranks on its own"
+_NODES_ONLY = {"generator function": _ONE_NODE_STREAM, "Workers(...)": _ONE_NODE}
 _WITH_NODES = {"call": "with nnodes > 1", "submit()": "with nnodes > 1"}
+_EACH_CALL = {"Workers(...)": "per call", "Workers.run/submit": "its call"}
 
 
 def _option(default: Any, *, refused: Mapping[str, str] | None = None, note: Mapping[str, str] | None = None) -> Any:
@@ -78,11 +83,10 @@ def _option(default: Any, *, refused: Mapping[str, str] | None = None, note: Map
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
-    """The launch options of one decorated function (``fn.config``) or of warm workers, validated when made: a
-    ``ParallelConfig`` cannot exist with an invalid value. :func:`~mplaunch.parallel` makes one from its
-    keyword options, ``ParallelFunction.options`` with :func:`dataclasses.replace`; every field's default is
-    the option's. The text of each option below is the one source of the options reference, whose table says
-    in which ways of calling each option works.
+    """The launch options of one decorated function (``fn.config``) or of warm workers, validated when made: no
+    ``ParallelConfig`` holds an invalid value. :func:`~mplaunch.parallel` makes one from its keyword options,
+    ``ParallelFunction.options`` with :func:`dataclasses.replace`; each field's default is the option's. Each field's
+    text below is the one source of the options reference, whose table says in which ways of calling each option works.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
@@ -98,21 +102,16 @@ class ParallelConfig:
     session (REPL, IPython, Jupyter) where fork exists and CUDA is not initialised, else ``spawn``."""
     return_all: bool = _option(False, note={"generator function": "(rank, value) pairs", "multi-node": "this node's"})
     """Return a list of every rank's value, ordered by rank, instead of rank 0's value."""
-    timeout: float | None = _option(None, note={"Workers(...)": "per call", "Workers.run/submit": "its call"})
+    timeout: float | None = _option(None, note=_EACH_CALL)
     """Seconds the whole call may take (restarts included), or ``None`` for no limit. Then each rank's stacks are
     collected (about a second at most), the ranks are stopped (a warm call is interrupted), and ``LaunchTimeoutError``
     carries the stacks and names where each rank was. Multi-node: each node stops its own workers, without stacks."""
-    stall_timeout: float | None = _option(
-        None,
-        refused={"multi-node": "torch elastic's agent watches the ranks of each node; heartbeat() does nothing there"},
-        note={"Workers(...)": "per call", "Workers.run/submit": "its call"},
-    )
+    stall_timeout: float | None = _option(None, refused={"multi-node": _AGENT_WATCHES}, note=_EACH_CALL)
     """Seconds a rank that has called ``mplaunch.heartbeat()`` may go without calling it again; then every
     rank's stacks are collected, the ranks are stopped and ``StallError`` names the rank (a worker failure:
     ``max_restarts`` restarts it). A rank that never beats is not watched; ``None``: none is."""
     grace_period: float = _option(5.0)
-    """Seconds between SIGTERM and SIGKILL when the ranks are stopped early (a warm call: between the
-    interrupt and the stop)."""
+    """Seconds from SIGTERM to SIGKILL when stopping the ranks early (a warm call: from the interrupt to the stop)."""
     backend: str | None = _option(None)
     """A ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl with a CUDA device
     per rank, else gloo): each rank runs ``init_process_group`` with it before the function (binding
@@ -130,24 +129,14 @@ class ParallelConfig:
     overwritten at each call (a restart appends, after a ``--- restart N ---`` line); the stacks of a timeout
     or a stall go to ``rank{N}.stacks``; with ``backend="nccl"``, NCCL's flight recorder dumps there on a
     collective's timeout. Any path; kept absolute."""
-    nnodes: int | None = _option(
-        None,
-        refused={
-            "generator function": "a generator's values stream from the ranks of one node: return them instead",
-            "Workers(...)": _ONE_NODE,
-        },
-    )
+    nnodes: int | None = _option(None, refused={"generator function": _STREAM_NODES, "Workers(...)": _ONE_NODE})
     """Machines taking part, each running the call with ``nprocs`` ranks; ``None``: ``MPLAUNCH_NNODES`` (or
     SLURM's, in an ``srun`` step with one task per node), else 1. With more than one, the call launches
     through torch elastic with c10d rendezvous, and returns rank 0's value on every node."""
-    node_rank: int | None = _option(
-        None, refused={"generator function": _ONE_NODE_STREAM, "Workers(...)": _ONE_NODE}, note=_WITH_NODES
-    )
+    node_rank: int | None = _option(None, refused=_NODES_ONLY, note=_WITH_NODES)
     """This node's index (``MPLAUNCH_NODE_RANK``, ``SLURM_NODEID``); informative, as c10d rendezvous orders
     the nodes itself."""
-    rdzv_endpoint: str | None = _option(
-        None, refused={"generator function": _ONE_NODE_STREAM, "Workers(...)": _ONE_NODE}, note=_WITH_NODES
-    )
+    rdzv_endpoint: str | None = _option(None, refused=_NODES_ONLY, note=_WITH_NODES)
     """``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
     (``MPLAUNCH_RDZV_ENDPOINT``; default port 29400)."""
     max_restarts: int = _option(0, refused={"Workers(...)": _RESTARTED})
@@ -187,31 +176,20 @@ class ParallelConfig:
     every rank, the ranks get ``preempt_grace`` seconds to save and return, the rest are then stopped, and
     the call raises ``PreemptedError``. A second signal ends the grace at once. Multi-node: each node
     handles its own signals and passes the notice to the others. SIGKILL and SIGSTOP cannot be caught."""
-    preempt_grace: float = _option(60.0, note={"Workers(...)": "per call", "Workers.run/submit": "its call"})
+    preempt_grace: float = _option(60.0, note=_EACH_CALL)
     """Seconds the ranks get, once preempted, to save and return (default 60)."""
-    restart_on: RestartOn = _option(
-        None,
-        refused={
-            "Workers(...)": _RESTARTED,
-            "multi-node": "torch elastic's agent on each node restarts that node's ranks on its own",
-        },
-    )
+    restart_on: RestartOn = _option(None, refused={"Workers(...)": _RESTARTED, "multi-node": _AGENT_RESTARTS})
     """The failures ``max_restarts`` restarts: exception classes (e.g. ``(ConnectionError,
     WorkerExitedError)``; a class is kept as a one-class tuple), or a predicate ``(failure) -> bool`` called
     in the parent (never pickled); ``None``: every failure. Another failure is raised at once."""
     restart_delay: float = _option(
-        0.0,
-        refused={
-            "Workers(...)": _RESTARTED,
-            "multi-node": "torch elastic's agent on each node restarts that node's ranks on its own, at once",
-        },
+        0.0, refused={"Workers(...)": _RESTARTED, "multi-node": f"{_AGENT_RESTARTS}, at once"}
     )
     """Seconds before the first restart, doubled for each further one, at most 60; the wait counts against
     ``timeout`` and ends at once on ``cancel()``, Ctrl-C or a preemption."""
     post_mortem: bool = _option(False)
-    """The first rank that raises opens pdb at its failing line, on the caller's terminal, before the others
-    are stopped (``q`` or ``c`` ends the session). Without a terminal (a notebook), a ``RuntimeWarning``
-    points to ``fn.debug()``."""
+    """The first rank that raises opens pdb at its failing line on the caller's terminal, before the others are stopped
+    (``q`` or ``c`` ends it). Without a terminal (a notebook), a ``RuntimeWarning`` points to ``fn.debug()``."""
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
@@ -283,8 +261,7 @@ def refused_in(mode: str) -> dict[str, str]:
 
 
 def check_mode(config: ParallelConfig, mode: str, what: str | None = None) -> None:
-    """Raise InvalidOptionError for the first option that ``mode`` refuses and ``config`` sets (``what``: the
-    mode's name in the message)."""
+    """Raise InvalidOptionError for the first option ``mode`` refuses that ``config`` sets (``what`` names the mode)."""
     for name, reason in refused_in(mode).items():
         value = getattr(config, name)
         default = _DEFAULTS[name]
@@ -297,10 +274,8 @@ def check_mode(config: ParallelConfig, mode: str, what: str | None = None) -> No
 
 
 def call_config(own: ParallelConfig, workers: ParallelConfig, name: str) -> ParallelConfig:
-    """Return the options of a call of ``name`` on warm workers: theirs, with the function's own of PER_CALL.
-
-    Raises InvalidOptionError where the function sets an option of the ranks' start to another value.
-    """
+    """Return the options of a call of ``name`` on warm workers: theirs, with the function's own of PER_CALL;
+    InvalidOptionError where the function sets an option of the ranks' start to another value."""
     overrides = {}
     for field in dataclasses.fields(ParallelConfig):
         value, theirs = getattr(own, field.name), getattr(workers, field.name)

@@ -1,7 +1,6 @@
-"""A worker's torchrun-style environment, and accessors for it.
-
-The variables follow torchrun's contract (https://pytorch.org/docs/stable/elastic/run.html, "Environment
-Variables"), so code written for torchrun runs unchanged.
+"""A worker's torchrun-style environment, and accessors for it. The variables follow torchrun's contract
+(https://pytorch.org/docs/stable/elastic/run.html, "Environment Variables"), so code written for torchrun runs
+unchanged.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"
 #: Set to 1 in every worker: a parallel function called there runs in-process as that rank (as under torchrun).
 WORKER_VARIABLE = "MPLAUNCH_WORKER"
 
-#: Set in workers to the MASTER_PORT of the store their launch hosts: a MASTER_PORT equal to it was not
-#: chosen by the user, so a launch from inside a worker hosts a store of its own.
+#: In workers, the MASTER_PORT of their launch's store: a launch from a worker that finds it there hosts its own store.
 OWN_PORT_VARIABLE = "MPLAUNCH_HOSTED_MASTER_PORT"
 
 
@@ -46,10 +44,8 @@ def rank_environment(
     restart_count: int = 0,
     max_restarts: int = 0,
 ) -> dict[str, str]:
-    """Return the variables that make a worker rank ``rank`` of ``nprocs`` on one node, as torchrun sets them.
-
-    ``agent_store``: the parent hosts the store (torchrun's "agent store"), so rank 0 connects as a client too.
-    """
+    """Return the variables that make a worker rank ``rank`` of ``nprocs`` on one node, as torchrun sets them
+    (``agent_store``: the parent hosts the store, torchrun's "agent store", so rank 0 connects as a client too)."""
     env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -77,10 +73,8 @@ RESERVED_VARIABLES = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT")
 
 
 def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[str, str]:
-    """Return ``env`` (named ``source`` in messages) as a ``dict`` of strings, or raise InvalidOptionError.
-
-    ``devices``: the launch has ``devices=``, which owns ``CUDA_VISIBLE_DEVICES``.
-    """
+    """Return ``env`` (named ``source`` in messages) as a ``dict`` of strings, or raise InvalidOptionError
+    (``devices``: the launch's ``devices=`` owns ``CUDA_VISIBLE_DEVICES``)."""
     if not isinstance(env, Mapping):
         raise InvalidOptionError(
             f"{source}={env!r} is not valid: pass a mapping of variable names to strings, e.g. "
@@ -182,9 +176,8 @@ def preempted() -> bool:
 
 def worker_info(environ: Mapping[str, str] | None = None) -> RankInfo:
     """Return the calling process's :class:`RankInfo`, read from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (falling back to ``NODE_RANK``) and ``TORCHELASTIC_RESTART_COUNT``.
-
-    Works in an mplaunch worker, under torchrun, and in a plain process, which is rank 0 of a world of 1.
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (falling back to ``NODE_RANK``) and ``TORCHELASTIC_RESTART_COUNT``: in an
+    mplaunch worker, under torchrun, or in a plain process, which is rank 0 of a world of 1.
 
     Args:
         environ: the variables to read; ``None`` reads ``os.environ``.
@@ -229,10 +222,8 @@ def _encodable(text: str) -> bool:
 
 
 def whole_number(value: str) -> int | None:
-    """Return ``value`` as a whole number of ASCII digits, as C code reads one, else ``None``.
-
-    ``str.isdigit()`` alone also accepts digits such as ``"³"``, which ``int()`` refuses.
-    """
+    """Return ``value`` as a whole number of ASCII digits, as C code reads one, else ``None`` (``str.isdigit()``
+    alone also accepts digits such as ``"³"``, which ``int()`` refuses)."""
     return int(value) if value.isascii() and value.isdigit() else None
 
 
@@ -289,10 +280,7 @@ DEFAULT_RDZV_PORT = 29400
 
 
 def node_setup(
-    nnodes: int | None,
-    node_rank: int | None,
-    rdzv_endpoint: str | None,
-    environ: Mapping[str, str] | None = None,
+    nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, environ: Mapping[str, str] | None = None
 ) -> NodeSetup | None:
     """Resolve the multi-node options (arguments, then ``MPLAUNCH_*``, then SLURM's in a step of one task per
     node), or return ``None`` for a single node."""

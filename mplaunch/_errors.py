@@ -62,17 +62,15 @@ class WorkerExitedError(WorkerFailedError):
     """A worker ended without returning: killed by a signal, a non-zero exit, or an exit with no result.
 
     Attributes:
-        exitcode: the process exit code, as CPython defines it: ``sys.exit()`` and ``sys.exit(None)`` give 0,
-            ``sys.exit(True)`` gives 1, ``sys.exit("message")`` gives 1; negative ``-N`` when the process was
-            killed by signal ``N`` (as in ``multiprocessing``); ``128 + N`` when the worker caught signal ``N``
-            (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) and exited.
+        exitcode: the exit code as CPython defines it (``sys.exit()``, ``sys.exit(None)``: 0; ``sys.exit(True)``,
+            ``sys.exit("message")``: 1); ``-N`` when killed by signal ``N`` (as in ``multiprocessing``); ``128 + N``
+            when the worker caught signal ``N`` (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) and exited.
         signum: the number of the signal that ended the worker, else ``None``.
         signal_name: e.g. ``"SIGKILL"`` or ``"SIGTERM"`` when a signal ended it, else ``None``.
-        oom: ``True`` when the kernel's out-of-memory killer ended it (the ``oom_kill`` count of its cgroup,
-            cgroup v2 ``memory.events`` or v1 ``memory.oom_control``, rose while it ran and a SIGKILL ended
-            it); ``False`` when it did not (another signal or exit, or the count did not rise); ``None`` when
-            it cannot be known (a SIGKILL where no count is readable). Other ranks of the same cgroup killed
-            by ``kill -9`` while one of them was OOM-killed also read ``True``.
+        oom: ``True`` when the kernel's out-of-memory killer ended it (a SIGKILL while the ``oom_kill`` count of its
+            cgroup rose: cgroup v2 ``memory.events``, v1 ``memory.oom_control``); ``False`` when not (another signal or
+            exit, or no rise); ``None`` when unknowable (a SIGKILL with no count readable). Ranks of the same cgroup
+            killed by ``kill -9`` while one was OOM-killed also read ``True``.
     """
 
     def __init__(
@@ -227,10 +225,8 @@ class RemoteTraceback(Exception):
 
 
 def raised_by_design(error: BaseException) -> bool:
-    """Return whether mplaunch raises ``error`` by design (its own, a worker's, Ctrl-C), so its frames can go.
-
-    Anything else is a bug of mplaunch and keeps its full traceback.
-    """
+    """Return whether mplaunch raises ``error`` by design (its own, a worker's, Ctrl-C), so its frames can go;
+    anything else is a bug of mplaunch and keeps its full traceback."""
     return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
 
 

@@ -1,8 +1,6 @@
 """Find the first frame outside mplaunch (where a warning points, where a worker's traceback starts), and find
-an object by module and qualified name.
-
-A frame is ours when its globals' ``__name__`` is ``mplaunch`` or a submodule: that survives file moves, and a
-user's file next to mplaunch's is not mistaken for it.
+an object by module and qualified name. A frame is ours when its globals' ``__name__`` is ``mplaunch`` or a
+submodule: that survives file moves, and a user's file next to mplaunch's is not mistaken for it.
 """
 
 from __future__ import annotations
