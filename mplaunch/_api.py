@@ -7,7 +7,6 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
-from types import EllipsisType
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from typing_extensions import ParamSpec, Unpack
@@ -21,7 +20,6 @@ from mplaunch._reports import RunReport
 from mplaunch._state.snapshot import GlobalState
 
 P = ParamSpec("P")
-_Unset = EllipsisType  # an option left out of options() keeps its value
 R = TypeVar("R")
 T = TypeVar("T")
 
@@ -29,17 +27,16 @@ T = TypeVar("T")
 class ParallelFunction(Generic[P, T]):
     """A function that, when called, runs on ``nprocs`` worker processes and returns rank 0's value.
 
-    Made by :func:`parallel`; it has the wrapped function's signature, ``__name__``, ``__qualname__``,
-    ``__module__`` and ``__doc__``. ``__wrapped__`` is the plain function; :meth:`debug` runs it here as
-    rank 0 of a world of 1 with a worker's setup (environment, process group), for debuggers. It pickles by
-    reference (module and qualified name), so workers started with ``spawn`` or ``forkserver`` find it by
-    importing its module, without launching again. :meth:`submit` launches in the background and returns a
-    future; :meth:`options` returns a copy with some options replaced.
+    Made by :func:`parallel`, with the wrapped function's signature, ``__name__``, ``__qualname__``, ``__module__`` and
+    ``__doc__``; ``__wrapped__`` is the plain function. It pickles by reference (module and qualified name), so
+    ``spawn`` and ``forkserver`` workers find it by importing its module, without launching again. :meth:`debug` runs it
+    here as rank 0 of a world of 1 with a worker's setup, for debuggers; :meth:`submit` launches in the background;
+    :meth:`options` returns a copy with some options replaced.
 
     Attributes:
         config: the validated launch options (:class:`~mplaunch.ParallelConfig`).
-        last_report: the :class:`~mplaunch.RunReport` of the last call of this function object that ended
-            (returned or raised), else ``None``; a submitted launch's is ``future.report``.
+        last_report: the :class:`~mplaunch.RunReport` of this object's last call that ended (returned or raised),
+            else ``None``; a submitted launch's is ``future.report``.
     """
 
     last_report: RunReport | None = None
@@ -56,26 +53,24 @@ class ParallelFunction(Generic[P, T]):
         return self.__wrapped__
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
-        """Bind a decorated method to ``instance``, which becomes the first argument (pickled under spawn) of
-        a call and of :meth:`submit`, :meth:`debug` and :meth:`options`' copy (see :class:`BoundParallelMethod`)."""
+        """Bind a decorated method to ``instance`` (see :class:`BoundParallelMethod`)."""
         return self if instance is None else BoundParallelMethod(self, instance)
 
     def __call__(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Start the workers, run the function in each with these arguments, wait, and return the result.
 
         Returns:
-            Rank 0's return value with every tensor on the CPU, or, with ``return_all=True``, a list of every
-            rank's value ordered by rank. For a generator function, at once a :class:`~mplaunch.Stream`: an
-            iterator (and async iterator) over the values rank 0 yields, as they are yielded (``(rank,
-            value)`` pairs from every rank with ``return_all=True``); the workers stop when it ends or is
-            closed (see the guide's "Interactive work").
+            Rank 0's return value with every tensor on the CPU, or, with ``return_all=True``, a list of every rank's
+            value ordered by rank. For a generator function, at once a :class:`~mplaunch.Stream`: an iterator (and
+            async iterator) over the values rank 0 yields, as they are yielded (``(rank, value)`` pairs from every
+            rank with ``return_all=True``); the workers stop when it ends or is closed (guide: "Interactive work").
 
         Raises:
-            BaseException: the exception a worker raised, as its own type, with ``rank`` and ``pid``
-                attributes and the worker's traceback as ``__cause__``; ``failures`` holds other ranks' failures
-                and ``earlier_attempts`` those of earlier attempts (``max_restarts``), oldest first.
-            LaunchRefusedError: a check before launching failed (main guard, CUDA before fork, an argument
-                that cannot be pickled under spawn/forkserver); no worker was started.
+            BaseException: the exception a worker raised, as its own type, with ``rank`` and ``pid`` attributes and
+                the worker's traceback as ``__cause__``; ``failures`` holds other ranks' failures and
+                ``earlier_attempts`` those of earlier attempts (``max_restarts``), oldest first.
+            LaunchRefusedError: a check before launching failed (main guard, CUDA before fork, an argument that
+                cannot be pickled under spawn/forkserver); no worker was started.
             WorkerExitedError: a worker was killed, exited non-zero, or exited without returning.
             RemoteError: a worker's exception or result could not be pickled or unpickled.
             LaunchTimeoutError: the launch ran past ``timeout`` seconds; it carries each rank's stacks.
@@ -96,8 +91,7 @@ class ParallelFunction(Generic[P, T]):
         except BaseException as error:
             if not raised_by_design(error):
                 raise
-            # the caller's line and the worker's own traceback (the cause) tell what happened; the frames of
-            # mplaunch in between do not: cut them, as concurrent.futures' result() does
+            # as concurrent.futures' result() does: cut our frames; the caller's line and the cause tell what happened
             raise error.with_traceback(None) from error.__cause__
         finally:
             if control.report is not None:
@@ -106,14 +100,13 @@ class ParallelFunction(Generic[P, T]):
     def debug(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Run the function here, in this process, as rank 0 of a world of 1, set up as a worker would be.
 
-        For a debugger (breakpoints work) or a profiler: ``RANK``/``WORLD_SIZE``/... are set as in a worker
-        (and put back afterwards), ``MASTER_ADDR``/``MASTER_PORT`` point at a store hosted here, the process
-        group is initialised with ``backend`` when set (and destroyed after), and a parallel function called
-        inside runs in-process too. Unlike a worker, it keeps this process's own state, threads and output.
+        For a debugger (breakpoints work) or a profiler: ``RANK``/``WORLD_SIZE``/... are set as in a worker (and
+        put back afterwards), ``MASTER_ADDR``/``MASTER_PORT`` point at a store hosted here, the process group is
+        initialised with ``backend`` when set (and destroyed after), and a parallel function called inside runs
+        in-process too. Unlike a worker, it keeps this process's own state, threads and output.
 
         Returns:
-            The function's value as it is (tensors stay where they are); a one-element list with
-            ``return_all=True``.
+            The function's value as it is (tensors stay put); a one-element list with ``return_all=True``.
 
         Raises:
             BaseException: whatever the function raises, unchanged.
@@ -124,28 +117,24 @@ class ParallelFunction(Generic[P, T]):
     def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> futures.LaunchFuture[T]:
         """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.
 
-        The future's ``result()`` returns or raises exactly what calling the function with these arguments
-        would return or raise (``exception()`` returns that exception), checks before launching included:
-        those that depend on the call (wrong arguments, a missing main guard) run here, in the calling thread,
-        and a refusal comes back in the future, as ``ProcessPoolExecutor.submit`` does. The parent's global
-        state (RNG states...) is captured here, so what runs after ``submit()`` does not change it for the
-        workers.
-        Several launches may run at once; ``asyncio.wrap_future(fn.submit(...))`` makes it awaitable.
+        ``result()`` returns or raises exactly what calling the function with these arguments would (``exception()``
+        returns that exception): the checks that depend on the call (wrong arguments, a missing main guard) run here, in
+        the calling thread, and a refusal comes back in the future, as in ``ProcessPoolExecutor.submit``. The parent's
+        global state (RNG states...) is captured here, so what runs after ``submit()`` does not change it for the
+        workers. Several launches may run at once; ``asyncio.wrap_future(fn.submit(...))`` makes one awaitable.
 
         Stopping: ``future.cancel()`` stops a running launch's workers (SIGTERM, then SIGKILL after
         ``grace_period``), waits until none is left, and returns ``True`` (``result()`` then raises
         ``CancelledError``). Ctrl-C while waiting in ``result()`` or ``exception()``, interrupting an
         IPython/Jupyter cell, and the interpreter's exit stop running launches too.
 
-        Preempting: ``future.preempt()`` tells the ranks as one of ``preempt_signals`` would (signal handlers
-        run only in the main thread, so a submitted launch handles none itself); see
-        :meth:`~mplaunch.LaunchFuture.preempt`.
+        Preempting: ``future.preempt()`` tells the ranks as one of ``preempt_signals`` would (signal handlers run
+        only in the main thread, so a submitted launch handles none itself); see :meth:`~mplaunch.LaunchFuture.preempt`.
 
         Returns:
-            A :class:`~mplaunch.LaunchFuture` (a :class:`concurrent.futures.Future`) of rank 0's return value
-            (with ``return_all=True``, of the list of every rank's value).
-            For a generator function, a future of its return value whose ``items`` attribute iterates over
-            the values yielded, as they arrive.
+            A :class:`~mplaunch.LaunchFuture` (a :class:`concurrent.futures.Future`) of rank 0's return value (with
+            ``return_all=True``, of the list of every rank's value); for a generator function, of its return value,
+            with an ``items`` attribute that iterates over the values yielded, as they arrive.
 
         Raises:
             RuntimeError: the interpreter is shutting down, so no thread can start.
@@ -165,26 +154,20 @@ class ParallelFunction(Generic[P, T]):
             return futures.failed(error)
         finally:
             del frame
-        if not control.in_process:
-            control.queued = self.config.devices is not None  # until the launch holds its devices
-            try:
-                control.state = GlobalState.capture()
-            except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
-                control.state = None
-
         name = getattr(self, "__qualname__", "launch")
+        in_thread = futures.submit_stream if request.streams else futures.submit
         if control.in_process:  # already a rank: the function runs here, in the future's thread
             here = functools.partial(in_process.run_in_process, self, args, kwargs, self.config)
-            if request.streams:
-                return futures.submit_stream(lambda _: here(), control, name)
-            return futures.submit(lambda _: here(), control, name)
-        if request.streams:
-            return futures.submit_stream(lambda control: launch.launch_stream(request, control), control, name)
-
-        def run(control: LaunchControl) -> T:
-            return launch.launch(request, control)  # type: ignore[no-any-return]
-
-        return futures.submit(run, control, name)
+            return in_thread(lambda _: here(), control, name)
+        control.queued = self.config.devices is not None  # until the launch holds its devices
+        try:
+            control.state = GlobalState.capture()
+        except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
+            control.state = None
+        start: Callable[[launch.CallRequest, LaunchControl], Any] = (
+            launch.launch_stream if request.streams else launch.launch
+        )
+        return in_thread(lambda control: start(request, control), control, name)
 
     def _reported(self, report: RunReport) -> None:
         """Keep the report of a stream that ended (see :attr:`last_report`)."""
@@ -208,11 +191,9 @@ class ParallelFunction(Generic[P, T]):
         return ParallelFunction(self.__wrapped__, replace_options(self.config, overrides))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        """By reference (module and qualified name), as pickle does for a function; by value (the plain
-        function and the options) when it cannot be found by name, or when it belongs to ``__main__`` and the
-        pickler sends ``__main__``'s functions by value (cloudpickle, which submitit, joblib/loky, Ray and dask
-        use to run it in a fresh interpreter, where this ``__main__`` does not exist): the plain function
-        then travels as cloudpickle sends any function of ``__main__``."""
+        """Pickle by reference (module and qualified name); by value (the plain function and options) if its name
+        does not find it, or if it belongs to ``__main__`` and the pickler sends ``__main__``'s functions by value
+        (cloudpickle, as submitit, loky, Ray and dask use, to a fresh interpreter without this ``__main__``)."""
         module = getattr(self, "__module__", "")
         by_value = module == "__main__" and _main_by_value(sys._getframe(1))
         if resolve(module, getattr(self, "__qualname__", "")) is self and not by_value:
@@ -228,14 +209,8 @@ class ParallelFunction(Generic[P, T]):
 
 
 class BoundParallelMethod:
-    """A decorated method bound to an instance (``trainer.fit``): a call, :meth:`submit`, :meth:`debug`, and
-    the copy :meth:`options` returns all pass the instance as the first argument, as a bound method does.
-    Other attributes (``config``, ``last_report``, ``__wrapped__``) are the decorated function's.
-
-    Args:
-        function: the decorated function (a :class:`ParallelFunction`).
-        instance: the object it is bound to; pickled with the call under spawn and forkserver.
-    """
+    """A decorated method bound to an instance (``trainer.fit``), passed first as a bound method passes it; other
+    attributes (``config``, ``last_report``...) are the decorated function's."""
 
     def __init__(self, function: ParallelFunction[..., Any], instance: object) -> None:
         self.__func__ = function
@@ -305,30 +280,24 @@ def parallel(
 def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool = False, **options: Any) -> Any:
     """Make ``function`` run on ``nprocs`` worker processes of this machine each time it is called.
 
-    Usable bare (``@parallel``) or with options (``@parallel(nprocs=2)``). Options are checked here, when
-    decorating. Calling the result starts the workers (in the calling process, the parent), runs the
-    function once per worker with the call's arguments, waits for all of them, and returns rank 0's value
-    with every tensor on the CPU. Each worker sees torchrun's environment (``RANK``, ``LOCAL_RANK``,
-    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so
-    ``torch.distributed.init_process_group("gloo")`` works inside unchanged; read it with
-    :func:`mplaunch.worker_info`. The parent's ``os.environ``, signal handlers and thread settings are as
-    before when the call returns.
+    Usable bare (``@parallel``) or with options (``@parallel(nprocs=2)``), checked here, when decorating. Calling
+    the result starts the workers (from the calling process, the parent), runs the function once in each with the
+    call's arguments, waits for all of them, and returns rank 0's value with every tensor on the CPU. Each worker
+    sees torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``/``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; read it with :func:`mplaunch.worker_info`), so
+    ``torch.distributed.init_process_group("gloo")`` works inside unchanged. The parent's ``os.environ``, signal
+    handlers and thread settings are as before when the call returns.
 
     Args:
         function: the function to decorate; given only in the bare form.
-        return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value (a
-            parameter of its own: it changes the return type).
-        **options: the launch options, by keyword: ``nprocs``, ``start_method``, ``timeout``,
-            ``stall_timeout``, ``grace_period``, ``backend``, ``prefix_output``, ``console_ranks``, ``log_dir``,
-            ``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``max_restarts``, ``rdzv_timeout``, ``devices``,
-            ``cpu_binding``, ``env``, ``preempt_signals``, ``preempt_grace``, ``restart_on``,
-            ``restart_delay``, ``post_mortem``. Each is a field of :class:`~mplaunch.ParallelConfig`, which
-            gives its meaning, unit and default; the options reference's table says in which ways of calling
-            each one works.
+        return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value (a parameter
+            of its own: it changes the return type).
+        **options: the other launch options, by keyword: the fields of :class:`~mplaunch.ParallelConfig`
+            (``nprocs``, ``start_method``, ``timeout``...), which give each one's meaning, unit and default; the
+            options reference's table says in which ways of calling each one works.
 
     Returns:
-        A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that
-        makes one.
+        A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that makes one.
 
     Raises:
         InvalidOptionError: an option is invalid; the message names it, its value and the allowed values.
@@ -342,12 +311,11 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
         ...     weights = train(0.1)
 
     Note:
-        Under ``spawn`` and ``forkserver`` the function and its arguments are pickled (by reference when a
-        worker can import them, by value with cloudpickle otherwise: notebooks, ``python -c``, closures), and
-        a script must call the function under ``if __name__ == "__main__":``. Queues, locks, events, shared
-        values, ``Pipe`` ends and ``Manager`` proxies in the arguments travel with each worker's start, as
-        ``torch.multiprocessing.spawn`` sends its ``args``. Under ``fork`` nothing is pickled, but CUDA must
-        not be initialised in the parent.
+        Under ``spawn`` and ``forkserver`` the function and its arguments are pickled (by reference when a worker can
+        import them, else by value with cloudpickle: notebooks, ``python -c``, closures), and a script must call the
+        function under ``if __name__ == "__main__":``. Queues, locks, events, shared values, ``Pipe`` ends and
+        ``Manager`` proxies in the arguments travel with each worker's start, as ``torch.multiprocessing.spawn`` sends
+        its ``args``. Under ``fork`` nothing is pickled, but CUDA must not be initialised in the parent.
 
     The decorator form follows tenacity's ``retry`` and attrs' ``define``; the launcher follows
     ``torch.multiprocessing.start_processes`` and torchrun's environment contract.
@@ -355,17 +323,12 @@ def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool 
     config = make_config(return_all=return_all, **options)  # the options and their defaults are ParallelConfig's
     if function is not None:
         return _wrap(function, config)
-
-    def decorate(fn: Callable[P, R]) -> ParallelFunction[P, Any]:
-        return _wrap(fn, config)
-
-    return decorate
+    return functools.partial(_wrap, config=config)
 
 
 def _main_by_value(frame: types.FrameType | None) -> bool:
-    """Whether the pickler calling ``__reduce__`` (found in the first frames from ``frame`` out, as the
-    ``self`` of its ``dump``) sends ``__main__``'s functions by value: a cloudpickle or dill pickler other
-    than mplaunch's own (whose workers run the same ``__main__`` and find the function by name)."""
+    """Return whether the pickler calling ``__reduce__`` (a frame's ``self`` with a ``dump``) is a cloudpickle or
+    dill one other than mplaunch's, whose workers rerun ``__main__`` and find the function by name."""
     for _ in range(8):
         if frame is None:
             return False

@@ -9,7 +9,7 @@ import os
 import signal
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, TypeGuard
 
 from mplaunch._env import check_extra_env
 from mplaunch._errors import InvalidOptionError
@@ -56,12 +56,9 @@ class LaunchOptions(TypedDict, total=False):
     post_mortem: bool
 
 
-#: The ways of calling, as the options reference's table names them: a call of a decorated function,
-#: ``fn.submit()``, a decorated generator function, ``Workers(...)``, a decorated function's own options in
-#: ``Workers.run``/``submit``, and a launch on more than one node.
+#: The ways of calling, as the options reference's table names them.
 MODES = ("call", "submit()", "generator function", "Workers(...)", "Workers.run/submit", "multi-node")
-#: The options that apply to each call of warm workers rather than to their ranks' start: a decorated
-#: function's own values of these apply to its call in ``Workers.run``/``submit``.
+#: The options of each call of warm workers, not of their ranks' start (a decorated function's own apply).
 PER_CALL = ("return_all", "timeout", "stall_timeout", "preempt_signals", "preempt_grace")
 
 _RESTARTED = "the ranks a restart would start have lost the state a failed call needs; the next call starts them again"
@@ -71,23 +68,25 @@ _THREAD = (
 )
 _ONE_NODE = "Workers run on one node"
 _ONE_NODE_STREAM = "a generator function runs on one node, and there is no rendezvous of nodes to name or bound"
+_STREAM_NODES = "a generator's values stream from the ranks of one node: return them instead"
+_AGENT_WATCHES = "torch elastic's agent watches the ranks of each node; heartbeat() does nothing there"
+_AGENT_RESTARTS = "torch elastic's agent on each node restarts that node's ranks on its own"
+_NODES_ONLY = {"generator function": _ONE_NODE_STREAM, "Workers(...)": _ONE_NODE}
 _WITH_NODES = {"call": "with nnodes > 1", "submit()": "with nnodes > 1"}
+_EACH_CALL = {"Workers(...)": "per call", "Workers.run/submit": "its call"}
 
 
 def _option(default: Any, *, refused: Mapping[str, str] | None = None, note: Mapping[str, str] | None = None) -> Any:
-    """A field of :class:`ParallelConfig`, with where it applies: ``refused``, per mode of :data:`MODES`, why
-    that mode cannot honour it (a value other than the default is refused there, naming the mode); ``note``,
-    per mode, how it applies there (for the table)."""
+    """Return a field of :class:`ParallelConfig` with, per mode of :data:`MODES`, why it is refused or a note."""
     return dataclasses.field(default=default, metadata={"refused": dict(refused or {}), "note": dict(note or {})})
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
-    """The launch options of one decorated function (``fn.config``) or of warm workers, validated when made: a
-    ``ParallelConfig`` cannot exist with an invalid value. :func:`~mplaunch.parallel` makes one from its
-    keyword options, ``ParallelFunction.options`` with :func:`dataclasses.replace`; every field's default is
-    the option's. The text of each option below is the one source of the options reference, whose table says
-    in which ways of calling each option works.
+    """The launch options of one decorated function (``fn.config``) or of warm workers, validated when made: no
+    ``ParallelConfig`` holds an invalid value. :func:`~mplaunch.parallel` makes one from its keyword options,
+    ``ParallelFunction.options`` with :func:`dataclasses.replace`; each field's default is the option's. Each field's
+    text below is the one source of the options reference, whose table says in which ways of calling each option works.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
@@ -99,27 +98,20 @@ class ParallelConfig:
     ``devices=``, else the visible CUDA devices when there are any, else the usable CPU cores (the affinity
     mask, capped by a container's CPU quota)."""
     start_method: StartMethod | None = _option(None)
-    """``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names); ``None``: ``fork`` in an
-    interactive session (REPL, IPython, Jupyter) where fork exists and CUDA is not initialised, else
-    ``spawn``."""
+    """``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names); ``None``: ``fork`` in an interactive
+    session (REPL, IPython, Jupyter) where fork exists and CUDA is not initialised, else ``spawn``."""
     return_all: bool = _option(False, note={"generator function": "(rank, value) pairs", "multi-node": "this node's"})
     """Return a list of every rank's value, ordered by rank, instead of rank 0's value."""
-    timeout: float | None = _option(None, note={"Workers(...)": "per call", "Workers.run/submit": "its call"})
-    """Seconds the whole call may take (restarts included), or ``None`` for no limit. Then each rank's stacks
-    are collected (about a second at most), the ranks are stopped (a warm call is interrupted), and
-    ``LaunchTimeoutError`` carries the stacks and names where each rank was. Multi-node: each node stops its
-    own workers, without stacks."""
-    stall_timeout: float | None = _option(
-        None,
-        refused={"multi-node": "torch elastic's agent watches the ranks of each node; heartbeat() does nothing there"},
-        note={"Workers(...)": "per call", "Workers.run/submit": "its call"},
-    )
+    timeout: float | None = _option(None, note=_EACH_CALL)
+    """Seconds the whole call may take (restarts included), or ``None`` for no limit. Then each rank's stacks are
+    collected (about a second at most), the ranks are stopped (a warm call is interrupted), and ``LaunchTimeoutError``
+    carries the stacks and names where each rank was. Multi-node: each node stops its own workers, without stacks."""
+    stall_timeout: float | None = _option(None, refused={"multi-node": _AGENT_WATCHES}, note=_EACH_CALL)
     """Seconds a rank that has called ``mplaunch.heartbeat()`` may go without calling it again; then every
     rank's stacks are collected, the ranks are stopped and ``StallError`` names the rank (a worker failure:
     ``max_restarts`` restarts it). A rank that never beats is not watched; ``None``: none is."""
     grace_period: float = _option(5.0)
-    """Seconds between SIGTERM and SIGKILL when the ranks are stopped early (a warm call: between the
-    interrupt and the stop)."""
+    """Seconds from SIGTERM to SIGKILL when stopping the ranks early (a warm call: from the interrupt to the stop)."""
     backend: str | None = _option(None)
     """A ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl with a CUDA device
     per rank, else gloo): each rank runs ``init_process_group`` with it before the function (binding
@@ -130,41 +122,29 @@ class ParallelConfig:
     subprocesses) with ``[rank N] `` (``True``), or with a template of the fields ``rank``, ``local_rank``,
     ``node_rank`` and ``pid``, e.g. ``"{rank}|{pid} "``."""
     console_ranks: frozenset[int] | None = _option(None)
-    """The ranks whose output reaches the console, e.g. ``[0]`` (any collection of ints; kept as a
-    ``frozenset``); the others' is dropped unless ``log_dir`` is set (as torchrun's
-    ``--local-ranks-filter``). ``None``: every rank's."""
+    """The ranks whose output reaches the console, e.g. ``[0]`` (any collection of ints; kept as a ``frozenset``); the
+    others' is dropped unless ``log_dir`` is set (as torchrun's ``--local-ranks-filter``). ``None``: every rank's."""
     log_dir: str | None = _option(None)
     """A directory (created before any rank starts) where each rank's output also goes to ``rank{N}.log``,
     overwritten at each call (a restart appends, after a ``--- restart N ---`` line); the stacks of a timeout
     or a stall go to ``rank{N}.stacks``; with ``backend="nccl"``, NCCL's flight recorder dumps there on a
     collective's timeout. Any path; kept absolute."""
-    nnodes: int | None = _option(
-        None,
-        refused={
-            "generator function": "a generator's values stream from the ranks of one node: return them instead",
-            "Workers(...)": _ONE_NODE,
-        },
-    )
+    nnodes: int | None = _option(None, refused={"generator function": _STREAM_NODES, "Workers(...)": _ONE_NODE})
     """Machines taking part, each running the call with ``nprocs`` ranks; ``None``: ``MPLAUNCH_NNODES`` (or
     SLURM's, in an ``srun`` step with one task per node), else 1. With more than one, the call launches
     through torch elastic with c10d rendezvous, and returns rank 0's value on every node."""
-    node_rank: int | None = _option(
-        None, refused={"generator function": _ONE_NODE_STREAM, "Workers(...)": _ONE_NODE}, note=_WITH_NODES
-    )
+    node_rank: int | None = _option(None, refused=_NODES_ONLY, note=_WITH_NODES)
     """This node's index (``MPLAUNCH_NODE_RANK``, ``SLURM_NODEID``); informative, as c10d rendezvous orders
     the nodes itself."""
-    rdzv_endpoint: str | None = _option(
-        None, refused={"generator function": _ONE_NODE_STREAM, "Workers(...)": _ONE_NODE}, note=_WITH_NODES
-    )
+    rdzv_endpoint: str | None = _option(None, refused=_NODES_ONLY, note=_WITH_NODES)
     """``host[:port]`` every node can reach, where node 0's agent hosts the rendezvous
     (``MPLAUNCH_RDZV_ENDPOINT``; default port 29400)."""
     max_restarts: int = _option(0, refused={"Workers(...)": _RESTARTED})
-    """Times all ranks are stopped and started again after a worker failure (torchrun's
-    ``--max-restarts``): each restart is announced with a ``RestartWarning``, ranks read the count from
-    ``worker_info().restart_count`` to resume from a checkpoint, ``timeout`` bounds all attempts together,
-    and the failure raised at the end carries the earlier ones in ``earlier_attempts``. A generator
-    function's values of a failed attempt were delivered; the next attempt's follow them. Multi-node: torch
-    elastic's restarts."""
+    """Times all ranks are stopped and started again after a worker failure (torchrun's ``--max-restarts``): each
+    restart is announced with a ``RestartWarning``, ranks read the count from ``worker_info().restart_count`` to resume
+    from a checkpoint, ``timeout`` bounds all attempts together, and the failure raised at the end carries the earlier
+    ones in ``earlier_attempts``. A generator function's values of a failed attempt were delivered; the next attempt's
+    follow them. Multi-node: torch elastic's restarts."""
     rdzv_timeout: float = _option(
         600.0,
         refused={"generator function": _ONE_NODE_STREAM},
@@ -196,31 +176,20 @@ class ParallelConfig:
     every rank, the ranks get ``preempt_grace`` seconds to save and return, the rest are then stopped, and
     the call raises ``PreemptedError``. A second signal ends the grace at once. Multi-node: each node
     handles its own signals and passes the notice to the others. SIGKILL and SIGSTOP cannot be caught."""
-    preempt_grace: float = _option(60.0, note={"Workers(...)": "per call", "Workers.run/submit": "its call"})
+    preempt_grace: float = _option(60.0, note=_EACH_CALL)
     """Seconds the ranks get, once preempted, to save and return (default 60)."""
-    restart_on: RestartOn = _option(
-        None,
-        refused={
-            "Workers(...)": _RESTARTED,
-            "multi-node": "torch elastic's agent on each node restarts that node's ranks on its own",
-        },
-    )
+    restart_on: RestartOn = _option(None, refused={"Workers(...)": _RESTARTED, "multi-node": _AGENT_RESTARTS})
     """The failures ``max_restarts`` restarts: exception classes (e.g. ``(ConnectionError,
     WorkerExitedError)``; a class is kept as a one-class tuple), or a predicate ``(failure) -> bool`` called
     in the parent (never pickled); ``None``: every failure. Another failure is raised at once."""
     restart_delay: float = _option(
-        0.0,
-        refused={
-            "Workers(...)": _RESTARTED,
-            "multi-node": "torch elastic's agent on each node restarts that node's ranks on its own, at once",
-        },
+        0.0, refused={"Workers(...)": _RESTARTED, "multi-node": f"{_AGENT_RESTARTS}, at once"}
     )
     """Seconds before the first restart, doubled for each further one, at most 60; the wait counts against
     ``timeout`` and ends at once on ``cancel()``, Ctrl-C or a preemption."""
     post_mortem: bool = _option(False)
-    """The first rank that raises opens pdb at its failing line, on the caller's terminal, before the others
-    are stopped (``q`` or ``c`` ends the session). Without a terminal (a notebook), a ``RuntimeWarning``
-    points to ``fn.debug()``."""
+    """The first rank that raises opens pdb at its failing line on the caller's terminal, before the others are stopped
+    (``q`` or ``c`` ends it). Without a terminal (a notebook), a ``RuntimeWarning`` points to ``fn.debug()``."""
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
@@ -277,54 +246,36 @@ class ParallelConfig:
             object.__setattr__(self, name, value)
 
 
-#: The option names, in the order of :class:`ParallelConfig`'s fields (one list for the decorator and options()).
 OPTIONS = tuple(field.name for field in dataclasses.fields(ParallelConfig))
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(ParallelConfig)}
-
-
-#: How the messages name each mode of :data:`MODES`.
 _MODE_NAMES = {
     "call": "a call",
-    "submit()": "submit()",
     "generator function": "a generator function",
-    "Workers(...)": "Workers(...)",
-    "Workers.run/submit": "Workers.run/submit",
     "multi-node": "a launch on more than one node",
 }
 
 
 def refused_in(mode: str) -> dict[str, str]:
-    """The options that ``mode`` (one of :data:`MODES`) refuses, with why."""
+    """Return the options that ``mode`` refuses, with why."""
     return {f.name: reason for f in dataclasses.fields(ParallelConfig) if (reason := f.metadata["refused"].get(mode))}
 
 
 def check_mode(config: ParallelConfig, mode: str, what: str | None = None) -> None:
-    """Refuse each option of ``config`` that ``mode`` (one of :data:`MODES`) cannot honour and that is set to
-    another value than its default (``nnodes``: to more than one node); ``what``: how the message names the
-    mode, if not as :data:`MODES` does.
-
-    Raises:
-        InvalidOptionError: the first such option; the message names it, its value, the mode and why.
-    """
+    """Raise InvalidOptionError for the first option ``mode`` refuses that ``config`` sets (``what`` names the mode)."""
     for name, reason in refused_in(mode).items():
         value = getattr(config, name)
         default = _DEFAULTS[name]
         if value == default or (name == "nnodes" and value == 1):
             continue
         raise InvalidOptionError(
-            f"{name}={value!r} is not valid for {what or _MODE_NAMES[mode]}: {reason}. Leave it out "
+            f"{name}={value!r} is not valid for {what or _MODE_NAMES.get(mode, mode)}: {reason}. Leave it out "
             f"(default {default!r})."
         )
 
 
 def call_config(own: ParallelConfig, workers: ParallelConfig, name: str) -> ParallelConfig:
-    """The options of a call of the decorated function ``name`` (its options: ``own``) on warm workers (theirs:
-    ``workers``): the workers', with the function's own options of :data:`PER_CALL` that it sets.
-
-    Raises:
-        InvalidOptionError: the function sets an option that decides how the ranks were started (``nprocs``,
-            ``start_method``, ``env``...) to another value than the workers'.
-    """
+    """Return the options of a call of ``name`` on warm workers: theirs, with the function's own of PER_CALL;
+    InvalidOptionError where the function sets an option of the ranks' start to another value."""
     overrides = {}
     for field in dataclasses.fields(ParallelConfig):
         value, theirs = getattr(own, field.name), getattr(workers, field.name)
@@ -342,23 +293,13 @@ def call_config(own: ParallelConfig, workers: ParallelConfig, name: str) -> Para
 
 
 def make_config(**options: Any) -> ParallelConfig:
-    """Return the :class:`ParallelConfig` of these keyword options (defaults for the others).
-
-    Raises:
-        InvalidOptionError: an option has a wrong type or value.
-        TypeError: an option name that does not exist; the message lists the valid ones.
-    """
+    """Return the :class:`ParallelConfig` of these options; TypeError for an unknown name."""
     _check_names(options, OPTIONS)
     return ParallelConfig(**options)
 
 
 def replace_options(config: ParallelConfig, overrides: Mapping[str, Any]) -> ParallelConfig:
-    """``config`` with the options in ``overrides`` replaced (every option but ``return_all``).
-
-    Raises:
-        InvalidOptionError: an option has a wrong type or value.
-        TypeError: an option name that does not exist, or ``return_all``; the message lists the valid ones.
-    """
+    """Return ``config`` with ``overrides`` replaced; TypeError for an unknown name or ``return_all``."""
     _check_names(overrides, tuple(LaunchOptions.__annotations__))
     return dataclasses.replace(config, **overrides)
 
@@ -369,8 +310,12 @@ def _check_names(options: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
         raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}: the options are {', '.join(allowed)}.")
 
 
+def _is_whole(value: object, low: int) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
 def _check_nprocs(nprocs: object) -> None:
-    if nprocs != "auto" and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
+    if nprocs != "auto" and not _is_whole(nprocs, 1):
         raise InvalidOptionError(
             f"nprocs={nprocs!r} is not valid: pass a whole number of processes >= 1 (e.g. nprocs=2), or 'auto'."
         )
@@ -399,7 +344,7 @@ def _check_seconds(name: str, value: object, allowed: str, *, allow_zero: bool =
 
 
 def _check_whole(name: str, value: object, low: int, what: str = "") -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+    if value is not None and not _is_whole(value, low):
         raise InvalidOptionError(f"{name}={value!r} is not valid: pass a whole number{what} >= {low}.")
 
 
@@ -414,7 +359,7 @@ def _check_ranks(console_ranks: Iterable[int]) -> frozenset[int]:
         ranks = frozenset(console_ranks)
     except TypeError:
         raise InvalidOptionError(message) from None
-    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+    if not all(_is_whole(r, 0) for r in ranks):
         raise InvalidOptionError(message)
     return ranks
 
@@ -448,20 +393,12 @@ def _check_devices(devices: object) -> int | tuple[int, ...] | None:
         f"devices={devices!r} is not valid: pass a number of CUDA devices >= 1 (any free ones, e.g. devices=1), "
         "a list of distinct device indices (e.g. devices=[2, 3]), or None for every visible device."
     )
-    if devices is None:
-        return None
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        if devices < 1:
-            raise InvalidOptionError(message)
+    if devices is None or _is_whole(devices, 1):
         return devices
     if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
         raise InvalidOptionError(message)
     indices = tuple(devices)
-    if (
-        not indices
-        or len(set(indices)) != len(indices)
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in indices)
-    ):
+    if not indices or len(set(indices)) != len(indices) or not all(_is_whole(i, 0) for i in indices):
         raise InvalidOptionError(message)
     return indices
 

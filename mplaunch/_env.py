@@ -1,7 +1,6 @@
-"""The torchrun-style environment of a worker, and an accessor for it.
-
-The variables follow torchrun's contract (https://pytorch.org/docs/stable/elastic/run.html, "Environment
-Variables"), so code written for torchrun runs unchanged under mplaunch.
+"""A worker's torchrun-style environment, and accessors for it. The variables follow torchrun's contract
+(https://pytorch.org/docs/stable/elastic/run.html, "Environment Variables"), so code written for torchrun runs
+unchanged.
 """
 
 from __future__ import annotations
@@ -17,34 +16,21 @@ from mplaunch._wire import flags
 
 #: Variables that describe a rank's place in a job. The parent's values never reach a worker: mplaunch
 #: sets each of them per rank. ``MASTER_ADDR``/``MASTER_PORT`` are kept when the user set them.
+# fmt: off
 RANK_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "GROUP_WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_ERROR_FILE",
-    "MPLAUNCH_HOSTED_MASTER_PORT",
-    "MPLAUNCH_WORKER",
-    flags.FLAG_VARIABLE,
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "MPLAUNCH_HOSTED_MASTER_PORT", "MPLAUNCH_WORKER", flags.FLAG_VARIABLE,
 )
+# fmt: on
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 
 #: Set to 1 in every worker: a parallel function called there runs in-process as that rank (as under torchrun).
 WORKER_VARIABLE = "MPLAUNCH_WORKER"
 
-#: Set in workers to the MASTER_PORT of the store their launch hosts: a MASTER_PORT equal to it was not
-#: chosen by the user, so a launch from inside a worker hosts a store of its own.
+#: In workers, the MASTER_PORT of their launch's store: a launch from a worker that finds it there hosts its own store.
 OWN_PORT_VARIABLE = "MPLAUNCH_HOSTED_MASTER_PORT"
 
 
@@ -58,18 +44,8 @@ def rank_environment(
     restart_count: int = 0,
     max_restarts: int = 0,
 ) -> dict[str, str]:
-    """Return the variables that make a worker rank ``rank`` of ``nprocs`` on one node, as torchrun sets them.
-
-    Args:
-        rank: global rank of the worker, ``0 <= rank < nprocs``.
-        nprocs: number of workers (the world size; one node, so also the local world size).
-        master_addr: address of the rendezvous store, e.g. ``"127.0.0.1"``.
-        master_port: its TCP port.
-        agent_store: the store is hosted by the launching parent (torchrun's "agent store"), so every rank,
-            rank 0 included, connects to it as a client in ``init_process_group(init_method="env://")``.
-        restart_count: how often the workers were restarted before this attempt (``TORCHELASTIC_RESTART_COUNT``).
-        max_restarts: how often they may be restarted in all (``TORCHELASTIC_MAX_RESTARTS``).
-    """
+    """Return the variables that make a worker rank ``rank`` of ``nprocs`` on one node, as torchrun sets them
+    (``agent_store``: the parent hosts the store, torchrun's "agent store", so rank 0 connects as a client too)."""
     env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -97,19 +73,8 @@ RESERVED_VARIABLES = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT")
 
 
 def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[str, str]:
-    """Return ``env`` (what ``env=`` gives, or its callable returned) as a plain ``dict`` of strings.
-
-    Args:
-        env: the mapping to check.
-        source: how to name it in messages, e.g. ``"env"`` or ``"env(1)"``.
-        devices: the launch has ``devices=``, which owns ``CUDA_VISIBLE_DEVICES``.
-
-    Raises:
-        InvalidOptionError: ``env`` is not a mapping of strings to strings, holds a name or value that no
-            environment can hold (an empty name, ``=`` in a name, a NUL character, a character the file system
-            encoding cannot write), or sets a variable mplaunch sets for each rank (:data:`RESERVED_VARIABLES`;
-            ``CUDA_VISIBLE_DEVICES`` with ``devices=``).
-    """
+    """Return ``env`` (named ``source`` in messages) as a ``dict`` of strings, or raise InvalidOptionError
+    (``devices``: the launch's ``devices=`` owns ``CUDA_VISIBLE_DEVICES``)."""
     if not isinstance(env, Mapping):
         raise InvalidOptionError(
             f"{source}={env!r} is not valid: pass a mapping of variable names to strings, e.g. "
@@ -147,15 +112,12 @@ def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[
 
 
 def replacing(env: Mapping[str, str]) -> dict[str, str | None]:
-    """``env`` (from :func:`rank_environment`) as changes to a parent's environment: its variables, and
-    ``None`` for each of ``RANK_VARIABLES`` that it does not set (the parent's value must not reach the
-    worker)."""
+    """Return ``env`` as changes to an environment: ``None`` removes each other rank variable of the parent's."""
     return {**dict.fromkeys(RANK_VARIABLES), **env}
 
 
 def apply_environment(environ: os._Environ[str], changes: Mapping[str, str | None]) -> None:
-    """Apply ``changes`` (from :func:`replacing`) to ``environ``: a value sets the variable, ``None``
-    removes it."""
+    """Apply ``changes`` to ``environ``: a value sets the variable, ``None`` removes it."""
     for name, value in changes.items():
         if value is None:
             environ.pop(name, None)
@@ -214,9 +176,8 @@ def preempted() -> bool:
 
 def worker_info(environ: Mapping[str, str] | None = None) -> RankInfo:
     """Return the calling process's :class:`RankInfo`, read from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (falling back to ``NODE_RANK``) and ``TORCHELASTIC_RESTART_COUNT``.
-
-    Works in an mplaunch worker, under torchrun, and in a plain process, which is rank 0 of a world of 1.
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (falling back to ``NODE_RANK``) and ``TORCHELASTIC_RESTART_COUNT``: in an
+    mplaunch worker, under torchrun, or in a plain process, which is rank 0 of a world of 1.
 
     Args:
         environ: the variables to read; ``None`` reads ``os.environ``.
@@ -252,7 +213,7 @@ def worker_info(environ: Mapping[str, str] | None = None) -> RankInfo:
 
 
 def _encodable(text: str) -> bool:
-    """Whether ``text`` can be written into an environment, as ``os.environ`` writes it (``os.fsencode``)."""
+    """Return whether ``os.environ`` can write ``text`` (``os.fsencode``)."""
     try:
         os.fsencode(text)
     except UnicodeError:
@@ -261,18 +222,14 @@ def _encodable(text: str) -> bool:
 
 
 def whole_number(value: str) -> int | None:
-    """``value`` as a whole number of ASCII digits, as C code reads one (OpenMP, NCCL, the kernel), else
-    ``None``. ``str.isdigit()`` alone also accepts digits such as ``"³"``, which ``int()`` refuses."""
+    """Return ``value`` as a whole number of ASCII digits, as C code reads one, else ``None`` (``str.isdigit()``
+    alone also accepts digits such as ``"³"``, which ``int()`` refuses)."""
     return int(value) if value.isascii() and value.isdigit() else None
 
 
 def _count(environ: Mapping[str, str], name: str) -> int:
     found = whole_number(environ.get(name, ""))
     return 1 if found is None else found
-
-
-def _more_than_one(environ: Mapping[str, str], name: str) -> bool:
-    return _count(environ, name) > 1
 
 
 def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
@@ -304,25 +261,18 @@ def outer_launcher(environ: Mapping[str, str] | None = None) -> str | None:
         env, "SLURM_STEP_NUM_NODES"
     ):
         return "slurm"
-    if any(_more_than_one(env, n) for n in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")):
+    if any(_count(env, n) > 1 for n in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")):
         return "mpi"
     return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NodeSetup:
-    """Where this node stands in a multi-node launch.
-
-    Attributes:
-        nnodes: number of nodes (machines), each starting ``nprocs`` workers.
-        node_rank: this node's index, if known (with c10d rendezvous the order of joining decides ranks).
-        rdzv_endpoint: ``host:port`` of the c10d rendezvous store, the same on every node.
-        run_id: the job's name, the same on every node.
-    """
+    """Where this node stands in a multi-node launch."""
 
     nnodes: int
-    node_rank: int | None
-    rdzv_endpoint: str
+    node_rank: int | None  # if known: c10d rendezvous orders the nodes itself
+    rdzv_endpoint: str  # host:port of the c10d store, the same on every node
     run_id: str
 
 
@@ -330,19 +280,10 @@ DEFAULT_RDZV_PORT = 29400
 
 
 def node_setup(
-    nnodes: int | None,
-    node_rank: int | None,
-    rdzv_endpoint: str | None,
-    environ: Mapping[str, str] | None = None,
+    nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, environ: Mapping[str, str] | None = None
 ) -> NodeSetup | None:
-    """Resolve the multi-node options: the arguments first, then ``MPLAUNCH_NNODES``,
-    ``MPLAUNCH_NODE_RANK``, ``MPLAUNCH_RDZV_ENDPOINT``, ``MPLAUNCH_RUN_ID``, then, in an ``srun`` step that
-    runs one task per node, SLURM's ``SLURM_STEP_NUM_NODES``, ``SLURM_NODEID``, ``SLURM_LAUNCH_NODE_IPADDR``
-    (port 29400) and ``SLURM_JOB_ID``. Returns ``None`` for a single node.
-
-    Raises:
-        InvalidOptionError: more than one node but no rendezvous endpoint, or a variable that is not a number.
-    """
+    """Resolve the multi-node options (arguments, then ``MPLAUNCH_*``, then SLURM's in a step of one task per
+    node), or return ``None`` for a single node."""
     env = os.environ if environ is None else environ
     slurm_per_node = (
         env.get("SLURM_STEP_ID") is not None
@@ -353,8 +294,7 @@ def node_setup(
     def pick(given: Any, name: str, slurm_name: str) -> Any:
         if given is not None:
             return given
-        value = env.get(name) or (env.get(slurm_name) if slurm_per_node else None)
-        return value
+        return env.get(name) or (env.get(slurm_name) if slurm_per_node else None)
 
     count = pick(nnodes, "MPLAUNCH_NNODES", "SLURM_STEP_NUM_NODES")
     count = _whole("nnodes (MPLAUNCH_NNODES)", count) if count is not None else 1
@@ -376,7 +316,7 @@ def node_setup(
 
 
 def _whole(name: str, value: Any) -> int:
-    """``value`` (an option or a variable's text) as an int, or an :class:`InvalidOptionError` naming it."""
+    """Return ``value`` (an option or a variable's text) as an int, or raise InvalidOptionError naming it."""
     try:
         return int(value)
     except (TypeError, ValueError):

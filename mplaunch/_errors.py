@@ -1,27 +1,6 @@
-"""The exceptions mplaunch raises.
-
-Every exception subclasses :class:`MplaunchError` and the builtin that fits, so existing ``except``
-clauses keep working. An exception raised by the user's function in a worker is re-raised in the parent as
-itself (same type), not wrapped; see :class:`RemoteTraceback`.
-
-::
-
-    MplaunchError
-    ├── InvalidOptionError(ValueError)      a decorator option or launch argument is wrong
-    ├── LaunchRefusedError(RuntimeError)    a check before launching failed; no worker was started
-    ├── WorkerFailedError(RuntimeError)     a worker failed without a transferable exception
-    │   ├── WorkerExitedError                 it died (signal, non-zero exit) or exited without a result
-    │   ├── RemoteError                       its exception or its result could not be pickled/unpickled
-    │   └── StallError                        it stopped calling heartbeat() for ``stall_timeout`` seconds
-    ├── NodeLostError(RuntimeError)         another node of a multi-node launch is gone; this node's workers stopped
-    ├── LaunchTimeoutError(TimeoutError)    the launch ran past ``timeout``; every worker was stopped
-    └── PreemptedError                      one of ``preempt_signals`` came: the ranks were told, then stopped
-
-Every error of a launch that ran workers also has a ``report`` attribute: the launch's
-:class:`~mplaunch.RunReport` (each rank's exit, peak memory, CPU and wall time).
-
-The design of shipping a worker's exception back as its own type with the remote traceback as
-``__cause__`` follows CPython's ``concurrent.futures.process`` (``_ExceptionWithTraceback``).
+"""The exceptions mplaunch raises: each subclasses :class:`MplaunchError` and the builtin that fits (the tree is
+drawn in docs/reference/exceptions.md). A worker's exception is re-raised in the parent as itself, with the
+remote traceback as ``__cause__``, as CPython's ``concurrent.futures.process`` does (``_ExceptionWithTraceback``).
 """
 
 from __future__ import annotations
@@ -33,22 +12,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mplaunch._reports import RunReport
 
-__all__ = [
-    "FailureInfo",
-    "InvalidOptionError",
-    "LaunchRefusedError",
-    "LaunchTimeoutError",
-    "MplaunchError",
-    "NodeLostError",
-    "PreemptedError",
-    "RemoteError",
-    "RemoteTraceback",
-    "StallError",
-    "WorkerExitedError",
-    "WorkerFailedError",
-    "failure_info",
-]
-
 
 class MplaunchError(Exception):
     """Base class of every exception mplaunch raises itself.
@@ -59,6 +22,16 @@ class MplaunchError(Exception):
     """
 
     report: RunReport | None = None
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # rebuilt without __init__, whose parameters differ per class: the state holds every attribute
+        return (_rebuild, (type(self), self.args), dict(vars(self)))
+
+
+def _rebuild(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
+    error = cls.__new__(cls)
+    error.args = args  # (OSError.__new__ drops its arguments where a subclass overrides __init__)
+    return error
 
 
 class InvalidOptionError(MplaunchError, ValueError):
@@ -84,25 +57,20 @@ class WorkerFailedError(MplaunchError, RuntimeError):
         self.rank = rank
         self.pid = pid
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.rank, self.pid), dict(vars(self)))
-
 
 class WorkerExitedError(WorkerFailedError):
     """A worker ended without returning: killed by a signal, a non-zero exit, or an exit with no result.
 
     Attributes:
-        exitcode: the process exit code, as CPython defines it: ``sys.exit()`` and ``sys.exit(None)`` give 0,
-            ``sys.exit(True)`` gives 1, ``sys.exit("message")`` gives 1; negative ``-N`` when the process was
-            killed by signal ``N`` (as in ``multiprocessing``); ``128 + N`` when the worker caught signal ``N``
-            (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) and exited.
+        exitcode: the exit code as CPython defines it (``sys.exit()``, ``sys.exit(None)``: 0; ``sys.exit(True)``,
+            ``sys.exit("message")``: 1); ``-N`` when killed by signal ``N`` (as in ``multiprocessing``); ``128 + N``
+            when the worker caught signal ``N`` (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2) and exited.
         signum: the number of the signal that ended the worker, else ``None``.
         signal_name: e.g. ``"SIGKILL"`` or ``"SIGTERM"`` when a signal ended it, else ``None``.
-        oom: ``True`` when the kernel's out-of-memory killer ended it (the ``oom_kill`` count of its cgroup,
-            cgroup v2 ``memory.events`` or v1 ``memory.oom_control``, rose while it ran and a SIGKILL ended
-            it); ``False`` when it did not (another signal or exit, or the count did not rise); ``None`` when
-            it cannot be known (a SIGKILL where no count is readable). Other ranks of the same cgroup killed
-            by ``kill -9`` while one of them was OOM-killed also read ``True``.
+        oom: ``True`` when the kernel's out-of-memory killer ended it (a SIGKILL while the ``oom_kill`` count of its
+            cgroup rose: cgroup v2 ``memory.events``, v1 ``memory.oom_control``); ``False`` when not (another signal or
+            exit, or no rise); ``None`` when unknowable (a SIGKILL with no count readable). Ranks of the same cgroup
+            killed by ``kill -9`` while one was OOM-killed also read ``True``.
     """
 
     def __init__(
@@ -122,9 +90,6 @@ class WorkerExitedError(WorkerFailedError):
         self.signal_name = signal_name(-signum if signum is not None else None)
         self.oom = oom
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.rank, self.pid, self.exitcode, self.signum, self.oom), dict(vars(self)))
-
 
 class RemoteError(WorkerFailedError):
     """A worker raised an exception (or returned a result) that could not be pickled or unpickled.
@@ -139,17 +104,13 @@ class RemoteError(WorkerFailedError):
         super().__init__(message, rank, pid)
         self.type_name = type_name
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.rank, self.pid, self.type_name), dict(vars(self)))
-
 
 class StallError(WorkerFailedError):
     """A rank that had called :func:`~mplaunch.heartbeat` stopped calling it for ``stall_timeout`` seconds;
     every rank's stacks were collected, then every worker was stopped.
 
-    The message names the stalled rank, how long it was silent, and where each rank was (the innermost
-    frame of the user's code in each rank's stack). With ``max_restarts``, a stall restarts the workers like
-    any worker failure.
+    The message names the stalled rank, how long it was silent, and where each rank was (the innermost frame of the
+    user's code in each rank's stack). With ``max_restarts``, a stall restarts the workers like any worker failure.
 
     Attributes:
         silent: seconds since the rank's last heartbeat, when the stall was seen.
@@ -172,10 +133,6 @@ class StallError(WorkerFailedError):
         self.stall_timeout = stall_timeout
         self.stacks = dict(stacks or {})
 
-    def __reduce__(self) -> tuple[object, ...]:
-        args = (self.args[0], self.rank, self.pid, self.silent, self.stall_timeout, self.stacks)
-        return (type(self), args, dict(vars(self)))
-
 
 class LaunchTimeoutError(MplaunchError, TimeoutError):
     """The launch did not finish within ``timeout`` seconds; every worker was stopped.
@@ -195,9 +152,6 @@ class LaunchTimeoutError(MplaunchError, TimeoutError):
         self.timeout = timeout
         self.running = running
         self.stacks = dict(stacks or {})
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.timeout, self.running, self.stacks), dict(vars(self)))
 
 
 class PreemptedError(MplaunchError):
@@ -245,8 +199,7 @@ class NodeLostError(MplaunchError, RuntimeError):
         node_rank: the lost node's rank in the rendezvous (its ``GROUP_RANK``), or ``None`` when not known (the
             store's host in a launch of more than two nodes, or a node that closed the rendezvous).
         host: the lost node's address as the rendezvous recorded it, or ``None`` when not known.
-        launcher_pid: the process id of the lost node's launching process, on its host, or ``None`` when not
-            known.
+        launcher_pid: the process id of the lost node's launching process, on its host, or ``None`` when not known.
         endpoint: the rendezvous endpoint of the launch, ``host:port``.
     """
 
@@ -258,10 +211,6 @@ class NodeLostError(MplaunchError, RuntimeError):
         self.host = host
         self.launcher_pid = launcher_pid
         self.endpoint = endpoint
-
-    def __reduce__(self) -> tuple[object, ...]:
-        args = (self.args[0], self.node_rank, self.host, self.launcher_pid, self.endpoint)
-        return (type(self), args, dict(vars(self)))
 
 
 class RemoteTraceback(Exception):
@@ -276,10 +225,8 @@ class RemoteTraceback(Exception):
 
 
 def raised_by_design(error: BaseException) -> bool:
-    """Whether ``error`` is one mplaunch raises by design: its own errors, workers' exceptions rebuilt in the
-    parent (they carry the worker's traceback as ``RemoteTraceback`` cause), and Ctrl-C while waiting. Their
-    tracebacks lose mplaunch's frames: the caller's line and the worker's traceback tell what happened.
-    Anything else (a bug of mplaunch) keeps its full traceback."""
+    """Return whether mplaunch raises ``error`` by design (its own, a worker's, Ctrl-C), so its frames can go;
+    anything else is a bug of mplaunch and keeps its full traceback."""
     return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
 
 
@@ -300,8 +247,7 @@ class FailureInfo:
     Attributes:
         rank: the global rank whose failure it is.
         pid: that worker's process id, or ``None`` if it never started.
-        failures: the other ranks' own failures in the same attempt, by rank (never a rank the launch
-            stopped).
+        failures: the other ranks' own failures in the same attempt, by rank (never a rank the launch stopped).
         earlier_attempts: the failures that ended earlier attempts (``max_restarts``), oldest first.
         report: the launch's :class:`~mplaunch.RunReport` (each rank's exit, memory, CPU and wall time).
     """

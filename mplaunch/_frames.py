@@ -1,9 +1,6 @@
-"""The first frame outside mplaunch: where a warning points (the user's line) and where a worker's traceback
-starts (the user's function); and finding an object by module and qualified name.
-
-A frame is mplaunch's when the module that runs it is ``mplaunch`` or one of its submodules, as its globals'
-``__name__`` says. Module names do not change when files move, and a user's file that happens to sit next
-to mplaunch's is not mistaken for it.
+"""Find the first frame outside mplaunch (where a warning points, where a worker's traceback starts), and find
+an object by module and qualified name. A frame is ours when its globals' ``__name__`` is ``mplaunch`` or a
+submodule: that survives file moves, and a user's file next to mplaunch's is not mistaken for it.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ PACKAGE = __name__.partition(".")[0]
 
 
 def is_ours(frame: FrameType) -> bool:
-    """Whether ``frame`` runs code of a module of this package."""
+    """Return whether ``frame`` runs code of a module of this package."""
     name = frame.f_globals.get("__name__")
     return isinstance(name, str) and (name == PACKAGE or name.startswith(PACKAGE + "."))
 
@@ -31,29 +28,27 @@ _thread = threading.local()  # in a thread that runs a launch for its caller: ``
 
 
 def _outside(frame: FrameType | None) -> FrameType | None:
-    """``frame``, or the first frame it was called from that is not mplaunch's; ``None`` if all are."""
+    """Return ``frame`` or the first frame it was called from that is not ours; ``None`` if all are."""
     while frame is not None and is_ours(frame):
         frame = frame.f_back
     return frame
 
 
 def user_frame() -> FrameType:
-    """The first frame outside mplaunch that called this function's caller (the user's line, also through
-    a wrapper of mplaunch's: a bound decorated method); the caller's own caller if every frame is ours."""
+    """Return the first frame outside mplaunch above this function's caller, else the caller's caller."""
     frame = sys._getframe(2)
     return _outside(frame) or frame
 
 
 def outside_caller() -> Caller | None:
-    """Where the first frame outside mplaunch that called this is: its file, line and module globals."""
+    """Return the file, line and module globals of the first frame outside mplaunch that called this."""
     frame = _outside(sys._getframe(1))
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_globals)
 
 
 @contextlib.contextmanager
 def warnings_for(caller: Caller | None) -> Iterator[None]:
-    """In a thread that runs a launch for someone else (a submitted launch's thread): warnings that would
-    point into the thread's start point at ``caller`` (the line that submitted the launch) instead."""
+    """Point warnings that would point into this thread's start at ``caller`` (a submitted launch's line)."""
     _thread.caller = caller
     try:
         yield
@@ -62,8 +57,7 @@ def warnings_for(caller: Caller | None) -> Iterator[None]:
 
 
 def warn_at_user(message: str, category: type[Warning]) -> None:
-    """``warnings.warn(message, category)`` attributed to the first frame outside mplaunch that called this;
-    in a submitted launch's thread, to the line that submitted it (see :func:`warnings_for`)."""
+    """Warn at the first frame outside mplaunch, or at the line that submitted this thread's launch."""
     frame: FrameType | None = sys._getframe(1)
     level = 2  # as seen by warnings.warn: 1 is this function, 2 its caller
     while frame is not None and is_ours(frame):
@@ -80,17 +74,14 @@ def warn_at_user(message: str, category: type[Warning]) -> None:
 
 
 def without_our_frames(tb: TracebackType | None) -> TracebackType | None:
-    """``tb`` from its first entry outside mplaunch on (the entries above it, mplaunch's own frames that
-    called the user's code, tell the user nothing); the last entry is kept even when it is ours, so an error
-    raised by mplaunch itself keeps the line that raised it."""
+    """Return ``tb`` from its first entry outside mplaunch on; the last entry stays, so our own raise shows."""
     while tb is not None and tb.tb_next is not None and is_ours(tb.tb_frame):
         tb = tb.tb_next
     return tb
 
 
 def resolve(module: str, qualname: str) -> Any:
-    """The object that ``module``'s ``qualname`` names (``pkgutil.resolve_name``), or ``None``; only a module
-    that is already imported is looked in (nothing is imported to decide)."""
+    """Return what ``module:qualname`` names, or ``None``; only an already imported module is looked in."""
     if module not in sys.modules or not qualname:
         return None
     try:
@@ -100,8 +91,7 @@ def resolve(module: str, qualname: str) -> Any:
 
 
 def named_original(function: Any) -> Any:
-    """For a decorated function that its name does not find (a copy made by ``fn.options(...)``), the decorated
-    function its name finds, when both run the same plain function; else ``None``."""
+    """Return the decorated function that a copy's name finds (``fn.options()``) if it wraps the same function."""
     module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
     if not isinstance(module, str) or not isinstance(qualname, str):
         return None

@@ -1,5 +1,4 @@
-"""The options of preemption and restarts (``preempt_signals``, ``restart_on``), checked for
-:class:`~mplaunch.ParallelConfig`."""
+"""Check the preemption and restart options (``preempt_signals``, ``restart_on``) of ParallelConfig."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ _NO_NOTICE = {
 
 
 def check_signals(signals: object) -> tuple[signal.Signals, ...]:
-    """``preempt_signals`` as a tuple of :class:`signal.Signals` (a single signal is accepted too)."""
+    """Return ``preempt_signals`` as a tuple of :class:`signal.Signals` (a single signal is accepted too)."""
     message = (
         f"preempt_signals={signals!r} is not valid: pass a tuple of signals that can be caught, e.g. "
         "preempt_signals=(signal.SIGTERM,) or (signal.SIGUSR1,), or () for none."
@@ -52,7 +51,7 @@ def check_signals(signals: object) -> tuple[signal.Signals, ...]:
 
 
 def check_restart_on(restart_on: object) -> RestartOn:
-    """``restart_on`` as ``None``, a tuple of exception classes, or a predicate."""
+    """Return ``restart_on`` as ``None``, a tuple of exception classes, or a predicate."""
     if restart_on is None:
         return None
     allowed = (

@@ -1,5 +1,4 @@
-"""The public records of what a launch's ranks cost and how they ended: :class:`RunReport`, one
-:class:`RankReport` per rank (made by :mod:`mplaunch._parent.usage`)."""
+"""What a launch's ranks cost and how they ended: :class:`RunReport`, one :class:`RankReport` per rank."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 from mplaunch._api import ParallelFunction
@@ -13,8 +12,7 @@ from mplaunch._errors import InvalidOptionError
 
 
 class _IndexedCall:
-    """The function of a :func:`spawn` call: runs ``function(i, *args)``, ``i`` the process index
-    (``LOCAL_RANK``), as ``torch.multiprocessing.spawn`` calls it."""
+    """Run ``function(i, *args)``, ``i`` the process index (``LOCAL_RANK``), as ``torch.multiprocessing.spawn`` does."""
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.function = function
@@ -57,8 +55,6 @@ def spawn(
       ``ProcessExitedException``);
     - ``daemon`` is accepted and has no effect: workers never outlive the calling process, whatever it is.
 
-    Source: ``torch.multiprocessing.spawn`` (its signature, and ``fn(i, *args)``).
-
     Args:
         fn: the function each worker runs, called as ``fn(i, *args)``; under ``spawn`` and ``forkserver`` it
             and ``args`` are pickled, as :func:`mplaunch.parallel` pickles a call.
@@ -96,6 +92,5 @@ def spawn(
         _IndexedCall(fn), make_config(nprocs=nprocs, start_method=start_method, **options)
     )
     if not join:
-        future: Future[Any] = function.submit(*args)
-        return future
+        return function.submit(*args)
     return function(*args)
