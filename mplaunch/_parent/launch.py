@@ -1,8 +1,7 @@
-"""A launch, step by step: resolve the options, check, build the worker spec, write the payload, start the
-ranks and run the call on them (:mod:`mplaunch._parent.ranks`), restarting them after a failure
-(:mod:`mplaunch._parent.restarts`). A call, ``submit()`` and a generator function are this one driver: a
-call drains it, a generator function's :class:`~mplaunch.Stream` reads the values its ranks yield as they come.
-Multi-node launches hand the ranks to torch elastic (:mod:`mplaunch._parent.nodes.elastic`)."""
+"""A launch, step by step: resolve the options, check, build the spec, write the payload, start the ranks and
+run the call on them (:mod:`mplaunch._parent.ranks`), restarting after a failure. A call, ``submit()`` and a
+generator function are this one driver: a call drains it, a :class:`~mplaunch.Stream` reads its values as they
+come. Multi-node launches hand the ranks to torch elastic (:mod:`mplaunch._parent.nodes.elastic`)."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from mplaunch._parent.parent_signals import ignored_signals, parent_signals, sig
 from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.ranks import STARTED, Ranks, board_for, values
 from mplaunch._parent.restarts import run_attempts
-from mplaunch._parent.store import rendezvous
+from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.stream import Stream
 from mplaunch._parent.terminal import terminal_kept
 from mplaunch._reports import RunReport
@@ -40,6 +39,7 @@ from mplaunch._state.python import warn_not_carried
 from mplaunch._state.sharing import unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
+from mplaunch._wire.board import Board
 from mplaunch._wire.importable import WorkerImports, worker_imports
 from mplaunch._wire.records import Payload, outcome_name
 from mplaunch._wire.spec import AttemptSpec, LaunchSpec, RankFds
@@ -48,19 +48,12 @@ from mplaunch._worker.entry import run
 
 @dataclasses.dataclass(frozen=True)
 class CallRequest:
-    """One call of a decorated function, as its caller made it; :meth:`check` runs its checks once, in the
-    caller's thread, before anything starts.
+    """One call of a decorated function as its caller made it, checked once, in the caller's thread."""
 
-    Attributes:
-        function: the decorated function (a ``ParallelFunction``).
-        args, kwargs: the call's arguments.
-        submitted: it was made with ``submit()``; it then runs in a thread of its own.
-    """
-
-    function: Any
+    function: Any  # the ParallelFunction
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    submitted: bool = False
+    submitted: bool = False  # made with submit(): it runs in a thread of its own
 
     @property
     def streams(self) -> bool:
@@ -81,15 +74,11 @@ class CallRequest:
         return str(getattr(self.function, "__name__", "the function"))
 
     def check(self, frame: Any) -> bool:
-        """Run the checks of the call that do not need its start (``frame``: the caller's, whose current line
-        the main guard looks at); return whether it starts workers (else it runs here, under an outer
-        launcher).
+        """Run the checks that need no start (``frame``: the caller's, for the main guard); return whether it
+        starts workers (else it runs here, under an outer launcher).
 
         Raises:
-            LaunchRefusedError: a launch from a worker still importing the script, or a missing main guard.
-            InvalidOptionError: an option this way of calling refuses, or ``log_dir`` or ``devices`` no
-                launch could use.
-            TypeError: the arguments do not fit the function.
+            LaunchRefusedError, InvalidOptionError, TypeError: as the call raises them.
         """
         checks.check_not_bootstrapping(self.name)
         if outer_launcher() is not None:
@@ -104,8 +93,7 @@ class CallRequest:
 
 
 def launch(request: CallRequest, control: LaunchControl | None = None) -> Any:
-    """Run a checked call (see :meth:`CallRequest.check`) on ``config.nprocs`` workers and return its
-    result(s); ``control`` (a submitted launch's) can stop it."""
+    """Run a checked call on its workers and return its result(s); ``control`` (a submitted one's) can stop it."""
     control = control or LaunchControl()
     # outermost: a SIGTERM unwinds through the clean-ups; the terminal is put back after them
     with terminal_kept(), parent_signals():
@@ -115,9 +103,8 @@ def launch(request: CallRequest, control: LaunchControl | None = None) -> Any:
 def launch_stream(
     request: CallRequest, control: LaunchControl | None = None, reported: Callable[[RunReport], None] | None = None
 ) -> Stream[Any]:
-    """Start a checked call of a decorated generator function, and return at once the :class:`Stream` of the
-    values its ranks yield; the ranks are stopped when it ends (exhausted, closed, failed, or garbage
-    collected), and its :class:`RunReport` goes to ``reported``."""
+    """Start a checked call of a generator function; return its :class:`Stream` at once (whose end stops the
+    ranks); its :class:`RunReport` goes to ``reported``."""
     control = control or LaunchControl()
     steps = _reported(_launch(request, control), control)
 
@@ -140,7 +127,7 @@ def drained(steps: Generator[tuple[int, Any], None, Any]) -> Any:
 
 
 def _reported(steps: Generator[tuple[int, Any], None, Any], control: LaunchControl) -> Generator[Any, None, Any]:
-    """``steps``, its :class:`RunReport` made once it ends (on ``control``, and on an error it raises)."""
+    """Run ``steps``; make its report once it ends (on ``control``, and on an error it raises)."""
     started = time.monotonic()
     try:
         with open_files_explained():
@@ -153,7 +140,7 @@ def _reported(steps: Generator[tuple[int, Any], None, Any], control: LaunchContr
 
 
 def _report(control: LaunchControl, started: float) -> RunReport:
-    """The launch's report, made once, when it ends (on ``control``)."""
+    """Return the launch's report, made once (on ``control``)."""
     if control.report is None:
         control.report = RunReport(control.ranks, time.monotonic() - started, control.restarts)
     return control.report
@@ -186,24 +173,19 @@ class _Plan:
     """One launch's resolved options (ranks, nodes, start method, state, payload) and its steps."""
 
     def __init__(self, request: CallRequest, control: LaunchControl, names: list[str] | None) -> None:
-        config = request.config
-        self.request, self.function, self.config, self.control, self.names = (
-            request,
-            request.function,
-            config,
-            control,
-            names,
-        )
+        config = self.config = request.config
+        self.request, self.function, self.control, self.names = request, request.function, control, names
         self.streams = request.streams
-        auto = names is not None and config.nprocs == "auto"
-        self.nprocs = len(names) if names is not None and auto else policy.resolve_nprocs(config.nprocs)
+        self.nprocs = (
+            len(names) if names is not None and config.nprocs == "auto" else policy.resolve_nprocs(config.nprocs)
+        )
         self.nodes: NodeSetup | None = node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
         self.start_method = config.start_method or policy.default_start_method()
         self.forked = self.start_method == "fork" and self.nodes is None  # workers inherit the state as it is
         self.imports = None if self.forked else worker_imports()
 
     def check(self) -> None:
-        """The checks of this launch that depend on its resolved options (where it runs, how it starts)."""
+        """Run the checks that depend on the resolved options; capture the payload."""
         config, nodes = self.config, self.nodes
         if nodes is not None:
             check_mode(config, "multi-node", f"a launch on nnodes={nodes.nnodes}")
@@ -214,21 +196,14 @@ class _Plan:
                     f"{refused_in('generator function')['nnodes']}, or run it on one node."
                 )
         checks.check_cuda_fork(self.start_method)
-        world_size = self.nprocs * (nodes.nnodes if nodes else 1)
-        if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
-            raise InvalidOptionError(
-                f"console_ranks={sorted(config.console_ranks)} names no rank of this launch (ranks 0 to "
-                f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
-            )
-        state = self.control.state or (ForkState.capture() if self.forked else GlobalState.capture())
-        if isinstance(state, GlobalState) and state.python is not None and not self.forked:
-            warn_not_carried(state.python)
+        check_console_ranks(config, self.nprocs * (nodes.nnodes if nodes else 1), "this launch")
+        state = captured_state(self.forked, self.control.state)
         function = _function_reference(self.function, self.imports)
         self.payload = Payload(function, self.request.args, self.request.kwargs, state)
 
     @contextlib.contextmanager
     def spec_written(self, directory: str) -> Iterator[LaunchSpec]:
-        """The launch's spec, with the payload written for workers that cannot inherit it, and its board."""
+        """Yield the launch's spec, with the payload written for workers that cannot inherit it, and its board."""
         config, nodes, payload = self.config, self.nodes, self.payload
         with contextlib.ExitStack() as held:
             written = Written()
@@ -257,7 +232,7 @@ class _Plan:
             )
 
     def on_nodes(self, spec: LaunchSpec) -> list[Any]:
-        """This node's share of a multi-node launch (torch elastic runs its ranks)."""
+        """Run this node's share of a multi-node launch (torch elastic runs its ranks)."""
         from mplaunch._parent.nodes.elastic import launch_nodes
 
         assert self.nodes is not None
@@ -270,8 +245,7 @@ class _Plan:
     def attempt(
         self, spec: LaunchSpec, restart: int, notice: Preemption
     ) -> Generator[tuple[int, Any], None, list[Any]]:
-        """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt; none
-        once the launch was preempted (e.g. while it waited to restart)."""
+        """Run one attempt of a one-node launch, with a fresh store; none once preempted (e.g. waiting to restart)."""
         control, config = self.control, self.config
         control.restarts = restart
         if notice.noticed:
@@ -281,10 +255,7 @@ class _Plan:
         within = config.timeout if control.deadline is None else control.remaining()
         with contextlib.ExitStack() as stack:
             store = stack.enter_context(rendezvous(resolve_within=within))
-            outcome_fds = stack.enter_context(outcome_files(spec.nprocs))
-            pump = stack.enter_context(routed(list(range(spec.nprocs)), spec, restart))
-            attempt = attempt_spec(store, restart, worker_fds(pump, spec.start_method, spec.nprocs))
-            ranks = Ranks(spec, attempt, store, outcome_fds=outcome_fds, board=self.board, pump=pump)
+            ranks = new_ranks(stack, spec, store, self.board, restart)
             stack.callback(self._closed, ranks)
             pipes = [multiprocessing.Pipe(duplex=False) for _ in range(spec.nprocs)] if self.streams else []
             ranks.start(run, self.payload if self.forked else None, _preload(self.imports, self.function), pipes)
@@ -294,7 +265,7 @@ class _Plan:
             return values(states, spec.nprocs)
 
     def _forget_attempt(self, spec: LaunchSpec) -> None:
-        """Before a restart: no outcome, dump file or heartbeat of the earlier attempt is left."""
+        """Remove the earlier attempt's outcomes, dump files and heartbeats."""
         for rank in range(spec.nprocs):
             transport.remove(spec.directory, outcome_name(rank))
             stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
@@ -323,9 +294,7 @@ def launch_spec(
     board: bool = False,
     payload: Written | None = None,
 ) -> LaunchSpec:
-    """The spec of a launch or of warm workers (the one builder): what every worker needs to know, decided
-    from the options here, before any worker starts; ``payload``: where the call was written, ``board``:
-    whether the ranks have one.
+    """Build the spec of a launch or of warm workers (the one builder); ``payload``: where the call was written.
 
     Raises:
         InvalidOptionError: ``env=``'s function returned a bad mapping, or cannot be pickled for the workers.
@@ -370,7 +339,7 @@ def launch_spec(
 
 
 def attempt_spec(store: Any, restart: int, output_fds: tuple[RankFds, ...] | None) -> AttemptSpec:
-    """The spec of one start of the ranks: where they meet, which attempt it is, what replaces fd 1 and 2."""
+    """Build the spec of one start of the ranks: where they meet, which attempt, what replaces fd 1 and 2."""
     return AttemptSpec(
         master_addr=store.addr,
         master_port=store.port,
@@ -380,12 +349,43 @@ def attempt_spec(store: Any, restart: int, output_fds: tuple[RankFds, ...] | Non
     )
 
 
+def new_ranks(
+    stack: contextlib.ExitStack,
+    spec: LaunchSpec,
+    store: Rendezvous,
+    board: Board | None,
+    restart: int = 0,
+    warm: bool = False,
+) -> Ranks:
+    """Make the :class:`Ranks` of one start, their outcome files and output pump held by ``stack``."""
+    outcome_fds = stack.enter_context(outcome_files(spec.nprocs))
+    pump = stack.enter_context(routed(list(range(spec.nprocs)), spec, restart))
+    attempt = attempt_spec(store, restart, worker_fds(pump, spec.start_method, spec.nprocs))
+    return Ranks(spec, attempt, store, outcome_fds=outcome_fds, warm=warm, board=board, pump=pump)
+
+
+def check_console_ranks(config: ParallelConfig, world_size: int, whose: str) -> None:
+    """Refuse ``console_ranks`` that name no rank of ``world_size``."""
+    if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
+        raise InvalidOptionError(
+            f"console_ranks={sorted(config.console_ranks)} names no rank of {whose} (ranks 0 to "
+            f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
+        )
+
+
+def captured_state(forked: bool, state: GlobalState | None = None) -> ForkState | GlobalState:
+    """Capture the parent's state for the ranks (``state``: already captured); warn of what a spawn loses."""
+    found = state or (ForkState.capture() if forked else GlobalState.capture())
+    if isinstance(found, GlobalState) and found.python is not None and not forked:
+        warn_not_carried(found.python)
+    return found
+
+
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
-    """What to send as the function: the decorated object when a worker can import it by name, else the plain
-    function, which travels by value (see :mod:`mplaunch._wire.importable`); under fork (no ``imports``), where
-    nothing is pickled, the plain function. A copy with other options (``fn.options(...)``) is not what its
-    name finds: the decorated object that is goes instead (a worker runs only its plain function, the same),
-    so that the function runs with its module's globals and its own file in tracebacks."""
+    """Pick what to send as the function: the decorated object a worker can import by name, else the plain one.
+
+    Under fork (no ``imports``) nothing is pickled. A copy with other options (``fn.options(...)``) is not what
+    its name finds: its importable original goes instead, to run with its module's globals and file."""
     if imports is not None:
         if imports.can_import(function):
             return function
@@ -396,12 +396,10 @@ def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
-    """Modules the fork server imports once, when it starts, so that its workers do not: torch, NumPy's
-    random module when this process uses NumPy (restoring its state imports it), mplaunch's worker side, and
-    the function's module if the server can import it by name from the same file (the rule of
-    :mod:`mplaunch._wire.importable`: a module loaded from a file path, or ``pkg.__main__``, is never imported
-    there). Only the first forkserver launch of a process starts the server, so later functions from other
-    modules are imported by each worker."""
+    """List the modules the fork server imports once, at its start, so that its workers do not.
+
+    The function's module is one if the server can import it by name (see :mod:`mplaunch._wire.importable`).
+    Only a process's first forkserver launch starts the server: later launches' modules are each worker's."""
     modules = ["__main__", "torch", "mplaunch._worker.entry"]
     if "numpy" in sys.modules:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it

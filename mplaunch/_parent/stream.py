@@ -1,10 +1,7 @@
 """The values a generator function yields in the ranks, delivered to the caller as they are produced.
 
-A :class:`Stream` wraps one call's loop on its ranks (see :meth:`mplaunch._parent.ranks.Ranks.call`), a launch's
-or warm workers': each rank writes a value to the launch directory as soon as it is yielded and says so on its
-pipe, and the
-parent reads it when the caller asks for the next one. After the last value, the call's outcome is decided
-as for any call: the return value (:attr:`Stream.value`), or the first failure, raised as itself.
+A :class:`Stream` wraps one call's loop (:meth:`mplaunch._parent.ranks.Ranks.call`): each rank writes a value to
+the launch directory as it is yielded and says so on its pipe; the parent reads it when the caller asks.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ import queue
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Generic, TypeVar
 
-from mplaunch._errors import MplaunchError, RemoteTraceback
+from mplaunch._errors import raised_by_design
 from mplaunch._platform import forks
 
 T = TypeVar("T")
@@ -47,8 +44,7 @@ class Stream(Generic[T]):
         self.value: Any = None
 
     def prime(self) -> None:
-        """Run the call until its ranks run (they do whether or not the values are read); what refuses it
-        is raised here."""
+        """Run the call until its ranks run it (whether or not the values are read); raise what refuses it."""
         try:
             next(self._exchange)
         except BaseException:
@@ -78,7 +74,7 @@ class Stream(Generic[T]):
             raise StopIteration(self.value) from None
         except BaseException as error:
             self._end()
-            if not ours(error):
+            if not raised_by_design(error):
                 raise
             raise error.with_traceback(None) from error.__cause__
         return (rank, value) if self._return_all else value  # type: ignore[return-value]
@@ -90,7 +86,7 @@ class Stream(Generic[T]):
         if self._done:
             return
         if os.getpid() != self._pid:
-            self._done = True  # (the exchange, when collected here, acts on nothing: see exchange())
+            self._done = True  # (the exchange, when collected here, acts on nothing)
             return
         try:
             self._exchange.close()
@@ -138,15 +134,14 @@ class Stream(Generic[T]):
 
 
 class Queued(Generic[T]):
-    """The values of a stream that runs in another thread (a ``submit()``), as they arrive there; ends when
-    that stream ends (its failure is the future's)."""
+    """The values of a stream read in another thread (a ``submit()``), as they arrive; its failure is the future's."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ended = False
 
     def feed(self, stream: Iterator[T]) -> Any:
-        """Put every value of ``stream`` (in the thread that runs it); return its return value."""
+        """Put every value of ``stream`` (in the thread that reads it); return its return value."""
         while True:
             try:
                 value = next(stream)
@@ -155,7 +150,7 @@ class Queued(Generic[T]):
             self._queue.put(value)
 
     def end(self) -> None:
-        """Mark the end (after the last value, or a failure: the future holds it)."""
+        """Mark the end (after the last value, or a failure)."""
         self._queue.put(_END)
 
     def __iter__(self) -> Queued[T]:
@@ -169,9 +164,3 @@ class Queued(Generic[T]):
             self._ended = True
             raise StopIteration
         return value  # type: ignore[no-any-return]
-
-
-def ours(error: BaseException) -> bool:
-    """Whether ``error`` is one that mplaunch raises by design (see ``mplaunch._api._ours``): its frames in
-    between say nothing and are cut."""
-    return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
