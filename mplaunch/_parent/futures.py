@@ -1,10 +1,8 @@
 """Launches that run in the background: ``fn.submit(...)`` returns a :class:`concurrent.futures.Future`.
-
 Each submitted launch runs in a daemon thread that starts the workers, waits for them and settles the future.
 :meth:`LaunchFuture.cancel` writes to a pipe the launch's loop waits on, then waits until the workers are gone.
 Running launches are stopped at exit (``atexit``, before ``multiprocessing`` joins the workers) and when an
-IPython cell is interrupted; if the process dies, ``PR_SET_PDEATHSIG`` ends the workers.
-"""
+IPython cell is interrupted; if the process dies, ``PR_SET_PDEATHSIG`` ends the workers."""
 
 from __future__ import annotations
 
@@ -273,7 +271,6 @@ def _install_hooks() -> None:
             return
         _hooks_installed = True
     atexit.register(stop_all)  # after multiprocessing's own exit handler, so it runs first (last in, first out)
-    ipython_module = sys.modules.get("IPython")
-    ipython = getattr(ipython_module, "get_ipython", lambda: None)()
+    ipython = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
     if ipython is not None:
         ipython.events.register("post_run_cell", _after_cell)

@@ -1,7 +1,7 @@
-"""A launch, step by step: resolve the options, check, build the spec, write the payload, start the ranks and
-run the call on them (:mod:`mplaunch._parent.ranks`), restarting after a failure. A call, ``submit()`` and a
-generator function are this one driver: a call drains it, a :class:`~mplaunch.Stream` reads its values as they
-come. Multi-node launches hand the ranks to torch elastic (:mod:`mplaunch._parent.nodes.elastic`)."""
+"""A launch, step by step: resolve the options, check, build the spec, write the payload, start the ranks and run
+the call on them (:mod:`mplaunch._parent.ranks`), restarting after a failure; a call drains it, a generator
+function's :class:`~mplaunch.Stream` reads its values. Multi-node launches go to torch elastic
+(:mod:`mplaunch._parent.nodes.elastic`)."""
 
 from __future__ import annotations
 
@@ -61,51 +61,37 @@ class CallRequest:
         return inspect.isgeneratorfunction(self.function._mplaunch_target)
 
     @property
-    def modes(self) -> list[str]:
-        """How it was called, as :data:`mplaunch._config.MODES` names the ways of calling."""
-        return ["submit()" if self.submitted else "call"] + (["generator function"] if self.streams else [])
-
-    @property
     def config(self) -> ParallelConfig:
         return self.function.config  # type: ignore[no-any-return]
 
-    @property
-    def name(self) -> str:
-        return str(getattr(self.function, "__name__", "the function"))
-
     def check(self, frame: Any) -> bool:
         """Run the checks that need no start (``frame``: the caller's, for the main guard); return whether it
-        starts workers (else it runs here, under an outer launcher).
-
-        Raises:
-            LaunchRefusedError, InvalidOptionError, TypeError: as the call raises them.
-        """
-        checks.check_not_bootstrapping(self.name)
+        starts workers (else it runs here, under an outer launcher)."""
+        name = str(getattr(self.function, "__name__", "the function"))
+        checks.check_not_bootstrapping(name)
         if outer_launcher() is not None:
             return False
-        for mode in self.modes:
-            check_mode(self.config, mode)
+        for mode in ["submit()" if self.submitted else "call"] + (["generator function"] if self.streams else []):
+            check_mode(self.config, mode)  # (the ways of calling, as mplaunch._config.MODES names them)
         checks.check_arguments(self.function, self.args, self.kwargs)
-        checks.check_main_guard(self.config.start_method or policy.default_start_method(), frame, self.name)
+        checks.check_main_guard(self.config.start_method or policy.default_start_method(), frame, name)
         devices.check_request(self.config.devices)
         checks.check_log_dir(self.config.log_dir)
         return True
 
 
-def launch(request: CallRequest, control: LaunchControl | None = None) -> Any:
+def launch(request: CallRequest, control: LaunchControl) -> Any:
     """Run a checked call on its workers and return its result(s); ``control`` (a submitted one's) can stop it."""
-    control = control or LaunchControl()
     # outermost: a SIGTERM unwinds through the clean-ups; the terminal is put back after them
     with terminal_kept(), parent_signals():
         return drained(_reported(_launch(request, control), control))
 
 
 def launch_stream(
-    request: CallRequest, control: LaunchControl | None = None, reported: Callable[[RunReport], None] | None = None
+    request: CallRequest, control: LaunchControl, reported: Callable[[RunReport], None] | None = None
 ) -> Stream[Any]:
     """Start a checked call of a generator function; return its :class:`Stream` at once (whose end stops the
     ranks); its :class:`RunReport` goes to ``reported``."""
-    control = control or LaunchControl()
     steps = _reported(_launch(request, control), control)
 
     def ended() -> None:
@@ -154,10 +140,10 @@ def _launch(request: CallRequest, control: LaunchControl) -> Generator[tuple[int
         plan.check()
         with launch_directory() as directory, contextlib.ExitStack() as held:
             spec = held.enter_context(plan.spec_written(directory))
-            if plan.nodes is not None:
-                results = plan.on_nodes(spec)
-            else:
-                with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
+            with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
+                if plan.nodes is not None:
+                    results = plan.on_nodes(spec, notice)
+                else:
                     attempts = run_attempts(
                         lambda restart: plan.attempt(spec, restart, notice),
                         config.max_restarts,
@@ -176,9 +162,8 @@ class _Plan:
         config = self.config = request.config
         self.request, self.function, self.control, self.names = request, request.function, control, names
         self.streams = request.streams
-        self.nprocs = (
-            len(names) if names is not None and config.nprocs == "auto" else policy.resolve_nprocs(config.nprocs)
-        )
+        auto = names is not None and config.nprocs == "auto"
+        self.nprocs = len(names) if names is not None and auto else policy.resolve_nprocs(config.nprocs)
         self.nodes: NodeSetup | None = node_setup(config.nnodes, config.node_rank, config.rdzv_endpoint)
         self.start_method = config.start_method or policy.default_start_method()
         self.forked = self.start_method == "fork" and self.nodes is None  # workers inherit the state as it is
@@ -208,12 +193,9 @@ class _Plan:
         with contextlib.ExitStack() as held:
             written = Written()
             if not self.forked:
-                memory = nodes is None
-                written = held.enter_context(
-                    payload_written(
-                        payload, directory, self.start_method, self.imports, memory=memory, keep_shared=memory
-                    )
-                )
+                one = nodes is None  # on one node: to a memory file, the user's shared storages kept shared
+                call = payload_written(payload, directory, self.start_method, self.imports, memory=one, keep_shared=one)
+                written = held.enter_context(call)
             wanted = nodes is None and (
                 config.stall_timeout is not None or self.start_method != "fork" or sigchld_handled()
             )
@@ -231,16 +213,14 @@ class _Plan:
                 payload=written,
             )
 
-    def on_nodes(self, spec: LaunchSpec) -> list[Any]:
+    def on_nodes(self, spec: LaunchSpec, notice: Preemption) -> list[Any]:
         """Run this node's share of a multi-node launch (torch elastic runs its ranks)."""
         from mplaunch._parent.nodes.elastic import launch_nodes
 
         assert self.nodes is not None
         if self.start_method == "forkserver":
             short_socket_directory()  # elastic starts the fork server
-        config = self.config
-        with preemption_notice(self.control, spec.directory, config.preempt_signals, config.preempt_grace) as notice:
-            return launch_nodes(spec, self.nodes, config, notice)
+        return launch_nodes(spec, self.nodes, self.config, notice)
 
     def attempt(
         self, spec: LaunchSpec, restart: int, notice: Preemption
@@ -250,8 +230,12 @@ class _Plan:
         control.restarts = restart
         if notice.noticed:
             raise notice.error({}, 0)
-        if restart:  # a first attempt's directory is new, and empty
-            self._forget_attempt(spec)
+        if restart:  # the earlier attempt's outcomes, dumps and beats go (a first one's directory is new, and empty)
+            for rank in range(spec.nprocs):
+                transport.remove(spec.directory, outcome_name(rank))
+                stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
+            if self.board is not None:
+                self.board.clear()
         within = config.timeout if control.deadline is None else control.remaining()
         with contextlib.ExitStack() as stack:
             store = stack.enter_context(rendezvous(resolve_within=within))
@@ -263,14 +247,6 @@ class _Plan:
                 yield STARTED
             states = yield from ranks.call(0, control, config.timeout, config.stall_timeout)
             return values(states, spec.nprocs)
-
-    def _forget_attempt(self, spec: LaunchSpec) -> None:
-        """Remove the earlier attempt's outcomes, dump files and heartbeats."""
-        for rank in range(spec.nprocs):
-            transport.remove(spec.directory, outcome_name(rank))
-            stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
-        if self.board is not None:
-            self.board.clear()
 
     def _closed(self, ranks: Ranks) -> None:
         """Stop and let go of the attempt's ranks; keep their report."""
@@ -295,11 +271,7 @@ def launch_spec(
     payload: Written | None = None,
 ) -> LaunchSpec:
     """Build the spec of a launch or of warm workers (the one builder); ``payload``: where the call was written.
-
-    Raises:
-        InvalidOptionError: ``env=``'s function returned a bad mapping, or cannot be pickled for the workers.
-        LaunchRefusedError: ``cpu_binding`` has fewer CPUs than ranks to share; ``backend="nccl"`` without CUDA.
-    """
+    Raises ``InvalidOptionError`` (``env=``) and ``LaunchRefusedError`` (``cpu_binding``, nccl without CUDA)."""
     wanted_threads = policy.wanted_threads(nprocs)  # read once: the cgroup's CPU quota is four files
     num_threads = policy.worker_threads(nprocs, start_method, wanted_threads)
     multinode = nodes is not None
@@ -383,7 +355,6 @@ def captured_state(forked: bool, state: GlobalState | None = None) -> ForkState 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
     """Pick what to send as the function: the decorated object a worker can import by name, else the plain one.
-
     Under fork (no ``imports``) nothing is pickled. A copy with other options (``fn.options(...)``) is not what
     its name finds: its importable original goes instead, to run with its module's globals and file."""
     if imports is not None:
@@ -397,7 +368,6 @@ def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
     """List the modules the fork server imports once, at its start, so that its workers do not.
-
     The function's module is one if the server can import it by name (see :mod:`mplaunch._wire.importable`).
     Only a process's first forkserver launch starts the server: later launches' modules are each worker's."""
     modules = ["__main__", "torch", "mplaunch._worker.entry"]

@@ -23,8 +23,7 @@ RankState = Returned | Stopped | BaseException  # it returned, the launch stoppe
 #: Seconds by which the parent may see a rank's end late: the kernel frees its memory first (milliseconds), and a
 #: busy machine wakes the parent late; a peer's collective fails of the death at about the same time.
 NOTICE_SLACK = 0.1
-#: Signals that end a rank from outside or by its own crash, never because a peer failed (unlike NCCL's SIGABRT
-#: when a peer is gone, or the launch's SIGTERM).
+#: Deaths never caused by a peer's failure (unlike NCCL's SIGABRT when a peer is gone, or the launch's SIGTERM).
 _OWN_DEATHS = frozenset(
     getattr(signal, name) for name in ("SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE") if hasattr(signal, name)
 )
@@ -49,7 +48,6 @@ def rank_state(
     oom_kills: int | None = None,
 ) -> RankState:
     """Decide what happened to ``rank``: a stopped rank is :class:`Stopped` unless it returned or raised first.
-
     ``oom_kills``: the out-of-memory kills in the rank's cgroup while it ran (``None``: unknown)."""
     if isinstance(outcome, Returned):
         return outcome

@@ -46,16 +46,9 @@ class Preemption:
 
     def attach(self, directory: str) -> None:
         """Create the launch's flag in ``directory`` (raised at once if the notice came first)."""
-        mapping = flags.create(directory)
-        self._mapping = mapping
+        self._mapping = mapping = flags.create(directory)
         if self.noticed:
             flags.raise_flag(mapping)
-
-    def detach(self) -> None:
-        """Unmap the flag (before the launch directory goes)."""
-        mapping, self._mapping = self._mapping, None
-        if mapping is not None:
-            mapping.close()
 
     @property
     def attached(self) -> bool:
@@ -64,7 +57,6 @@ class Preemption:
 
     def notify(self, signum: int | None, origin: int | None = None) -> None:
         """Take a notice (``signum``: ``None`` from ``future.preempt()``); a second one forces the end.
-
         ``origin``: the node that got a notice passed on; it never forces the end, as a node may hear of another's
         signal before its own, which is then its first."""
         if self.noticed:
@@ -107,7 +99,10 @@ class Preemption:
         ranks = range(nprocs) if ranks is None else ranks
         stopped = tuple(rank for rank in ranks if isinstance(states.get(rank), Stopped) or rank not in states)
         failures = tuple(state for _, state in sorted(states.items()) if isinstance(state, BaseException))
-        what = notice_name(self.signum)
+        try:
+            what = "future.preempt()" if self.signum is None else signal.Signals(self.signum).name
+        except ValueError:
+            what = f"signal {self.signum}"
         if self.origin is not None:
             what = f"{what}, received by node {self.origin}"
         how = "a second notice ended the grace at once" if self.forced else f"preempt_grace={self.grace:g} s"
@@ -118,20 +113,13 @@ class Preemption:
         return PreemptedError(message, self.signum, values, stopped, failures)
 
     def close(self) -> None:
-        self.detach()
+        """Unmap the flag (before the launch directory goes) and close the pipe."""
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            mapping.close()
         for fd in (self._read, self._write):
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def notice_name(signum: int | None) -> str:
-    """Name the notice: ``SIGTERM``, or ``future.preempt()``."""
-    if signum is None:
-        return "future.preempt()"
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 @contextlib.contextmanager

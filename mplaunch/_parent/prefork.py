@@ -23,17 +23,8 @@ def prepare_forks(spec: WorkerSpec, stdin: TextIO | None) -> list[Forked]:
     made = fork_environs(shared, own)
     environs: list[ForkEnviron | None] = [None] * spec.launch.nprocs if made is None else [*made]
     usual = breakpoint_plan(c_getenv("PYTHONBREAKPOINT"))  # (CPython's breakpoint() reads the C table)
-    return [
-        Forked(
-            environs[rank],
-            stdin,
-            logging,
-            groups,
-            flag is not None,
-            usual if "PYTHONBREAKPOINT" not in own[rank] else breakpoint_plan(own[rank]["PYTHONBREAKPOINT"]),
-        )
-        for rank in range(spec.launch.nprocs)
-    ]
+    plans = [usual if "PYTHONBREAKPOINT" not in env else breakpoint_plan(env["PYTHONBREAKPOINT"]) for env in own]
+    return [Forked(environs[rank], stdin, logging, groups, flag is not None, plans[rank]) for rank in range(len(own))]
 
 
 def _fork_changes(spec: WorkerSpec, flag: str | None) -> dict[str, str | None]:

@@ -1,11 +1,7 @@
-"""The one engine: a :class:`Ranks` owns the worker processes of one start; :meth:`Ranks.call` is a call's one loop.
-
-A launch, ``submit()`` and a generator function use one per attempt; :class:`mplaunch.Workers` keeps one between
-calls. A call that ends early leaves its ranks as their kind needs: a launch's are stopped (SIGTERM, then SIGKILL
-after ``grace_period``); a warm call is interrupted (SIGINT; ranks not answering within ``grace_period`` are stopped).
-The design follows CPython's ``concurrent.futures.process`` (one manager loop on result readers and process
-sentinels) and torch elastic's ``PContext`` (one ``wait``; the kinds differ only in how they start and stop).
-"""
+"""The one engine: a :class:`Ranks` owns the workers of one start (one per launch attempt; warm workers keep one);
+:meth:`Ranks.call` is a call's one loop. A call that ends early stops a launch's ranks (SIGTERM, then SIGKILL after
+``grace_period``), or interrupts a warm call (SIGINT; ranks silent for ``grace_period`` are stopped). Follows
+CPython's ``concurrent.futures.process`` (one loop on result readers and sentinels) and torch elastic's ``PContext``."""
 
 from __future__ import annotations
 
@@ -56,15 +52,13 @@ from mplaunch._wire.records import (
 from mplaunch._wire.spec import AttemptSpec, LaunchSpec, WorkerSpec
 
 _INTERRUPTED = 128 + signal.SIGINT  # the exit code a KeyboardInterrupt's record carries
+_CLOSED = "the mplaunch.Workers were closed while this call ran; its ranks were stopped"
 STARTED = (-1, None)  # what a call yields once its ranks run it, before any value (a stream's call returns then)
 
 
 class Ranks:
-    """The workers of one start and what the parent holds of them: pidfds, pipes, store, board and pump.
-
-    ``outcome_fds``: by rank, the memory file it writes its outcome into (``None``: the launch directory).
-    ``warm``: the ranks serve calls (:mod:`mplaunch._worker.serve`) instead of running one function.
-    """
+    """The workers of one start and what the parent holds of them; ``warm``: they serve calls
+    (:mod:`mplaunch._worker.serve`); ``outcome_fds``: each rank's outcome file (``None``: the launch directory)."""
 
     def __init__(
         self,
@@ -127,7 +121,6 @@ class Ranks:
 
     def _started(self, process: BaseProcess) -> None:
         """Take the worker just started as the next rank, with a pidfd (Linux 5.3+) to wait for its end on.
-
         A process the user forks meanwhile inherits the write end of the worker's sentinel and would hold the
         launch; a pidfd does not. Opened before anything can reap the worker: its pid is not reused yet."""
         rank = len(self.processes)
@@ -154,15 +147,13 @@ class Ranks:
 
     def collect(self, rank: int, seen: float | None = None) -> tuple[RankState, float]:
         """Reap ``rank``, read its outcome; return its state and failure time. Once per rank.
-
         ``seen``: when its end was seen (default now); reaping and reading take milliseconds, in which a peer's
         collective can fail of its death and would seem the earlier failure."""
         if rank in self.exits:
             return self.exits[rank]
         process = self.processes[rank]
         seen = time.monotonic() if seen is None else seen
-        # a Ctrl-C there would lose the exit code of the worker it reaps; what unpickling raises is the
-        # result's own, never a Ctrl-C
+        # a Ctrl-C there would lose the reaped exit code; what unpickling raises is the result's own, never a Ctrl-C
         with signals_held():
             self.records.reap(rank, process, self._pidfds.get(rank))
             try:
@@ -271,13 +262,9 @@ class Ranks:
         start_timeout: float | None = None,
         report_all: bool = False,
     ) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
-        """Run call ``number`` (0: a launch's own) to its end, yielding ``(rank, value)`` as reporting ranks yield.
-
-        Return each rank's state, or raise the first failure (in time) with the others on its ``failures``, once
-        the ranks still running were left; or ``LaunchTimeoutError``, ``StallError`` (with stacks),
-        ``PreemptedError``, ``LaunchStopped``. ``timeout`` counts from when every warm rank is set up;
-        ``start_timeout`` bounds that set-up; ``report_all``: every warm rank sends its value.
-        """
+        """Run call ``number`` (0: a launch's own), yielding ``(rank, value)`` as ranks yield; return each rank's
+        state, or raise the first failure (others on its ``failures``) once the ranks still running were left.
+        ``timeout`` counts from when every warm rank is set up, which ``start_timeout`` bounds."""
         return _Call(self, number, control, timeout, stall_timeout, start_timeout).run(report_all)
 
 
@@ -293,12 +280,11 @@ class _Call:
         stall_timeout: float | None,
         start_timeout: float | None,
     ) -> None:
-        self.ranks, self.number, self.control = ranks, number, control
-        self.timeout = timeout
+        self.ranks, self.number, self.control, self.timeout = ranks, number, control, timeout
         self.stall_timeout = stall_timeout if ranks.board is not None else None
-        nprocs = ranks.spec.nprocs
+        self.left = "interrupted" if ranks.warm else "stopped"  # what leaving the call does to its ranks
+        nprocs, self.start_timeout = ranks.spec.nprocs, start_timeout
         self.starting = ranks.warm and len(ranks.ready) < nprocs
-        self.start_timeout = start_timeout
         self.start_deadline = time.monotonic() + start_timeout if self.starting and start_timeout else None
         self.pending = set(range(nprocs))
         self.states: dict[int, RankState] = {}
@@ -323,7 +309,7 @@ class _Call:
         try:
             while self.pending:
                 if ranks.closing:
-                    raise _closed_error()
+                    raise RuntimeError(_CLOSED)
                 yield from self._step(self._limit())
                 self._check_limits()
                 if any(isinstance(state, BaseException) for state in self.states.values()):
@@ -335,29 +321,27 @@ class _Call:
             if ranks.closing:  # the ranks are being stopped by whoever closes them
                 if isinstance(error, (GeneratorExit, KeyboardInterrupt, RuntimeError)):
                     raise
-                raise _closed_error() from None
+                raise RuntimeError(_CLOSED) from None
             if os.getpid() == ranks.pid:  # (a forked child collecting its copy of a stream acts on nothing)
                 self._leave()
             raise
         finally:
             control.stacks_source = None
         if ranks.closing:
-            raise _closed_error()
+            raise RuntimeError(_CLOSED)
         return self._outcome()
 
     def _limit(self) -> float | None:
         """Return the seconds until a deadline, a grace's end or a possible stall, capped at ``LONGEST_WAIT``."""
         control, preemption = self.control, self.control.preemption
-        limits = [control.remaining(), None if preemption is None else preemption.remaining()]
-        if self.start_deadline is not None:
-            limits.append(max(0.0, self.start_deadline - time.monotonic()))
+        start = None if self.start_deadline is None else max(0.0, self.start_deadline - time.monotonic())
+        limits = [control.remaining(), None if preemption is None else preemption.remaining(), start]
         limits.append(self._next_stall_look())
         known = [limit for limit in limits if limit is not None]
         return min(min(known), LONGEST_WAIT) if known else None
 
     def _step(self, limit: float | None, leaving: bool = False) -> Generator[tuple[int, Any], None, None]:
         """Wait up to ``limit`` s and act on all that happened; yield the values.
-
         ``leaving``: the call is being left; a stop request or a notice no longer matters."""
         ranks, control = self.ranks, self.control
         ends = {ranks.end_fd(rank): rank for rank in self.pending}
@@ -432,12 +416,19 @@ class _Call:
                 self._leave()  # the grace (or the timeout in it) is over, or a second notice came
         elif self.start_deadline is not None and time.monotonic() >= self.start_deadline:
             self.ranks.stop()  # a rank still importing would die of a SIGINT, printing a traceback
-            raise _start_timeout_error(self.ranks, self.start_timeout or 0.0)
+            timeout, starting = self.start_timeout or 0.0, sorted(set(range(self.ranks.spec.nprocs)) - self.ranks.ready)
+            raise LaunchTimeoutError(
+                f"ranks {starting} did not finish starting within rdzv_timeout={timeout:g} s; every rank has been "
+                "stopped, and the next call starts them again. Raise `rdzv_timeout`, or look for a rank stuck while "
+                "importing or joining its process group.",
+                timeout,
+                tuple(starting),
+            )
         elif control.remaining() == 0.0 and self.pending:
             found, running = self._stacks(), sorted(self.pending)
             message = (
                 f"the {'call' if self.ranks.warm else 'launch'} did not finish within timeout={self.timeout or 0.0:g} "
-                f"s; ranks {running} were still running and have been {_left(self.ranks)}."
+                f"s; ranks {running} were still running and have been {self.left}."
                 f"{_where(found, self.ranks.spec.log_dir, running)} Raise `timeout`, or look for a rank stuck in a "
                 "collective."
             )
@@ -467,12 +458,10 @@ class _Call:
         if not stalled:
             return
         seconds, rank = max(stalled, key=lambda found: (found[0], -found[1]))
-        pid = self.ranks.processes[rank].pid
-        running = sorted(self.pending)
-        found = self._stacks()
+        pid, running, found = self.ranks.processes[rank].pid, sorted(self.pending), self._stacks()
         message = (
             f"rank {rank} (pid {pid}) stalled: its last mplaunch.heartbeat() was {seconds:.1f} s ago, more than "
-            f"stall_timeout={self.stall_timeout:g} s; every rank has been {_left(self.ranks)}."
+            f"stall_timeout={self.stall_timeout:g} s; every rank has been {self.left}."
             f"{_where(found, self.ranks.spec.log_dir, running)}"
         )
         failure = StallError(message, rank, pid, seconds, self.stall_timeout, found)
@@ -547,7 +536,6 @@ def _unshare_pipe(spec: LaunchSpec) -> Iterator[tuple[int, int] | None]:
 
 def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
     """Tell forked ranks whether to unshare their arguments: whether we hold a result mplaunch mapped shared.
-
     Not ``/proc/self/maps``: it also lists the user's ``share_memory_()`` (kept shared) and our board and flag."""
     os.write(pipe[1], (b"1" if holds_shared_mappings() else b"0") * nprocs)
 
@@ -555,26 +543,6 @@ def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
 def values(states: dict[int, RankState], nprocs: int) -> list[Any]:
     """Return the reporting ranks' values in rank order (``None`` for the others)."""
     return [state.value if isinstance(state := states.get(rank), Returned) else None for rank in range(nprocs)]
-
-
-def _left(ranks: Ranks) -> str:
-    return "interrupted" if ranks.warm else "stopped"
-
-
-def _closed_error() -> RuntimeError:
-    return RuntimeError("the mplaunch.Workers were closed while this call ran; its ranks were stopped")
-
-
-def _start_timeout_error(ranks: Ranks, timeout: float) -> LaunchTimeoutError:
-    """Return the error of warm ranks not set up within ``timeout`` seconds."""
-    starting = sorted(set(range(ranks.spec.nprocs)) - ranks.ready)
-    return LaunchTimeoutError(
-        f"ranks {starting} did not finish starting within rdzv_timeout={timeout:g} s; every rank has been "
-        "stopped, and the next call starts them again. Raise `rdzv_timeout`, or look for a rank stuck while "
-        "importing or joining its process group.",
-        timeout,
-        tuple(starting),
-    )
 
 
 def _where(found: dict[int, str], log_dir: str | None, running: list[int]) -> str:

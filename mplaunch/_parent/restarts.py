@@ -1,9 +1,7 @@
 """Restarting every worker of a one-node launch after a worker failure, as torchrun's ``--max-restarts`` does.
-
 Only a worker failure that ``restart_on`` accepts is restarted, after ``restart_delay`` seconds, doubled each
 time (at most 60 s); anything else ends the launch at once. One deadline covers all attempts. Each attempt gets
-a fresh rendezvous store (as torchrun's agent does), so keys left by a failed attempt cannot mislead the next.
-"""
+a fresh rendezvous store (as torchrun's agent does), so keys left by a failed attempt cannot mislead the next."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from collections.abc import Callable, Generator
 from multiprocessing.connection import wait
 from typing import Any, TypeVar
 
-from mplaunch._errors import RemoteTraceback, WorkerFailedError
+from mplaunch._errors import RemoteTraceback, WorkerFailedError, set_attribute
 from mplaunch._frames import warn_at_user
 from mplaunch._parent.control import LaunchControl
 from mplaunch._recovery_options import RestartOn
@@ -37,7 +35,6 @@ def run_attempts(
     restart_delay: float = 0.0,
 ) -> Generator[T, None, list[Any]]:
     """Run ``attempt(restart_count)``, yielding what it yields, restarting it after accepted failures.
-
     The exception that ends the launch gets ``earlier_attempts``: the earlier attempts' failures, oldest first."""
     earlier: list[BaseException] = []
     restart = 0
@@ -55,8 +52,7 @@ def run_attempts(
                 or (remaining is not None and remaining < delay)  # the next attempt could not start in time
                 or not restartable(error, restart_on)
             ):
-                with contextlib.suppress(AttributeError, TypeError):
-                    error.earlier_attempts = tuple(earlier)  # type: ignore[attr-defined]
+                set_attribute(error, "earlier_attempts", tuple(earlier))
                 raise
             earlier.append(error)
             restart += 1

@@ -1,8 +1,6 @@
 """The values a generator function yields in the ranks, delivered to the caller as they are produced.
-
 A :class:`Stream` wraps one call's loop (:meth:`mplaunch._parent.ranks.Ranks.call`): each rank writes a value to
-the launch directory as it is yielded and says so on its pipe; the parent reads it when the caller asks.
-"""
+the launch directory as it is yielded and says so on its pipe; the parent reads it when the caller asks."""
 
 from __future__ import annotations
 
@@ -36,9 +34,7 @@ class Stream(Generic[T]):
     def __init__(
         self, exchange: Generator[tuple[int, Any], None, Any], release: Callable[[], None], return_all: bool
     ) -> None:
-        self._exchange = exchange
-        self._release = release
-        self._return_all = return_all
+        self._exchange, self._release, self._return_all = exchange, release, return_all
         self._done = False
         self._pid = os.getpid()  # a process forked from this one has a copy, which must not touch the call
         self.value: Any = None
@@ -117,16 +113,10 @@ class Stream(Generic[T]):
         Raises:
             StopAsyncIteration: the generators have returned.
         """
-        value = await asyncio.to_thread(self._next_or_end)
+        value = await asyncio.to_thread(next, self, _END)
         if value is _END:
             raise StopAsyncIteration
-        return value  # type: ignore[no-any-return]
-
-    def _next_or_end(self) -> Any:
-        try:
-            return next(self)
-        except StopIteration:
-            return _END
+        return value  # type: ignore[return-value]
 
     async def aclose(self) -> None:
         """:meth:`close`, in a thread."""
@@ -144,10 +134,9 @@ class Queued(Generic[T]):
         """Put every value of ``stream`` (in the thread that reads it); return its return value."""
         while True:
             try:
-                value = next(stream)
+                self._queue.put(next(stream))
             except StopIteration as stop:
                 return stop.value
-            self._queue.put(value)
 
     def end(self) -> None:
         """Mark the end (after the last value, or a failure)."""

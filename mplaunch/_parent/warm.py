@@ -1,10 +1,7 @@
-"""Warm workers: :class:`Workers` starts N ranks once and runs many calls on them, keeping their state.
-
-The ranks are a launch's (same spec, store, directory and :class:`~mplaunch._parent.ranks.Ranks`), but each
-serves calls (:mod:`mplaunch._worker.serve`): a call is written once to the launch directory, each rank is told on
-its pipe, runs it in its main thread and answers there. The design follows ipyparallel's engines and Ray's actors
-(a process that keeps its state between tasks), with mplaunch's one-copy transport.
-"""
+"""Warm workers: :class:`Workers` starts N ranks once (a launch's spec, store, directory and
+:class:`~mplaunch._parent.ranks.Ranks`) that serve calls (:mod:`mplaunch._worker.serve`): a call is written once to
+the launch directory, each rank is told on its pipe, runs it in its main thread and answers there. Follows
+ipyparallel's engines and Ray's actors (a process keeps its state between tasks), with mplaunch's transport."""
 
 from __future__ import annotations
 
@@ -226,8 +223,9 @@ class Workers:
             stream.close()
         return held
 
-    def _team(self) -> Team:
-        """Return the ranks for the next call, started again (with a warning) if any died or was stopped."""
+    def _send(self, call: Call) -> tuple[Team, int]:
+        """Write the call for the next call's ranks (started again, with a warning, if any died or was
+        stopped); return them and its number."""
         held = self._held
         if held.closed:
             raise RuntimeError("these mplaunch.Workers are closed: make new ones")
@@ -242,11 +240,6 @@ class Workers:
                 RuntimeWarning,
             )
             team = held.team = Team(self.config, self.nprocs, self.start_method)
-        return team
-
-    def _send(self, call: Call) -> tuple[Team, int]:
-        """Write the call for the next call's ranks; return them and its number."""
-        team = self._team()
         number = next(self._numbers)
         fork = self.start_method == "fork"
         imports = None if fork else worker_imports()
@@ -275,10 +268,9 @@ class Workers:
             ranks.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
         try:
             with preemption_notice(control, ranks.spec.directory, config.preempt_signals, config.preempt_grace):
-                calling = ranks.call(
+                states = yield from ranks.call(
                     number, control, config.timeout, config.stall_timeout, config.rdzv_timeout, config.return_all
                 )
-                states = yield from calling
         finally:
             report = RunReport((), time.monotonic() - started)
             if os.getpid() == ranks.pid and not team.closed:  # (closed by another thread, or at exit)
@@ -320,32 +312,27 @@ class Team:
     def __init__(self, config: ParallelConfig, nprocs: int, start_method: str) -> None:
         self.pid = os.getpid()  # the owner: in a process forked from it, the team is a copy that acts on nothing
         self.closed = False
-        self._stack = contextlib.ExitStack()
-        try:
-            self.ranks = self._start(config, nprocs, start_method)
-        except BaseException:
-            self._stack.close()
-            raise
-
-    def _start(self, config: ParallelConfig, nprocs: int, start_method: str) -> Ranks:
-        stack = self._stack
-        names = stack.enter_context(devices.held(config.devices, LaunchControl()))
-        directory = stack.enter_context(launch_directory())
-        call = Payload(None, (), {}, captured_state(start_method == "fork"))  # type: ignore[arg-type]
-        written = None
-        if start_method != "fork":
-            written = stack.enter_context(payload_written(call, directory, start_method, worker_imports(), memory=True))
-        board = stack.enter_context(board_for(directory, nprocs, True))  # a call may bring its stall_timeout
-        stack.callback(flags.create(directory).close)  # for mplaunch.preempted(): raised by a call's notice
-        spec = launch_spec(
-            config, directory, nprocs, start_method, names, stacks=True, board=board is not None, payload=written
-        )
-        store = stack.enter_context(rendezvous(lazy=spec.backend is None))  # a group is joined at the start
-        ranks = new_ranks(stack, spec, store, board, warm=True)
-        stack.callback(ranks.close)
-        pipes = [multiprocessing.Pipe(duplex=True) for _ in range(nprocs)]
-        in_starter(lambda: ranks.start(serve, call if start_method == "fork" else None, [], pipes))
-        return ranks
+        with contextlib.ExitStack() as stack:  # (all of it closed if the start fails)
+            names = stack.enter_context(devices.held(config.devices, LaunchControl()))
+            directory = stack.enter_context(launch_directory())
+            call = Payload(None, (), {}, captured_state(start_method == "fork"))  # type: ignore[arg-type]
+            written = None
+            if start_method != "fork":
+                written = stack.enter_context(
+                    payload_written(call, directory, start_method, worker_imports(), memory=True)
+                )
+            board = stack.enter_context(board_for(directory, nprocs, True))  # a call may bring its stall_timeout
+            stack.callback(flags.create(directory).close)  # for mplaunch.preempted(): raised by a call's notice
+            spec = launch_spec(
+                config, directory, nprocs, start_method, names, stacks=True, board=board is not None, payload=written
+            )
+            store = stack.enter_context(rendezvous(lazy=spec.backend is None))  # a group is joined at the start
+            ranks = new_ranks(stack, spec, store, board, warm=True)
+            stack.callback(ranks.close)
+            pipes = [multiprocessing.Pipe(duplex=True) for _ in range(nprocs)]
+            in_starter(lambda: ranks.start(serve, call if start_method == "fork" else None, [], pipes))
+            self.ranks = ranks
+            self._stack = stack.pop_all()
 
     def clean(self, number: int) -> None:
         """Remove what call ``number`` left in the launch directory (values nobody read, the call)."""
@@ -417,8 +404,7 @@ class Held:
         self.closed = False
         self.lock = threading.Lock()  # one call at a time
         self.owner: threading.Thread | None = None  # the thread whose call holds the lock
-        # that call's stream, if it is one; weak: a stream dropped after a `break` is freed at once, which closes it
-        self.stream: weakref.ref[Stream[Any]] | None = None
+        self.stream: weakref.ref[Stream[Any]] | None = None  # its stream; weak: one dropped after a `break` closes
         _open.add(self)
         _register_exit()
 
