@@ -484,7 +484,7 @@ class _Call:
             while self.pending and time.monotonic() < deadline:
                 for _ in self._step(max(0.0, deadline - time.monotonic()), leaving=True):
                     pass  # a value yielded while the call is left is dropped
-            signum = signal.SIGTERM
+            signum = signal.SIGTERM  # those that did not answer are stopped as a launch's are
         if self.pending:
             ranks.stop(signum)
             for rank in sorted(self.pending):
