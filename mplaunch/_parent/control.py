@@ -1,6 +1,5 @@
-"""What steers one launch from outside the code that runs it: one deadline over all its attempts, a request to
-stop it (from a future's ``cancel()``, the interpreter's exit, or an interrupted notebook cell), and the worker
-failure its supervisor raised last (the one kind of error a restart answers)."""
+"""What steers one launch from outside the code that runs it: one deadline over all its attempts, a stop request
+(a future's ``cancel()``, the interpreter's exit, an interrupted cell), and the worker failure it raised last."""
 
 from __future__ import annotations
 
@@ -18,43 +17,24 @@ if TYPE_CHECKING:
 
 
 class LaunchStopped(BaseException):
-    """Raised in the thread running a launch that was asked to stop; its workers are stopped on the way out.
-    A ``BaseException``, so that no ``except Exception`` on the way mistakes it for a failure to restart."""
+    """Raised in the thread of a launch asked to stop; a ``BaseException``, so no restart mistakes it for a failure."""
 
 
 class LaunchControl:
-    """The state one launch shares with whoever may stop it. Thread-safe.
-
-    Attributes:
-        deadline: ``time.monotonic()`` by which every attempt must be done, or ``None``; set when the first
-            attempt starts waiting for its workers.
-        failure: the worker failure the supervisor raised last, or ``None``.
-        state: the parent's :class:`~mplaunch.GlobalState`, captured when the launch was submitted, or ``None``
-            to capture it when the launch starts.
-        in_process: the call runs the function in this process (already under a launcher): it cannot be stopped.
-        queued: the launch waits for its devices (``devices=``): its future is not running yet.
-        stacks_source: while workers run, the function that collects their stacks (the supervisor's), else
-            ``None``.
-        stacks_wanted: someone may ask for the workers' stacks at any time (a future's ``stacks()``), so
-            they install their dump handler even without a ``timeout`` or ``stall_timeout``.
-        restarts: the number of the attempt under way (0: the first).
-        ranks: the :class:`~mplaunch.RankReport` of each rank of the last attempt that started workers.
-        report: the launch's :class:`~mplaunch.RunReport`, once it has ended.
-        preemption: the launch's preemption notice while it runs (see :mod:`mplaunch._parent.preemption`).
-    """
+    """The state one launch shares with whoever may stop it. Thread-safe."""
 
     def __init__(self, *, stoppable: bool = False) -> None:
-        self.deadline: float | None = None
-        self.failure: BaseException | None = None
-        self.state: GlobalState | None = None
-        self.in_process = False
-        self.queued = False
-        self.stacks_source: Callable[[], dict[int, str]] | None = None
-        self.stacks_wanted = False
-        self.restarts = 0
-        self.ranks: tuple[RankReport, ...] = ()
-        self.report: RunReport | None = None
-        self.preemption: Preemption | None = None
+        self.deadline: float | None = None  # by which every attempt must be done; set as the first one starts
+        self.failure: BaseException | None = None  # the worker failure raised last
+        self.state: GlobalState | None = None  # captured at submit(), else when the launch starts
+        self.in_process = False  # it runs the function here (under an outer launcher): it cannot be stopped
+        self.queued = False  # it waits for its devices: its future is not running yet
+        self.stacks_source: Callable[[], dict[int, str]] | None = None  # while workers run: collects their stacks
+        self.stacks_wanted = False  # a future's stacks() may ask at any time: workers install their dump handler
+        self.restarts = 0  # the attempt under way (0: the first)
+        self.ranks: tuple[RankReport, ...] = ()  # the report of each rank of the last attempt that started
+        self.report: RunReport | None = None  # the launch's, once it has ended
+        self.preemption: Preemption | None = None  # its notice while it runs
         self._preempt_calls = 0  # future.preempt() calls, also those made before the launch had its notice
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -70,7 +50,7 @@ class LaunchControl:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def fileno(self) -> int | None:
-        """A file descriptor that becomes readable when a stop is requested (for ``connection.wait``)."""
+        """Return a descriptor that becomes readable when a stop is requested, or ``None``."""
         return None if self._pipe is None else self._pipe[0]
 
     def request_stop(self) -> None:
@@ -89,8 +69,7 @@ class LaunchControl:
             preemption.notify(None)
 
     def set_preemption(self, preemption: Preemption | None) -> None:
-        """Hand the launch's preemption notice to whoever may preempt it (or ``None`` once it ends); the
-        ``future.preempt()`` calls made before reach it now."""
+        """Hand over the launch's notice (``None`` once it ends); earlier ``future.preempt()`` calls reach it now."""
         with self._lock:
             self.preemption = preemption
             calls = self._preempt_calls

@@ -1,12 +1,8 @@
 """Launches that run in the background: ``fn.submit(...)`` returns a :class:`concurrent.futures.Future`.
-
-Each submitted launch runs in a daemon thread of its own, which forks or spawns the workers, waits for them and
-settles the future. Stopping is cooperative: :meth:`LaunchFuture.cancel` asks the launch's supervisor to stop
-(a pipe it waits on with the workers' sentinels), and waits until the workers are gone. Every running launch
-is stopped when the interpreter exits (``atexit``, which runs before ``multiprocessing`` would join the workers)
-and when an IPython/Jupyter cell is interrupted (a ``post_run_cell`` hook); if the process dies anyway, the
-workers die with it (``PR_SET_PDEATHSIG``, sent when the launch thread that forked them ends).
-"""
+Each submitted launch runs in a daemon thread that starts the workers, waits for them and settles the future.
+:meth:`LaunchFuture.cancel` writes to a pipe the launch's loop waits on, then waits until the workers are gone.
+Running launches are stopped at exit (``atexit``, before ``multiprocessing`` joins the workers) and when an
+IPython cell is interrupted; if the process dies, ``PR_SET_PDEATHSIG`` ends the workers."""
 
 from __future__ import annotations
 
@@ -36,10 +32,8 @@ _hooks_installed = False
 
 @forks.in_child
 def _forget_running() -> None:
-    """In a forked child: the running launches are the parent's. The child's exit (``stop_all``, inherited
-    with ``atexit``) must not stop them through their stop pipes, which it shares."""
-    if _running:
-        _running.clear()
+    """Forget the parent's launches in a forked child, whose exit must not stop them through the shared pipes."""
+    _running.clear()
 
 
 class LaunchFuture(Future[T]):
@@ -89,10 +83,9 @@ class LaunchFuture(Future[T]):
     def cancel(self) -> bool:
         """Stop the launch: its workers get SIGTERM, then SIGKILL after ``grace_period`` seconds.
 
-        Blocks until every worker has been stopped and reaped and the launch directory removed. Returns
-        ``True`` when the future ends cancelled (``result()`` then raises ``CancelledError``); ``False`` when the
-        launch had already finished, or runs the function in this process (under an outer launcher), which
-        cannot be stopped.
+        Blocks until every worker has been stopped and reaped and the launch directory removed. Returns ``True`` when
+        the future ends cancelled (``result()`` then raises ``CancelledError``); ``False`` when the launch had already
+        finished, or runs the function in this process (under an outer launcher), which cannot be stopped.
 
         Raises:
             RuntimeError: the launch has not ended and this process was forked from the one that runs it (a
@@ -115,10 +108,9 @@ class LaunchFuture(Future[T]):
             return True
 
     def preempt(self) -> bool:
-        """Preempt the launch, as one of ``preempt_signals`` preempts a call: every rank's
-        ``mplaunch.preempted()`` becomes true, the ranks get ``preempt_grace`` seconds to save and return, the
-        rest are stopped, and ``result()`` raises :class:`~mplaunch.PreemptedError`. A second call ends the
-        grace at once. Returns at once.
+        """Preempt the launch, as one of ``preempt_signals`` preempts a call: every rank's ``mplaunch.preempted()``
+        becomes true, the ranks get ``preempt_grace`` seconds to save and return, the rest are stopped, and ``result()``
+        raises :class:`~mplaunch.PreemptedError`. A second call ends the grace at once. Returns at once.
 
         A submitted launch runs in a thread, and Python runs signal handlers only in the main thread, so
         ``preempt_signals`` are not handled for it: call this from your own handler, e.g.
@@ -171,8 +163,7 @@ class LaunchFuture(Future[T]):
             raise
 
     def _check_process(self) -> None:
-        """Raise ``RuntimeError`` in a process forked from the one that runs the launch, unless it has ended:
-        its thread is not there to settle the future, and a stop from there would reach the parent's ranks."""
+        """Raise ``RuntimeError`` in a process forked from the one that runs the unfinished launch."""
         if not self.done():
             forks.check_owner(self._pid, "this launch and its future", "Wait for it, cancel or preempt it there.")
 
@@ -188,7 +179,7 @@ class LaunchFuture(Future[T]):
 
 
 def failed(error: BaseException) -> LaunchFuture[Any]:
-    """A future that already holds ``error`` (a call refused before any thread or worker started)."""
+    """Return a future that already holds ``error`` (a call refused before any thread started)."""
     future: LaunchFuture[Any] = LaunchFuture(LaunchControl())
     future._settle(error=error)
     return future
@@ -217,9 +208,7 @@ def submit(run: Callable[[LaunchControl], T], control: LaunchControl, name: str)
 def submit_stream(
     start: Callable[[LaunchControl], Iterator[Any]], control: LaunchControl, name: str
 ) -> LaunchFuture[Any]:
-    """:func:`submit` of a call that streams values: ``start(control)`` returns its stream, read in the
-    launch thread. The future is of the stream's return value; its ``items`` attribute iterates over the
-    values as they arrive there."""
+    """Submit a call whose ``start(control)`` returns a stream; the future's ``items`` iterate over its values."""
     items: Queued[Any] = Queued()
 
     def run(control: LaunchControl) -> Any:
@@ -234,8 +223,8 @@ def submit_stream(
 
 
 def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T], caller: Caller | None) -> None:
-    """The launch thread: run the launch (its warnings pointing at ``caller``), close what it holds, then
-    settle the future (so that whoever ``result()`` wakes finds the launch's descriptors closed)."""
+    """Run the launch (warnings at ``caller``), close what it holds, then settle the future (so that whoever
+    ``result()`` wakes finds the launch's descriptors closed)."""
     control = future._control
     error: BaseException | None = None
     stopped = False
@@ -269,20 +258,19 @@ def stop_all() -> None:
 
 
 def _after_cell(result: Any) -> None:
-    """IPython ``post_run_cell`` hook: an interrupted cell stops the running launches."""
+    """Stop the running launches after an interrupted IPython cell (a ``post_run_cell`` hook)."""
     if isinstance(getattr(result, "error_in_exec", None), KeyboardInterrupt):
         stop_all()
 
 
 def _install_hooks() -> None:
-    """Once per process: stop running launches at exit and when an IPython cell is interrupted."""
+    """Install, once per process, the hooks that stop running launches."""
     global _hooks_installed
     with _lock:
         if _hooks_installed:
             return
         _hooks_installed = True
     atexit.register(stop_all)  # after multiprocessing's own exit handler, so it runs first (last in, first out)
-    ipython_module = sys.modules.get("IPython")
-    ipython = getattr(ipython_module, "get_ipython", lambda: None)()
+    ipython = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
     if ipython is not None:
         ipython.events.register("post_run_cell", _after_cell)

@@ -17,9 +17,8 @@ from mplaunch._worker.rendezvous import follow_own_rendezvous
 
 
 def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
-    """Already one rank of an outer launcher's job (torchrun, SLURM, MPI, or an mplaunch worker calling a
-    parallel function): run the function here, as that rank, and return its value (a one-element list with
-    ``return_all``); nothing is launched. With ``backend=``, an existing process group is reused."""
+    """Run the function here as this process's rank of an outer launcher's job; return its value (a list with
+    ``return_all``). With ``backend=``, an existing process group is reused."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     with process_group(resolve_backend(config.backend, world_size), int(os.environ.get("LOCAL_RANK", "0"))):
         value = function._mplaunch_target(*args, **kwargs)
@@ -27,10 +26,8 @@ def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
-    """Run ``function`` (a ``ParallelFunction``) in this process as rank 0 of a world of 1, set up as a worker
-    is: torchrun's environment (put back as it was afterwards), a store hosted here for ``MASTER_PORT``, and
-    the process group when ``backend=`` is set, ``env=``'s variables for rank 0 (``devices=`` and
-    ``cpu_binding=`` are not applied: they would change this process). For debuggers and profilers."""
+    """Run ``function`` here as rank 0 of a world of 1, set up as a worker is (environment put back after, a
+    store hosted here, ``env=``); not ``devices=`` or ``cpu_binding=``, which would change this process."""
     check_arguments(function, args, kwargs)
     check_log_dir(config.log_dir)
     # the function runs in this thread: nobody else could serve the store, so it starts at once

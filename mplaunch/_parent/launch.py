@@ -1,8 +1,7 @@
-"""A launch, step by step: resolve the options, check, build the worker spec, write the payload, start the
-ranks and run the call on them (:mod:`mplaunch._parent.ranks`), restarting them after a failure
-(:mod:`mplaunch._parent.restarts`). A call, ``submit()`` and a generator function are this one driver: a
-call drains it, a generator function's :class:`~mplaunch.Stream` reads the values its ranks yield as they come.
-Multi-node launches hand the ranks to torch elastic (:mod:`mplaunch._parent.nodes.elastic`)."""
+"""A launch, step by step: resolve the options, check, build the spec, write the payload, start the ranks and run
+the call on them (:mod:`mplaunch._parent.ranks`), restarting after a failure; a call drains it, a generator
+function's :class:`~mplaunch.Stream` reads its values. Multi-node launches go to torch elastic
+(:mod:`mplaunch._parent.nodes.elastic`)."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from mplaunch._parent.parent_signals import ignored_signals, parent_signals, sig
 from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.ranks import STARTED, Ranks, board_for, values
 from mplaunch._parent.restarts import run_attempts
-from mplaunch._parent.store import rendezvous
+from mplaunch._parent.store import Rendezvous, rendezvous
 from mplaunch._parent.stream import Stream
 from mplaunch._parent.terminal import terminal_kept
 from mplaunch._reports import RunReport
@@ -40,6 +39,7 @@ from mplaunch._state.python import warn_not_carried
 from mplaunch._state.sharing import unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
+from mplaunch._wire.board import Board
 from mplaunch._wire.importable import WorkerImports, worker_imports
 from mplaunch._wire.records import Payload, outcome_name
 from mplaunch._wire.spec import AttemptSpec, LaunchSpec, RankFds
@@ -48,19 +48,12 @@ from mplaunch._worker.entry import run
 
 @dataclasses.dataclass(frozen=True)
 class CallRequest:
-    """One call of a decorated function, as its caller made it; :meth:`check` runs its checks once, in the
-    caller's thread, before anything starts.
+    """One call of a decorated function as its caller made it, checked once, in the caller's thread."""
 
-    Attributes:
-        function: the decorated function (a ``ParallelFunction``).
-        args, kwargs: the call's arguments.
-        submitted: it was made with ``submit()``; it then runs in a thread of its own.
-    """
-
-    function: Any
+    function: Any  # the ParallelFunction
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    submitted: bool = False
+    submitted: bool = False  # made with submit(): it runs in a thread of its own
 
     @property
     def streams(self) -> bool:
@@ -68,57 +61,37 @@ class CallRequest:
         return inspect.isgeneratorfunction(self.function._mplaunch_target)
 
     @property
-    def modes(self) -> list[str]:
-        """How it was called, as :data:`mplaunch._config.MODES` names the ways of calling."""
-        return ["submit()" if self.submitted else "call"] + (["generator function"] if self.streams else [])
-
-    @property
     def config(self) -> ParallelConfig:
         return self.function.config  # type: ignore[no-any-return]
 
-    @property
-    def name(self) -> str:
-        return str(getattr(self.function, "__name__", "the function"))
-
     def check(self, frame: Any) -> bool:
-        """Run the checks of the call that do not need its start (``frame``: the caller's, whose current line
-        the main guard looks at); return whether it starts workers (else it runs here, under an outer
-        launcher).
-
-        Raises:
-            LaunchRefusedError: a launch from a worker still importing the script, or a missing main guard.
-            InvalidOptionError: an option this way of calling refuses, or ``log_dir`` or ``devices`` no
-                launch could use.
-            TypeError: the arguments do not fit the function.
-        """
-        checks.check_not_bootstrapping(self.name)
+        """Run the checks that need no start (``frame``: the caller's, for the main guard); return whether it
+        starts workers (else it runs here, under an outer launcher)."""
+        name = str(getattr(self.function, "__name__", "the function"))
+        checks.check_not_bootstrapping(name)
         if outer_launcher() is not None:
             return False
-        for mode in self.modes:
-            check_mode(self.config, mode)
+        for mode in ["submit()" if self.submitted else "call"] + (["generator function"] if self.streams else []):
+            check_mode(self.config, mode)  # (the ways of calling, as mplaunch._config.MODES names them)
         checks.check_arguments(self.function, self.args, self.kwargs)
-        checks.check_main_guard(self.config.start_method or policy.default_start_method(), frame, self.name)
+        checks.check_main_guard(self.config.start_method or policy.default_start_method(), frame, name)
         devices.check_request(self.config.devices)
         checks.check_log_dir(self.config.log_dir)
         return True
 
 
-def launch(request: CallRequest, control: LaunchControl | None = None) -> Any:
-    """Run a checked call (see :meth:`CallRequest.check`) on ``config.nprocs`` workers and return its
-    result(s); ``control`` (a submitted launch's) can stop it."""
-    control = control or LaunchControl()
+def launch(request: CallRequest, control: LaunchControl) -> Any:
+    """Run a checked call on its workers and return its result(s); ``control`` (a submitted one's) can stop it."""
     # outermost: a SIGTERM unwinds through the clean-ups; the terminal is put back after them
     with terminal_kept(), parent_signals():
         return drained(_reported(_launch(request, control), control))
 
 
 def launch_stream(
-    request: CallRequest, control: LaunchControl | None = None, reported: Callable[[RunReport], None] | None = None
+    request: CallRequest, control: LaunchControl, reported: Callable[[RunReport], None] | None = None
 ) -> Stream[Any]:
-    """Start a checked call of a decorated generator function, and return at once the :class:`Stream` of the
-    values its ranks yield; the ranks are stopped when it ends (exhausted, closed, failed, or garbage
-    collected), and its :class:`RunReport` goes to ``reported``."""
-    control = control or LaunchControl()
+    """Start a checked call of a generator function; return its :class:`Stream` at once (whose end stops the
+    ranks); its :class:`RunReport` goes to ``reported``."""
     steps = _reported(_launch(request, control), control)
 
     def ended() -> None:
@@ -140,7 +113,7 @@ def drained(steps: Generator[tuple[int, Any], None, Any]) -> Any:
 
 
 def _reported(steps: Generator[tuple[int, Any], None, Any], control: LaunchControl) -> Generator[Any, None, Any]:
-    """``steps``, its :class:`RunReport` made once it ends (on ``control``, and on an error it raises)."""
+    """Run ``steps``; make its report once it ends (on ``control``, and on an error it raises)."""
     started = time.monotonic()
     try:
         with open_files_explained():
@@ -153,7 +126,7 @@ def _reported(steps: Generator[tuple[int, Any], None, Any], control: LaunchContr
 
 
 def _report(control: LaunchControl, started: float) -> RunReport:
-    """The launch's report, made once, when it ends (on ``control``)."""
+    """Return the launch's report, made once (on ``control``)."""
     if control.report is None:
         control.report = RunReport(control.ranks, time.monotonic() - started, control.restarts)
     return control.report
@@ -167,10 +140,10 @@ def _launch(request: CallRequest, control: LaunchControl) -> Generator[tuple[int
         plan.check()
         with launch_directory() as directory, contextlib.ExitStack() as held:
             spec = held.enter_context(plan.spec_written(directory))
-            if plan.nodes is not None:
-                results = plan.on_nodes(spec)
-            else:
-                with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
+            with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
+                if plan.nodes is not None:
+                    results = plan.on_nodes(spec, notice)
+                else:
                     attempts = run_attempts(
                         lambda restart: plan.attempt(spec, restart, notice),
                         config.max_restarts,
@@ -186,14 +159,8 @@ class _Plan:
     """One launch's resolved options (ranks, nodes, start method, state, payload) and its steps."""
 
     def __init__(self, request: CallRequest, control: LaunchControl, names: list[str] | None) -> None:
-        config = request.config
-        self.request, self.function, self.config, self.control, self.names = (
-            request,
-            request.function,
-            config,
-            control,
-            names,
-        )
+        config = self.config = request.config
+        self.request, self.function, self.control, self.names = request, request.function, control, names
         self.streams = request.streams
         auto = names is not None and config.nprocs == "auto"
         self.nprocs = len(names) if names is not None and auto else policy.resolve_nprocs(config.nprocs)
@@ -203,7 +170,7 @@ class _Plan:
         self.imports = None if self.forked else worker_imports()
 
     def check(self) -> None:
-        """The checks of this launch that depend on its resolved options (where it runs, how it starts)."""
+        """Run the checks that depend on the resolved options; capture the payload."""
         config, nodes = self.config, self.nodes
         if nodes is not None:
             check_mode(config, "multi-node", f"a launch on nnodes={nodes.nnodes}")
@@ -214,31 +181,21 @@ class _Plan:
                     f"{refused_in('generator function')['nnodes']}, or run it on one node."
                 )
         checks.check_cuda_fork(self.start_method)
-        world_size = self.nprocs * (nodes.nnodes if nodes else 1)
-        if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
-            raise InvalidOptionError(
-                f"console_ranks={sorted(config.console_ranks)} names no rank of this launch (ranks 0 to "
-                f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
-            )
-        state = self.control.state or (ForkState.capture() if self.forked else GlobalState.capture())
-        if isinstance(state, GlobalState) and state.python is not None and not self.forked:
-            warn_not_carried(state.python)
+        check_console_ranks(config, self.nprocs * (nodes.nnodes if nodes else 1), "this launch")
+        state = captured_state(self.forked, self.control.state)
         function = _function_reference(self.function, self.imports)
         self.payload = Payload(function, self.request.args, self.request.kwargs, state)
 
     @contextlib.contextmanager
     def spec_written(self, directory: str) -> Iterator[LaunchSpec]:
-        """The launch's spec, with the payload written for workers that cannot inherit it, and its board."""
+        """Yield the launch's spec, with the payload written for workers that cannot inherit it, and its board."""
         config, nodes, payload = self.config, self.nodes, self.payload
         with contextlib.ExitStack() as held:
             written = Written()
             if not self.forked:
-                memory = nodes is None
-                written = held.enter_context(
-                    payload_written(
-                        payload, directory, self.start_method, self.imports, memory=memory, keep_shared=memory
-                    )
-                )
+                one = nodes is None  # on one node: to a memory file, the user's shared storages kept shared
+                call = payload_written(payload, directory, self.start_method, self.imports, memory=one, keep_shared=one)
+                written = held.enter_context(call)
             wanted = nodes is None and (
                 config.stall_timeout is not None or self.start_method != "fork" or sigchld_handled()
             )
@@ -256,35 +213,33 @@ class _Plan:
                 payload=written,
             )
 
-    def on_nodes(self, spec: LaunchSpec) -> list[Any]:
-        """This node's share of a multi-node launch (torch elastic runs its ranks)."""
+    def on_nodes(self, spec: LaunchSpec, notice: Preemption) -> list[Any]:
+        """Run this node's share of a multi-node launch (torch elastic runs its ranks)."""
         from mplaunch._parent.nodes.elastic import launch_nodes
 
         assert self.nodes is not None
         if self.start_method == "forkserver":
             short_socket_directory()  # elastic starts the fork server
-        config = self.config
-        with preemption_notice(self.control, spec.directory, config.preempt_signals, config.preempt_grace) as notice:
-            return launch_nodes(spec, self.nodes, config, notice)
+        return launch_nodes(spec, self.nodes, self.config, notice)
 
     def attempt(
         self, spec: LaunchSpec, restart: int, notice: Preemption
     ) -> Generator[tuple[int, Any], None, list[Any]]:
-        """One attempt of a one-node launch: a fresh rendezvous store, no outcome left by an earlier attempt; none
-        once the launch was preempted (e.g. while it waited to restart)."""
+        """Run one attempt of a one-node launch, with a fresh store; none once preempted (e.g. waiting to restart)."""
         control, config = self.control, self.config
         control.restarts = restart
         if notice.noticed:
             raise notice.error({}, 0)
-        if restart:  # a first attempt's directory is new, and empty
-            self._forget_attempt(spec)
+        if restart:  # the earlier attempt's outcomes, dumps and beats go (a first one's directory is new, and empty)
+            for rank in range(spec.nprocs):
+                transport.remove(spec.directory, outcome_name(rank))
+                stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
+            if self.board is not None:
+                self.board.clear()
         within = config.timeout if control.deadline is None else control.remaining()
         with contextlib.ExitStack() as stack:
             store = stack.enter_context(rendezvous(resolve_within=within))
-            outcome_fds = stack.enter_context(outcome_files(spec.nprocs))
-            pump = stack.enter_context(routed(list(range(spec.nprocs)), spec, restart))
-            attempt = attempt_spec(store, restart, worker_fds(pump, spec.start_method, spec.nprocs))
-            ranks = Ranks(spec, attempt, store, outcome_fds=outcome_fds, board=self.board, pump=pump)
+            ranks = new_ranks(stack, spec, store, self.board, restart)
             stack.callback(self._closed, ranks)
             pipes = [multiprocessing.Pipe(duplex=False) for _ in range(spec.nprocs)] if self.streams else []
             ranks.start(run, self.payload if self.forked else None, _preload(self.imports, self.function), pipes)
@@ -292,14 +247,6 @@ class _Plan:
                 yield STARTED
             states = yield from ranks.call(0, control, config.timeout, config.stall_timeout)
             return values(states, spec.nprocs)
-
-    def _forget_attempt(self, spec: LaunchSpec) -> None:
-        """Before a restart: no outcome, dump file or heartbeat of the earlier attempt is left."""
-        for rank in range(spec.nprocs):
-            transport.remove(spec.directory, outcome_name(rank))
-            stacks.forget(spec.directory, rank)  # the new worker is asked for stacks only once it can dump
-        if self.board is not None:
-            self.board.clear()
 
     def _closed(self, ranks: Ranks) -> None:
         """Stop and let go of the attempt's ranks; keep their report."""
@@ -323,14 +270,8 @@ def launch_spec(
     board: bool = False,
     payload: Written | None = None,
 ) -> LaunchSpec:
-    """The spec of a launch or of warm workers (the one builder): what every worker needs to know, decided
-    from the options here, before any worker starts; ``payload``: where the call was written, ``board``:
-    whether the ranks have one.
-
-    Raises:
-        InvalidOptionError: ``env=``'s function returned a bad mapping, or cannot be pickled for the workers.
-        LaunchRefusedError: ``cpu_binding`` has fewer CPUs than ranks to share; ``backend="nccl"`` without CUDA.
-    """
+    """Build the spec of a launch or of warm workers (the one builder); ``payload``: where the call was written.
+    Raises ``InvalidOptionError`` (``env=``) and ``LaunchRefusedError`` (``cpu_binding``, nccl without CUDA)."""
     wanted_threads = policy.wanted_threads(nprocs)  # read once: the cgroup's CPU quota is four files
     num_threads = policy.worker_threads(nprocs, start_method, wanted_threads)
     multinode = nodes is not None
@@ -370,7 +311,7 @@ def launch_spec(
 
 
 def attempt_spec(store: Any, restart: int, output_fds: tuple[RankFds, ...] | None) -> AttemptSpec:
-    """The spec of one start of the ranks: where they meet, which attempt it is, what replaces fd 1 and 2."""
+    """Build the spec of one start of the ranks: where they meet, which attempt, what replaces fd 1 and 2."""
     return AttemptSpec(
         master_addr=store.addr,
         master_port=store.port,
@@ -380,12 +321,42 @@ def attempt_spec(store: Any, restart: int, output_fds: tuple[RankFds, ...] | Non
     )
 
 
+def new_ranks(
+    stack: contextlib.ExitStack,
+    spec: LaunchSpec,
+    store: Rendezvous,
+    board: Board | None,
+    restart: int = 0,
+    warm: bool = False,
+) -> Ranks:
+    """Make the :class:`Ranks` of one start, their outcome files and output pump held by ``stack``."""
+    outcome_fds = stack.enter_context(outcome_files(spec.nprocs))
+    pump = stack.enter_context(routed(list(range(spec.nprocs)), spec, restart))
+    attempt = attempt_spec(store, restart, worker_fds(pump, spec.start_method, spec.nprocs))
+    return Ranks(spec, attempt, store, outcome_fds=outcome_fds, warm=warm, board=board, pump=pump)
+
+
+def check_console_ranks(config: ParallelConfig, world_size: int, whose: str) -> None:
+    """Refuse ``console_ranks`` that name no rank of ``world_size``."""
+    if config.console_ranks is not None and not any(rank < world_size for rank in config.console_ranks):
+        raise InvalidOptionError(
+            f"console_ranks={sorted(config.console_ranks)} names no rank of {whose} (ranks 0 to "
+            f"{world_size - 1}), so no output would reach the console: pick ranks below {world_size}."
+        )
+
+
+def captured_state(forked: bool, state: GlobalState | None = None) -> ForkState | GlobalState:
+    """Capture the parent's state for the ranks (``state``: already captured); warn of what a spawn loses."""
+    found = state or (ForkState.capture() if forked else GlobalState.capture())
+    if isinstance(found, GlobalState) and found.python is not None and not forked:
+        warn_not_carried(found.python)
+    return found
+
+
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
-    """What to send as the function: the decorated object when a worker can import it by name, else the plain
-    function, which travels by value (see :mod:`mplaunch._wire.importable`); under fork (no ``imports``), where
-    nothing is pickled, the plain function. A copy with other options (``fn.options(...)``) is not what its
-    name finds: the decorated object that is goes instead (a worker runs only its plain function, the same),
-    so that the function runs with its module's globals and its own file in tracebacks."""
+    """Pick what to send as the function: the decorated object a worker can import by name, else the plain one.
+    Under fork (no ``imports``) nothing is pickled. A copy with other options (``fn.options(...)``) is not what
+    its name finds: its importable original goes instead, to run with its module's globals and file."""
     if imports is not None:
         if imports.can_import(function):
             return function
@@ -396,12 +367,9 @@ def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
-    """Modules the fork server imports once, when it starts, so that its workers do not: torch, NumPy's
-    random module when this process uses NumPy (restoring its state imports it), mplaunch's worker side, and
-    the function's module if the server can import it by name from the same file (the rule of
-    :mod:`mplaunch._wire.importable`: a module loaded from a file path, or ``pkg.__main__``, is never imported
-    there). Only the first forkserver launch of a process starts the server, so later functions from other
-    modules are imported by each worker."""
+    """List the modules the fork server imports once, at its start, so that its workers do not.
+    The function's module is one if the server can import it by name (see :mod:`mplaunch._wire.importable`).
+    Only a process's first forkserver launch starts the server: later launches' modules are each worker's."""
     modules = ["__main__", "torch", "mplaunch._worker.entry"]
     if "numpy" in sys.modules:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it

@@ -1,8 +1,5 @@
-"""The parent's judgement of each rank: from the outcome a worker wrote (:mod:`mplaunch._wire.records`), its
-exit code and whether the launch stopped it, one :data:`RankState`: it returned, the launch stopped it (never
-a failure), or it failed (the exception to raise); and when it failed, to find a launch's first failure. The
-design follows torch elastic's ``ProcessFailure``.
-"""
+"""The parent's judgement of each rank, from its outcome record, exit code and whether the launch stopped it: one
+:data:`RankState`, and the time of a failure, to find a launch's first. Follows torch elastic's ``ProcessFailure``."""
 
 from __future__ import annotations
 
@@ -16,32 +13,25 @@ from mplaunch._wire.records import Outcome, Raised, Returned, Signalled
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Stopped:
-    """Parent side: the launch stopped this rank itself (a peer failed, a timeout, Ctrl-C); not a failure."""
+    """The launch stopped this rank itself (a peer failed, a timeout, Ctrl-C); not a failure."""
 
     rank: int
 
 
-#: What the parent makes of one rank: it returned, the launch stopped it, or it failed (the exception).
-RankState = Returned | Stopped | BaseException
+RankState = Returned | Stopped | BaseException  # it returned, the launch stopped it, or it failed (the exception)
 
-
-#: Seconds by which the parent may see a rank's end after it happened: the kernel frees the rank's memory
-#: before its end can be seen (milliseconds), and a busy machine wakes the parent late (tens of them). A peer
-#: whose collective fails of the death sees the closed connections at about the same time, then raises.
+#: Seconds by which the parent may see a rank's end late: the kernel frees its memory first (milliseconds), and a
+#: busy machine wakes the parent late; a peer's collective fails of the death at about the same time.
 NOTICE_SLACK = 0.1
-#: Signals that end a rank from outside or by its own crash, never because a peer failed (unlike SIGABRT,
-#: which NCCL's watchdog raises when a peer is gone, or SIGTERM, how a launch stops a rank).
+#: Deaths never caused by a peer's failure (unlike NCCL's SIGABRT when a peer is gone, or the launch's SIGTERM).
 _OWN_DEATHS = frozenset(
     getattr(signal, name) for name in ("SIGKILL", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE") if hasattr(signal, name)
 )
 
 
 def failure_time(outcome: Outcome | None, exitcode: int | None, seen: float) -> float:
-    """When a rank failed, on ``time.monotonic()``'s clock, to find the first failure of a launch: when it
-    raised, by its own clock; for a rank that left no outcome, when its end was ``seen``, and for one a signal
-    of :data:`_OWN_DEATHS` ended (the out-of-memory killer's SIGKILL, a segfault), :data:`NOTICE_SLACK`
-    earlier: such a death is never a peer's consequence, and a peer's collective failing of it must not
-    seem to come first."""
+    """Return when a rank failed (``time.monotonic()``): when it raised; else when its end was ``seen``, minus
+    :data:`NOTICE_SLACK` for a death of :data:`_OWN_DEATHS`, so that a peer failing of it does not come first."""
     if isinstance(outcome, Raised):
         return outcome.when
     if outcome is None and exitcode is not None and -exitcode in _OWN_DEATHS:
@@ -57,11 +47,8 @@ def rank_state(
     stopped: bool,
     oom_kills: int | None = None,
 ) -> RankState:
-    """Decide what happened to ``rank`` from its outcome record (``None``: it wrote none), its process exit
-    code, and whether the launch had stopped it. A rank the launch stopped is :class:`Stopped` unless it had
-    returned (then :class:`Returned`) or had raised on its own before the stop reached it (a failure).
-    ``oom_kills``: how many processes the out-of-memory killer ended in the rank's cgroup while it ran, or
-    ``None`` where that is unknown."""
+    """Decide what happened to ``rank``: a stopped rank is :class:`Stopped` unless it returned or raised first.
+    ``oom_kills``: the out-of-memory kills in the rank's cgroup while it ran (``None``: unknown)."""
     if isinstance(outcome, Returned):
         return outcome
     if isinstance(outcome, Raised):
@@ -76,9 +63,8 @@ def rank_state(
 def exit_error(
     rank: int, pid: int | None, exitcode: int | None, signum: int | None, oom_kills: int | None = None
 ) -> WorkerExitedError:
-    """The error for a rank that ended without an exception of its own: killed by a signal (``signum``, or a
-    negative ``exitcode``), or an exit with no outcome. ``oom_kills``: as for :func:`rank_state`; only a
-    SIGKILL while the count rose is the out-of-memory killer's."""
+    """Return the error of a rank that ended without an exception of its own (a signal, an exit with no outcome);
+    only a SIGKILL while ``oom_kills`` rose is the out-of-memory killer's."""
     error = WorkerExitedError("", rank, pid, exitcode, signum)
     killed = signum is None and error.signal_name == "SIGKILL"
     error.oom = (None if oom_kills is None else oom_kills > 0) if killed else False
@@ -111,12 +97,10 @@ def exit_error(
 
 
 def rebuild_exception(raised: Raised, rank: int) -> BaseException:
-    """The worker's exception as itself (or a :class:`RemoteError`), the remote traceback as its cause.
-
-    ``SystemExit`` and ``KeyboardInterrupt`` are not for the parent: they become :class:`WorkerExitedError`
-    with the exit code CPython would have used.
-    """
+    """Rebuild the worker's exception (or a :class:`RemoteError`), the remote traceback as its cause; a
+    ``SystemExit`` or ``KeyboardInterrupt`` becomes :class:`WorkerExitedError` with CPython's exit code."""
     pid = raised.pid
+    header = f"rank {rank} (pid {pid})"
     error: BaseException | None = None
     if raised.exception is not None:
         try:
@@ -125,21 +109,14 @@ def rebuild_exception(raised: Raised, rank: int) -> BaseException:
             error = None
     if raised.exit_code is not None or (error is not None and not isinstance(error, Exception)):
         code = raised.exit_code if raised.exit_code is not None else 1
-        error = WorkerExitedError(
-            f"rank {rank} (pid {pid}) raised {raised.message} before returning, so it has no result (exit code {code})",
-            rank,
-            pid,
-            code,
-        )
+        what = f"raised {raised.message} before returning, so it has no result (exit code {code})"
+        error = WorkerExitedError(f"{header} {what}", rank, pid, code)
     if error is None:
-        error = RemoteError(
-            f"rank {rank} (pid {pid}) raised {raised.type_name}: {raised.message} (the exception could not be "
-            "sent as itself because it cannot be pickled or unpickled)",
-            rank,
-            pid,
-            raised.type_name,
+        what = (
+            f"raised {raised.type_name}: {raised.message} (the exception could not be sent as itself because it "
+            "cannot be pickled or unpickled)"
         )
-    header = f"rank {rank} (pid {pid})"
+        error = RemoteError(f"{header} {what}", rank, pid, raised.type_name)
     error.__cause__ = RemoteTraceback(f'\n"""\n{header} raised:\n{raised.text}"""')
     set_attribute(error, "rank", rank)
     set_attribute(error, "pid", pid)
@@ -149,8 +126,7 @@ def rebuild_exception(raised: Raised, rank: int) -> BaseException:
 
 
 def unreadable_result(rank: int, pid: int | None, error: BaseException) -> RemoteError:
-    """The failure of a rank whose result cannot be unpickled in the parent (a class this process cannot
-    import, a ``__reduce__`` that raises ``SystemExit``...), with ``error`` as its cause."""
+    """Return the failure of a rank whose result cannot be unpickled here, with ``error`` as its cause."""
     failure = RemoteError(
         f"rank {rank} (pid {pid}) returned a result that cannot be unpickled in the parent: "
         f"{type(error).__name__}: {error}",

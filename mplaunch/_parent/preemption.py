@@ -1,9 +1,7 @@
-"""Preemption of a one-node launch: a signal in ``preempt_signals`` (or ``future.preempt()``) tells every rank,
-through the flag of :mod:`mplaunch._wire.flags`, instead of stopping it; the ranks get ``preempt_grace`` seconds
-to save and return, then the rest are stopped and the call raises :class:`~mplaunch.PreemptedError`.
-
-The idea follows SLURM's ``--signal`` and submitit's checkpointing, and torchrun's ``--signals-to-handle``:
-the scheduler warns, the job saves, the scheduler requeues.
+"""Preemption of a one-node launch: a signal in ``preempt_signals`` (or ``future.preempt()``) raises the flag of
+:mod:`mplaunch._wire.flags`; the ranks get ``preempt_grace`` seconds to save and return, then the rest are stopped
+and the call raises :class:`~mplaunch.PreemptedError`. The idea follows SLURM's ``--signal``, submitit's
+checkpointing and torchrun's ``--signals-to-handle``: the scheduler warns, the job saves, the scheduler requeues.
 """
 
 from __future__ import annotations
@@ -27,12 +25,8 @@ from mplaunch._wire.records import Returned
 
 
 class Preemption:
-    """The preemption notice of one launch. The first :meth:`notify` raises the flag and starts the grace; a
-    second one ends the grace at once. Safe to call from a signal handler and from another thread.
-
-    Args:
-        grace: seconds the ranks get after the notice (``preempt_grace``).
-    """
+    """The preemption notice of one launch: a first :meth:`notify` raises the flag and starts the ``grace``
+    (seconds); a second one ends it. Safe from a signal handler and from another thread."""
 
     def __init__(self, grace: float) -> None:
         self.grace = grace
@@ -52,16 +46,9 @@ class Preemption:
 
     def attach(self, directory: str) -> None:
         """Create the launch's flag in ``directory`` (raised at once if the notice came first)."""
-        mapping = flags.create(directory)
-        self._mapping = mapping
+        self._mapping = mapping = flags.create(directory)
         if self.noticed:
             flags.raise_flag(mapping)
-
-    def detach(self) -> None:
-        """Unmap the flag (before the launch directory goes)."""
-        mapping, self._mapping = self._mapping, None
-        if mapping is not None:
-            mapping.close()
 
     @property
     def attached(self) -> bool:
@@ -69,11 +56,9 @@ class Preemption:
         return self._mapping is not None
 
     def notify(self, signum: int | None, origin: int | None = None) -> None:
-        """The notice (``signum``: the signal, or ``None`` from ``future.preempt()``); a second one forces the end.
-        ``origin``: the node that got it, for a notice passed on by another node of a multi-node launch. Such a
-        notice never forces the end: each node's second notice is its own. A scheduler that preempts every
-        node signals each, and a node may hear of another's signal before its own: that is its first.
-        """
+        """Take a notice (``signum``: ``None`` from ``future.preempt()``); a second one forces the end.
+        ``origin``: the node that got a notice passed on; it never forces the end, as a node may hear of another's
+        signal before its own, which is then its first."""
         if self.noticed:
             if origin is None:
                 self.forced = self._own
@@ -90,7 +75,7 @@ class Preemption:
             os.write(self._write, b"x")
 
     def fileno(self) -> int:
-        """A descriptor that becomes readable at each notice (for ``connection.wait``)."""
+        """Return a descriptor that becomes readable at each notice."""
         return self._read
 
     def drain(self) -> None:
@@ -99,7 +84,7 @@ class Preemption:
             os.read(self._read, 4096)
 
     def remaining(self) -> float | None:
-        """Seconds left of the grace (``0.0`` when over or forced), or ``None`` before a notice."""
+        """Return the seconds left of the grace (``0.0`` when over or forced), or ``None`` before a notice."""
         if self.noticed_at is None:
             return None
         if self.forced:
@@ -107,20 +92,20 @@ class Preemption:
         return max(0.0, self.noticed_at + self.grace - time.monotonic())
 
     def error(self, states: Mapping[int, RankState], nprocs: int, ranks: range | None = None) -> PreemptedError:
-        """The :class:`PreemptedError` for these rank states (rank -> what became of it); ``ranks``: the launch's
-        ranks here (default: ``range(nprocs)``; one node's global ranks on a multi-node launch)."""
+        """Return the :class:`PreemptedError` for these rank states; ``ranks``: the launch's ranks here (default:
+        ``range(nprocs)``; one node's global ranks on a multi-node launch)."""
         self.reported = True
         values = {rank: state.value for rank, state in sorted(states.items()) if isinstance(state, Returned)}
         ranks = range(nprocs) if ranks is None else ranks
         stopped = tuple(rank for rank in ranks if isinstance(states.get(rank), Stopped) or rank not in states)
         failures = tuple(state for _, state in sorted(states.items()) if isinstance(state, BaseException))
-        what = notice_name(self.signum)
+        try:
+            what = "future.preempt()" if self.signum is None else signal.Signals(self.signum).name
+        except ValueError:
+            what = f"signal {self.signum}"
         if self.origin is not None:
             what = f"{what}, received by node {self.origin}"
-        if self.forced:
-            how = "a second notice ended the grace at once"
-        else:
-            how = f"preempt_grace={self.grace:g} s"
+        how = "a second notice ended the grace at once" if self.forced else f"preempt_grace={self.grace:g} s"
         message = (
             f"the launch was preempted by {what} ({how}): ranks {sorted(values)} returned, ranks {list(stopped)} "
             "were stopped. Save in the ranks when mplaunch.preempted() is true, and resume on the next call."
@@ -128,31 +113,19 @@ class Preemption:
         return PreemptedError(message, self.signum, values, stopped, failures)
 
     def close(self) -> None:
-        self.detach()
+        """Unmap the flag (before the launch directory goes) and close the pipe."""
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            mapping.close()
         for fd in (self._read, self._write):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
 
-def notice_name(signum: int | None) -> str:
-    """Name the notice: ``SIGTERM``, or ``future.preempt()``."""
-    if signum is None:
-        return "future.preempt()"
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 @contextlib.contextmanager
 def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterator[None]:
-    """While the launch runs, let ``signals`` notify ``preemption`` instead of their handlers; put the handlers
-    back after. A signal noticed too late for any rank to see (the launch returned all the same) goes on to the
-    handler it had before.
-
-    Raises:
-        InvalidOptionError: ``signals`` and this is not the main thread, where Python runs signal handlers.
-    """
+    """Let ``signals`` notify ``preemption`` while the launch runs; put the handlers back after, and pass on
+    a signal noticed too late for any rank to see. Raises ``InvalidOptionError`` outside the main thread."""
     if not signals:
         yield
         return
@@ -201,9 +174,8 @@ def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterato
 def preemption_notice(
     control: LaunchControl, directory: str, signals: tuple[int, ...], grace: float
 ) -> Iterator[Preemption]:
-    """The preemption notice of a one-node launch while it runs: a flag in ``directory`` when the launch can
-    be preempted (``signals``, or a submitted launch, which ``future.preempt()`` can preempt), the handlers of
-    ``signals`` in the main thread, and ``control.preemption``."""
+    """Yield a one-node launch's notice, with its flag in ``directory`` when it can be preempted (``signals``, or
+    submitted), the handlers of ``signals``, and ``control.preemption``."""
     preemption = Preemption(grace)
     try:
         if signals or control.fileno() is not None:

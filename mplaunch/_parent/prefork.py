@@ -1,6 +1,5 @@
-"""What the parent makes for each rank right before it forks it, so that the rank does not: every page a
-forked worker writes is first copied from its parent's memory, and each step of set-up done once in the
-parent saves each rank its copies."""
+"""What the parent makes for each rank right before forking it: a page a forked worker writes is first copied, so
+set-up done once in the parent saves each rank its copies."""
 
 from __future__ import annotations
 
@@ -17,32 +16,19 @@ from mplaunch._worker.setup import Forked, rank_changes
 
 
 def prepare_forks(spec: WorkerSpec, stdin: TextIO | None) -> list[Forked]:
-    """In the parent, right before it forks the ranks of ``spec``'s one-node launch: each rank's
-    :class:`Forked`. ``stdin``: the stream every rank takes as its ``sys.stdin`` (the caller closes its own
-    copy once the ranks are forked)."""
+    """Make each rank's :class:`Forked`; ``stdin``: every rank's ``sys.stdin`` (the caller closes its copy)."""
     logging, groups, flag = inherited_logging(), has_groups(), flags.path_if_present(spec.launch.directory)
     shared = _fork_changes(spec, flag)
     own = [_rank_fork_changes(spec, rank) for rank in range(spec.launch.nprocs)]
     made = fork_environs(shared, own)
     environs: list[ForkEnviron | None] = [None] * spec.launch.nprocs if made is None else [*made]
     usual = breakpoint_plan(c_getenv("PYTHONBREAKPOINT"))  # (CPython's breakpoint() reads the C table)
-    return [
-        Forked(
-            environs[rank],
-            stdin,
-            logging,
-            groups,
-            flag is not None,
-            usual if "PYTHONBREAKPOINT" not in own[rank] else breakpoint_plan(own[rank]["PYTHONBREAKPOINT"]),
-        )
-        for rank in range(spec.launch.nprocs)
-    ]
+    plans = [usual if "PYTHONBREAKPOINT" not in env else breakpoint_plan(env["PYTHONBREAKPOINT"]) for env in own]
+    return [Forked(environs[rank], stdin, logging, groups, flag is not None, plans[rank]) for rank in range(len(own))]
 
 
 def _fork_changes(spec: WorkerSpec, flag: str | None) -> dict[str, str | None]:
-    """The environment changes that every forked rank of ``spec``'s one-node launch gets (each rank's own
-    are :func:`_rank_fork_changes`'): torchrun's variables except the three that name the rank, and the
-    preemption flag's path (``flag``, when the launch has one)."""
+    """Return every rank's environment changes: torchrun's variables but the rank's own, and the flag's path."""
     changes = rank_changes(spec, 0)
     for name in _RANK_OWN:
         del changes[name]
@@ -51,14 +37,11 @@ def _fork_changes(spec: WorkerSpec, flag: str | None) -> dict[str, str | None]:
     return changes
 
 
-#: The variables of :func:`rank_changes` whose value is the rank's own.
-_RANK_OWN = ("RANK", "LOCAL_RANK", "ROLE_RANK")
+_RANK_OWN = ("RANK", "LOCAL_RANK", "ROLE_RANK")  # the variables of rank_changes() that are the rank's own
 
 
 def _rank_fork_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
-    """Rank ``rank``'s own environment changes, on top of :func:`_fork_changes`': the variables that name the
-    rank, its placement's (``CUDA_VISIBLE_DEVICES``, ``env=``'s) and its ``OMP_NUM_THREADS``. A rank would
-    set the last two before its function; it finds them set."""
+    """Return ``rank``'s own environment changes: its rank variables, placement and ``OMP_NUM_THREADS``."""
     changes: dict[str, str | None] = {name: str(rank) for name in _RANK_OWN}
     extra = placement.environment(spec, rank)
     changes.update(extra)

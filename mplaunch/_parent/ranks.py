@@ -1,23 +1,7 @@
-"""The one engine: a set of started ranks, and the one loop that waits on them.
-
-Every way of calling runs on it: a call, ``submit()`` and a generator function (one :class:`Ranks` per attempt,
-see :mod:`mplaunch._parent.launch`), and :class:`mplaunch.Workers` (one kept between calls, see
-:mod:`mplaunch._parent.warm`). A :class:`Ranks` owns the worker processes of one start: a pidfd for each
-(readable when it ends, whoever reaps it), the parent's end of each rank's pipe (warm ranks, and ranks that
-stream a generator's values), the kernel's account of each (:class:`~mplaunch._parent.usage.RankRecords`), the
-rendezvous store, the board and the output pump; and it stops them, interrupts a call in them and asks them for
-their stacks. :meth:`Ranks.call` is the one event loop of a call: a rank ended, a rank's message (set up, a
-value yielded, a call done), a stop request, a first connection to the store, a preemption notice, the
-deadline, and the heartbeat board.
-
-A rank that runs one function (a launch's) ends with its outcome; a warm rank says ``DONE`` and serves on.
-When a call ends early (a failure, a timeout, a stall, a stop, Ctrl-C), the ranks still running it are left
-as their kind needs: a launch's are stopped (SIGTERM, then SIGKILL after ``grace_period``), a warm call is
-interrupted in its ranks (SIGINT; they stay, unless they do not answer within ``grace_period``).
-
-The design follows CPython's ``concurrent.futures.process`` (one manager loop on result readers and process
-sentinels) and torch elastic's ``PContext`` (one ``wait``; the kinds differ only in how they start and stop).
-"""
+"""The one engine: a :class:`Ranks` owns the workers of one start (one per launch attempt; warm workers keep one);
+:meth:`Ranks.call` is a call's one loop. A call that ends early stops a launch's ranks (SIGTERM, then SIGKILL after
+``grace_period``), or interrupts a warm call (SIGINT; ranks silent for ``grace_period`` are stopped). Follows
+CPython's ``concurrent.futures.process`` (one loop on result readers and sentinels) and torch elastic's ``PContext``."""
 
 from __future__ import annotations
 
@@ -68,30 +52,13 @@ from mplaunch._wire.records import (
 from mplaunch._wire.spec import AttemptSpec, LaunchSpec, WorkerSpec
 
 _INTERRUPTED = 128 + signal.SIGINT  # the exit code a KeyboardInterrupt's record carries
-#: What a call yields once its ranks run it (a stream's call returns then), before any value.
-STARTED = (-1, None)
+_CLOSED = "the mplaunch.Workers were closed while this call ran; its ranks were stopped"
+STARTED = (-1, None)  # what a call yields once its ranks run it, before any value (a stream's call returns then)
 
 
 class Ranks:
-    """The worker processes of one start, and what the parent holds of them.
-
-    Args:
-        spec: the launch's spec.
-        attempt: this start's.
-        outcome_fds: by rank, the memory file each writes its outcome into at its exit, or ``None`` (the
-            launch directory).
-        store: the rendezvous they meet at (its listener is watched until a rank connects), or ``None``.
-        warm: the ranks serve calls (:mod:`mplaunch._worker.serve`) instead of running one function and exiting.
-        board: the board they beat on and leave their usage on, or ``None``.
-        pump: the output pump draining their fd 1 and 2, or ``None``.
-
-    Attributes:
-        processes: the workers, by rank.
-        pids: their process ids, by rank.
-        conns: by rank, the parent's end of its pipe (warm ranks, ranks that stream), else empty.
-        ready: the warm ranks that said they are set up.
-        broken: a warm rank died or was stopped: the next call needs new ranks.
-    """
+    """The workers of one start and what the parent holds of them; ``warm``: they serve calls
+    (:mod:`mplaunch._worker.serve`); ``outcome_fds``: each rank's outcome file (``None``: the launch directory)."""
 
     def __init__(
         self,
@@ -109,9 +76,9 @@ class Ranks:
         self.pid = os.getpid()  # the owner: in a process forked from it, this is a copy that acts on nothing
         self.processes: list[BaseProcess] = []
         self.pids: list[int] = []
-        self.conns: list[Connection] = []
-        self.ready: set[int] = set()
-        self.broken = False
+        self.conns: list[Connection] = []  # by rank, the parent's end of its pipe (warm ranks, a stream's)
+        self.ready: set[int] = set()  # the warm ranks that said they are set up
+        self.broken = False  # a warm rank died or was stopped: the next call needs new ranks
         self.closing = False  # warm ranks being closed (by another thread, or at exit): a call that runs ends
         self.exits: dict[int, tuple[RankState, float]] = {}  # ranks whose worker ended: state, failure time
         self.stopped: set[int] = set()  # ranks the launch stopped (their end is not a failure of theirs)
@@ -121,8 +88,6 @@ class Ranks:
         self._signalling = threading.Lock()  # a stacks request (another thread) against closing the pidfds
         self._dumping = threading.Lock()  # one stacks collection at a time
 
-    # -- start -------------------------------------------------------------------------------------------
-
     def start(
         self,
         target: Callable[..., None],
@@ -130,15 +95,14 @@ class Ranks:
         preload: list[str] = [],  # noqa: B006 - never changed
         conns: Sequence[tuple[Connection, Connection]] = (),
     ) -> None:
-        """Start ``spec.nprocs`` workers running ``target(rank, spec, payload, forked, conn)``; ``conns``: per
-        rank, a pipe (the parent's end, the rank's end), closed here once the rank has its copy."""
+        """Start the workers running ``target(rank, spec, payload, forked, conn)``; ``conns``: per rank, a pipe
+        (ours, theirs), theirs closed here once the rank has it."""
         spec, nprocs = self.spec, self.spec.nprocs
         self.conns = [ours for ours, _ in conns]
         try:
             with stdin_for_forks(spec.start_method) as stdin, _unshare_pipe(spec) as pipe:
                 attempt = dataclasses.replace(self.attempt, unshare_pipe=pipe) if pipe else self.attempt
-                # (a rank gets its own outcome file, not the table of all: a fork server takes at most 256
-                # descriptors per worker)
+                # (one outcome file per rank, not the table: a fork server passes at most 256 fds a worker)
                 specs = [
                     WorkerSpec(spec, attempt, None if self.outcome_fds is None else self.outcome_fds[rank])
                     for rank in range(nprocs)
@@ -156,12 +120,9 @@ class Ranks:
             self.pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
 
     def _started(self, process: BaseProcess) -> None:
-        """Take the worker just started as the next rank, with a pidfd to wait for its end on (Linux 5.3+).
-
-        multiprocessing's sentinel is the read end of a pipe whose write end the worker holds; a process that
-        another thread of the user forks meanwhile inherits that end too and would hold the launch until it
-        exits, whereas a pidfd depends on nothing the worker's neighbours hold. It is opened now, before
-        anything can reap the worker, so its pid cannot have been given to another process yet."""
+        """Take the worker just started as the next rank, with a pidfd (Linux 5.3+) to wait for its end on.
+        A process the user forks meanwhile inherits the write end of the worker's sentinel and would hold the
+        launch; a pidfd does not. Opened before anything can reap the worker: its pid is not reused yet."""
         rank = len(self.processes)
         self.processes.append(process)
         if process.pid is not None:
@@ -172,14 +133,12 @@ class Ranks:
         if self.pump is not None and process.pid is not None:
             self.pump.pids[rank] = process.pid  # for prefix_output templates with {pid}
 
-    # -- the ranks' ends ---------------------------------------------------------------------------------
-
     def end_fd(self, rank: int) -> int:
-        """A descriptor that becomes readable when ``rank``'s worker ends."""
+        """Return a descriptor that becomes readable when ``rank``'s worker ends."""
         return self._pidfds.get(rank, self.processes[rank].sentinel)
 
     def has_ended(self, rank: int) -> bool:
-        """Whether ``rank``'s worker has ended (also when someone else reaped it), without reaping it."""
+        """Whether ``rank``'s worker has ended (also if someone else reaped it), without reaping it."""
         return rank in self.exits or bool(readable([self.end_fd(rank)], 0))
 
     def alive(self) -> bool:
@@ -187,16 +146,14 @@ class Ranks:
         return not self.broken and not any(self.has_ended(rank) for rank in range(len(self.processes)))
 
     def collect(self, rank: int, seen: float | None = None) -> tuple[RankState, float]:
-        """Reap ``rank``'s ended worker, read the outcome it left at its exit and decide its state; return it
-        with the time of its failure (see :func:`failure_time`; ``seen``: when its end was seen, default now:
-        reaping it and reading what it left takes milliseconds, in which a peer's collective can fail because
-        of its death and would seem the earlier failure). Once per rank."""
+        """Reap ``rank``, read its outcome; return its state and failure time. Once per rank.
+        ``seen``: when its end was seen (default now); reaping and reading take milliseconds, in which a peer's
+        collective can fail of its death and would seem the earlier failure."""
         if rank in self.exits:
             return self.exits[rank]
         process = self.processes[rank]
         seen = time.monotonic() if seen is None else seen
-        # a Ctrl-C there would lose the exit code of the worker it reaps; what unpickling raises is the
-        # result's own, never a Ctrl-C
+        # a Ctrl-C there would lose the reaped exit code; what unpickling raises is the result's own, never a Ctrl-C
         with signals_held():
             self.records.reap(rank, process, self._pidfds.get(rank))
             try:
@@ -216,21 +173,16 @@ class Ranks:
         return self.exits[rank]
 
     def _load(self, rank: int) -> Outcome | None:
-        """The outcome ``rank`` left at its exit: from its memory file (mapped, then held only by the value's
-        mappings), or from the launch directory (read into this process's memory, then unlinked)."""
+        """Read the outcome ``rank`` left: from its memory file (mapped), or the launch directory (unlinked)."""
         if self.outcome_fds is not None:
             found: Outcome | None = transport.load_fd(self.outcome_fds[rank].fd, private=False, missing_ok=True)
         else:
             found = transport.load(self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
         return found
 
-    # -- acting on the ranks -----------------------------------------------------------------------------
-
     def stop(self, signum: int | None = signal.SIGTERM) -> None:
-        """Send ``signum`` (SIGTERM, or the signal the parent got and forwards; ``None``: none, the ranks were
-        told to leave) to every live worker (each then stops what it started); SIGKILL a worker still alive
-        after ``grace_period`` seconds with everything it started
-        (:func:`~mplaunch._parent.signalling.kill_tree`); reap all. Idempotent."""
+        """Send ``signum`` to every live worker (``None``: none, they were told to leave), SIGKILL the tree of
+        any alive after ``grace_period`` seconds, reap all. Idempotent."""
         if os.getpid() != self.pid:
             return
         alive = [r for r in range(len(self.processes)) if not self.has_ended(r)]
@@ -255,8 +207,7 @@ class Ranks:
                 self.broken = True
 
     def interrupt(self, ranks: Iterable[int], number: int) -> set[int]:
-        """Interrupt call ``number`` in the warm ``ranks`` still alive (``CANCEL``, then SIGINT to the rank's
-        main thread); return those interrupted. A rank that has ended is not (its death is its own)."""
+        """Interrupt call ``number`` in the live warm ``ranks`` (``CANCEL``, then SIGINT); return those."""
         interrupted = set()
         for rank in ranks:
             if self.has_ended(rank):
@@ -268,8 +219,7 @@ class Ranks:
         return interrupted
 
     def stacks(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
-        """Every live rank's Python stacks (all threads), by rank, within ``DUMP_BOUND`` seconds; the workers
-        keep running. ``ranks``: only these. Empty in a process forked from the owner. Thread-safe."""
+        """Collect the live ranks' stacks (``ranks``: only these) within ``DUMP_BOUND`` s. Thread-safe."""
         if os.getpid() != self.pid:
             return {}
         with self._dumping:
@@ -286,7 +236,7 @@ class Ranks:
             send_signal(process.pid, pidfd, STACKS_SIGNAL)
 
     def report(self, states: dict[int, RankState] | None = None) -> tuple[RankReport, ...]:
-        """Each rank's :class:`~mplaunch.RankReport` (``states``: the call's, for the out-of-memory verdict)."""
+        """Return each rank's report (``states``: the call's, for the out-of-memory verdict)."""
         found = {rank: state for rank, (state, _) in self.exits.items()}
         return self.records.report(self.processes, {**found, **(states or {})}, self.stopped)
 
@@ -303,8 +253,6 @@ class Ranks:
         for process in self.processes:
             release(process)
 
-    # -- a call ------------------------------------------------------------------------------------------
-
     def call(
         self,
         number: int,
@@ -314,31 +262,14 @@ class Ranks:
         start_timeout: float | None = None,
         report_all: bool = False,
     ) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
-        """Run call ``number`` to its end: tell warm ranks to run it (a launch's ranks run theirs already),
-        yield ``(rank, value)`` for each value a reporting rank yields, as it comes, and return each rank's
-        state; raise the first failure (in time) with the others on its ``failures``.
-
-        Args:
-            number: the call's number (0 for a launch's ranks), under which warm ranks read it.
-            control: its stop request, its deadline (one for every attempt of a launch) and its preemption.
-            timeout: seconds from its start (a warm call: from when every rank is set up) to its deadline.
-            stall_timeout: seconds a rank that has beaten may stay silent (with a board), or ``None``.
-            start_timeout: seconds warm ranks not yet set up may take, or ``None``.
-            report_all: every warm rank sends its value (else those of the spec's ``reporting_ranks``).
-
-        Raises:
-            BaseException: the first failure, after the ranks still running the call were left (see the
-                module docstring).
-            LaunchTimeoutError: ``timeout`` passed; it carries the running ranks' stacks.
-            StallError: a rank stalled; it carries every running rank's stacks.
-            PreemptedError: the call was preempted, once its grace is over.
-            LaunchStopped: ``control`` asked for a stop.
-        """
+        """Run call ``number`` (0: a launch's own), yielding ``(rank, value)`` as ranks yield; return each rank's
+        state, or raise the first failure (others on its ``failures``) once the ranks still running were left.
+        ``timeout`` counts from when every warm rank is set up, which ``start_timeout`` bounds."""
         return _Call(self, number, control, timeout, stall_timeout, start_timeout).run(report_all)
 
 
 class _Call:
-    """The state of one call on a :class:`Ranks` while its loop runs (see :meth:`Ranks.call`)."""
+    """The state of one call on a :class:`Ranks` while its loop runs."""
 
     def __init__(
         self,
@@ -349,12 +280,11 @@ class _Call:
         stall_timeout: float | None,
         start_timeout: float | None,
     ) -> None:
-        self.ranks, self.number, self.control = ranks, number, control
-        self.timeout = timeout
+        self.ranks, self.number, self.control, self.timeout = ranks, number, control, timeout
         self.stall_timeout = stall_timeout if ranks.board is not None else None
-        nprocs = ranks.spec.nprocs
+        self.left = "interrupted" if ranks.warm else "stopped"  # what leaving the call does to its ranks
+        nprocs, self.start_timeout = ranks.spec.nprocs, start_timeout
         self.starting = ranks.warm and len(ranks.ready) < nprocs
-        self.start_timeout = start_timeout
         self.start_deadline = time.monotonic() + start_timeout if self.starting and start_timeout else None
         self.pending = set(range(nprocs))
         self.states: dict[int, RankState] = {}
@@ -379,7 +309,7 @@ class _Call:
         try:
             while self.pending:
                 if ranks.closing:
-                    raise _closed_error()
+                    raise RuntimeError(_CLOSED)
                 yield from self._step(self._limit())
                 self._check_limits()
                 if any(isinstance(state, BaseException) for state in self.states.values()):
@@ -391,31 +321,27 @@ class _Call:
             if ranks.closing:  # the ranks are being stopped by whoever closes them
                 if isinstance(error, (GeneratorExit, KeyboardInterrupt, RuntimeError)):
                     raise
-                raise _closed_error() from None
+                raise RuntimeError(_CLOSED) from None
             if os.getpid() == ranks.pid:  # (a forked child collecting its copy of a stream acts on nothing)
                 self._leave()
             raise
         finally:
             control.stacks_source = None
         if ranks.closing:
-            raise _closed_error()
+            raise RuntimeError(_CLOSED)
         return self._outcome()
 
-    # -- waiting -----------------------------------------------------------------------------------------
-
     def _limit(self) -> float | None:
-        """Seconds until the next moment the loop must look without an event: the deadline, the start
-        deadline, the end of a preemption's grace, or the next moment a rank could be stalled."""
+        """Return the seconds until a deadline, a grace's end or a possible stall, capped at ``LONGEST_WAIT``."""
         control, preemption = self.control, self.control.preemption
-        limits = [control.remaining(), None if preemption is None else preemption.remaining()]
-        if self.start_deadline is not None:
-            limits.append(max(0.0, self.start_deadline - time.monotonic()))
+        start = None if self.start_deadline is None else max(0.0, self.start_deadline - time.monotonic())
+        limits = [control.remaining(), None if preemption is None else preemption.remaining(), start]
         limits.append(self._next_stall_look())
         known = [limit for limit in limits if limit is not None]
         return min(min(known), LONGEST_WAIT) if known else None
 
     def _step(self, limit: float | None, leaving: bool = False) -> Generator[tuple[int, Any], None, None]:
-        """Wait up to ``limit`` seconds for what happens next and act on all of it; yield the values yielded.
+        """Wait up to ``limit`` s and act on all that happened; yield the values.
         ``leaving``: the call is being left; a stop request or a notice no longer matters."""
         ranks, control = self.ranks, self.control
         ends = {ranks.end_fd(rank): rank for rank in self.pending}
@@ -424,8 +350,7 @@ class _Call:
         stop = None if leaving else control.fileno()
         listener = None if ranks.store is None else ranks.store.fileno()
         notice = None if preemption is None else preemption.fileno()
-        extra = (stop, listener, notice)
-        ready = readable([*ends, *conns, *(fd for fd in extra if fd is not None)], limit)
+        ready = readable([*ends, *conns, *(fd for fd in (stop, listener, notice) if fd is not None)], limit)
         seen = time.monotonic()  # when the ends in ready were seen: a rank without an outcome failed then
         if notice is not None and notice in ready and preemption is not None:
             preemption.drain()  # the ranks were told through the flag
@@ -460,7 +385,7 @@ class _Call:
             self._done(rank)
 
     def _done(self, rank: int) -> None:
-        """A warm rank's outcome of this call is written: read it."""
+        """Read the outcome of this call a warm rank wrote."""
         process = self.ranks.processes[rank]
         self.pending.discard(rank)
         try:
@@ -479,38 +404,40 @@ class _Call:
         self.states[rank] = rank_state(rank, outcome, 0, process.pid, False)
 
     def _ended(self, rank: int, seen: float | None = None) -> None:
-        """``rank``'s worker ended during the call: its state is the outcome it left at its exit."""
+        """Collect ``rank``'s worker, which ended during the call."""
         self.pending.discard(rank)
         self.states[rank], self.failed_at[rank] = self.ranks.collect(rank, seen)
 
-    # -- limits ------------------------------------------------------------------------------------------
-
     def _check_limits(self) -> None:
-        """Raise what a passed limit calls for: the end of a preemption's grace, the start deadline, the
-        deadline, a stalled rank."""
+        """Act on a passed limit: a preemption's grace, the start deadline, the deadline, a stall."""
         preemption, control = self.control.preemption, self.control
         if preemption is not None and preemption.noticed and self.pending:
             if preemption.remaining() == 0.0 or control.remaining() == 0.0:
                 self._leave()  # the grace (or the timeout in it) is over, or a second notice came
         elif self.start_deadline is not None and time.monotonic() >= self.start_deadline:
             self.ranks.stop()  # a rank still importing would die of a SIGINT, printing a traceback
-            raise _start_timeout_error(self.ranks, self.start_timeout or 0.0)
-        elif control.remaining() == 0.0 and self.pending:
-            found = self._stacks()
+            timeout, starting = self.start_timeout or 0.0, sorted(set(range(self.ranks.spec.nprocs)) - self.ranks.ready)
             raise LaunchTimeoutError(
-                f"the {_what(self.ranks)} did not finish within timeout={self.timeout or 0.0:g} s; ranks "
-                f"{sorted(self.pending)} were still running and have been {_left(self.ranks)}."
-                f"{_where(found, self.ranks.spec.log_dir, sorted(self.pending))} Raise `timeout`, or look "
-                "for a rank stuck in a collective.",
-                self.timeout or 0.0,
-                tuple(sorted(self.pending)),
-                found,
+                f"ranks {starting} did not finish starting within rdzv_timeout={timeout:g} s; every rank has been "
+                "stopped, and the next call starts them again. Raise `rdzv_timeout`, or look for a rank stuck while "
+                "importing or joining its process group.",
+                timeout,
+                tuple(starting),
             )
+        elif control.remaining() == 0.0 and self.pending:
+            found, running = self._stacks(), sorted(self.pending)
+            message = (
+                f"the {'call' if self.ranks.warm else 'launch'} did not finish within timeout={self.timeout or 0.0:g} "
+                f"s; ranks {running} were still running and have been {self.left}."
+                f"{_where(found, self.ranks.spec.log_dir, running)} Raise `timeout`, or look for a rank stuck in a "
+                "collective."
+            )
+            raise LaunchTimeoutError(message, self.timeout or 0.0, tuple(running), found)
         elif preemption is None or not preemption.noticed:  # saving may be silent: the grace bounds it
             self._check_stalls()
 
     def _next_stall_look(self) -> float | None:
-        """Seconds until the next moment a running rank could be stalled, else ``None``."""
+        """Return the seconds until a running rank could be stalled, else ``None``."""
         board = self.ranks.board
         if self.stall_timeout is None or board is None:
             return None
@@ -521,7 +448,7 @@ class _Call:
         return max(due, 0.0) + 0.005
 
     def _check_stalls(self) -> None:
-        """Raise :class:`StallError` for the most silent running rank silent for ``stall_timeout`` seconds."""
+        """Raise :class:`StallError` for the most silent rank silent for ``stall_timeout`` seconds."""
         board = self.ranks.board
         if self.stall_timeout is None or board is None:
             return
@@ -531,54 +458,40 @@ class _Call:
         if not stalled:
             return
         seconds, rank = max(stalled, key=lambda found: (found[0], -found[1]))
-        pid = self.ranks.processes[rank].pid
-        running = sorted(self.pending)
-        found = self._stacks()
-        failure = StallError(
+        pid, running, found = self.ranks.processes[rank].pid, sorted(self.pending), self._stacks()
+        message = (
             f"rank {rank} (pid {pid}) stalled: its last mplaunch.heartbeat() was {seconds:.1f} s ago, more than "
-            f"stall_timeout={self.stall_timeout:g} s; every rank has been {_left(self.ranks)}."
-            f"{_where(found, self.ranks.spec.log_dir, running)}",
-            rank,
-            pid,
-            seconds,
-            self.stall_timeout,
-            found,
+            f"stall_timeout={self.stall_timeout:g} s; every rank has been {self.left}."
+            f"{_where(found, self.ranks.spec.log_dir, running)}"
         )
+        failure = StallError(message, rank, pid, seconds, self.stall_timeout, found)
         self.control.failure = failure
         raise failure
 
     def _stacks(self) -> dict[int, str]:
-        """The running ranks' stacks (at most ``DUMP_BOUND`` seconds), also written to ``log_dir``."""
+        """Collect the running ranks' stacks, also written to ``log_dir``."""
         found = self.ranks.stacks(sorted(self.pending))
         stacks.write_to_log_dir(self.ranks.spec.log_dir, found)
         return found
 
-    # -- the end -----------------------------------------------------------------------------------------
-
     def _leave(self, signum: int = signal.SIGTERM) -> None:
-        """Leave the ranks still running the call: a launch's are stopped with ``signum`` and collected; a warm
-        call is interrupted in its ranks, whose answers are awaited for ``grace_period`` seconds (then they are
-        all stopped)."""
+        """Leave the ranks still running the call: stop a launch's with ``signum``; interrupt a warm call and
+        await the answers for ``grace_period`` seconds (then stop them all)."""
         ranks = self.ranks
-        if not self.pending:
-            return
-        if not ranks.warm:
-            ranks.stop(signum)
-            for rank in sorted(self.pending):
-                self._ended(rank)
-            return
-        self.interrupted |= ranks.interrupt(self.pending - self.interrupted, self.number)
-        deadline = time.monotonic() + ranks.spec.grace_period
-        while self.pending and time.monotonic() < deadline:
-            for _ in self._step(max(0.0, deadline - time.monotonic()), leaving=True):
-                pass  # a value yielded while the call is left is dropped
+        if ranks.warm and self.pending:
+            self.interrupted |= ranks.interrupt(self.pending - self.interrupted, self.number)
+            deadline = time.monotonic() + ranks.spec.grace_period
+            while self.pending and time.monotonic() < deadline:
+                for _ in self._step(max(0.0, deadline - time.monotonic()), leaving=True):
+                    pass  # a value yielded while the call is left is dropped
+            signum = signal.SIGTERM  # those that did not answer are stopped as a launch's are
         if self.pending:
-            ranks.stop()
+            ranks.stop(signum)
             for rank in sorted(self.pending):
                 self._ended(rank)
 
     def _outcome(self) -> dict[int, RankState]:
-        """Each rank's state, once every rank has answered; or the preemption or the first failure raised."""
+        """Return each rank's state, or raise the preemption or the first failure."""
         preemption = self.control.preemption
         if preemption is not None and preemption.noticed:
             raise preemption.error(self.states, self.ranks.spec.nprocs)
@@ -594,8 +507,7 @@ class _Call:
 
 @contextlib.contextmanager
 def board_for(directory: str, nprocs: int, wanted: bool) -> Iterator[Board | None]:
-    """The board (heartbeats, usage) of a launch or of warm workers, zeroed, where it is ``wanted``; unmapped
-    after. ``None`` where none can be made: the ranks then run unwatched."""
+    """Yield a zeroed board if ``wanted`` and possible, else ``None`` (the ranks run unwatched); unmap it after."""
     board = None
     if wanted:
         with contextlib.suppress(OSError, ValueError):
@@ -609,9 +521,8 @@ def board_for(directory: str, nprocs: int, wanted: bool) -> Iterator[Board | Non
 
 @contextlib.contextmanager
 def _unshare_pipe(spec: LaunchSpec) -> Iterator[tuple[int, int] | None]:
-    """Under fork with large arguments, the pipe on which the parent tells the ranks, once they are forked,
-    whether to look in their arguments for memory to make private (see :func:`_answer_unshare`); closed
-    after (a rank whose parent failed to answer reads its end and looks)."""
+    """Yield the pipe on which forked ranks learn whether to unshare their arguments, or ``None``; close it after
+    (a rank whose parent failed to answer reads its end and looks)."""
     if spec.start_method != "fork" or spec.unshare is not None:
         yield None
         return
@@ -624,44 +535,18 @@ def _unshare_pipe(spec: LaunchSpec) -> Iterator[tuple[int, int] | None]:
 
 
 def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
-    """Tell forked workers with large arguments whether to look in them for memory to make private: whether
-    this process holds a result mapped shared by mplaunch. Memory the user shared (``share_memory_()``) stays
-    shared (``keep_requested``), and mplaunch's own shared bookkeeping (the heartbeat board, the preemption
-    flag) holds no argument, so ``/proc/self/maps``, which lists all of them, is not the question."""
+    """Tell forked ranks whether to unshare their arguments: whether we hold a result mplaunch mapped shared.
+    Not ``/proc/self/maps``: it also lists the user's ``share_memory_()`` (kept shared) and our board and flag."""
     os.write(pipe[1], (b"1" if holds_shared_mappings() else b"0") * nprocs)
 
 
 def values(states: dict[int, RankState], nprocs: int) -> list[Any]:
-    """The reporting ranks' values in rank order (``None`` for the others)."""
+    """Return the reporting ranks' values in rank order (``None`` for the others)."""
     return [state.value if isinstance(state := states.get(rank), Returned) else None for rank in range(nprocs)]
 
 
-def _what(ranks: Ranks) -> str:
-    return "call" if ranks.warm else "launch"
-
-
-def _left(ranks: Ranks) -> str:
-    return "interrupted" if ranks.warm else "stopped"
-
-
-def _closed_error() -> RuntimeError:
-    return RuntimeError("the mplaunch.Workers were closed while this call ran; its ranks were stopped")
-
-
-def _start_timeout_error(ranks: Ranks, timeout: float) -> LaunchTimeoutError:
-    """The error of warm ranks that were not set up within ``timeout`` seconds of their start."""
-    starting = sorted(set(range(ranks.spec.nprocs)) - ranks.ready)
-    return LaunchTimeoutError(
-        f"ranks {starting} did not finish starting within rdzv_timeout={timeout:g} s; every rank has been "
-        "stopped, and the next call starts them again. Raise `rdzv_timeout`, or look for a rank stuck while "
-        "importing or joining its process group.",
-        timeout,
-        tuple(starting),
-    )
-
-
 def _where(found: dict[int, str], log_dir: str | None, running: list[int]) -> str:
-    """The sentences of an error message that say where each rank was, from their stacks."""
+    """Return the sentences of an error message that say where each rank was."""
     missing = [rank for rank in running if rank not in found]
     silent = f" Ranks {missing} sent no stacks (still starting, or no dump within 1 s)." if missing else ""
     if not found:

@@ -1,12 +1,7 @@
 """Restarting every worker of a one-node launch after a worker failure, as torchrun's ``--max-restarts`` does.
-
-Only a worker failure (an exception, an exit or a signal of a worker) that ``restart_on`` accepts is
-restarted, after ``restart_delay`` seconds, doubled for each further restart (at most 60 s). A refusal
-before launching, the launch's ``timeout`` (one deadline for all attempts, the delays included), a stop
-request (``Future.cancel()``), a preemption and Ctrl-C or a signal to the parent end the launch at once.
-Each attempt gets a fresh rendezvous store (as torchrun's agent does), so keys left by the failed attempt
-cannot mislead the next one; the call's payload is written once and reused.
-"""
+Only a worker failure that ``restart_on`` accepts is restarted, after ``restart_delay`` seconds, doubled each
+time (at most 60 s); anything else ends the launch at once. One deadline covers all attempts. Each attempt gets
+a fresh rendezvous store (as torchrun's agent does), so keys left by a failed attempt cannot mislead the next."""
 
 from __future__ import annotations
 
@@ -17,15 +12,14 @@ from collections.abc import Callable, Generator
 from multiprocessing.connection import wait
 from typing import Any, TypeVar
 
-from mplaunch._errors import RemoteTraceback, WorkerFailedError
+from mplaunch._errors import RemoteTraceback, WorkerFailedError, set_attribute
 from mplaunch._frames import warn_at_user
 from mplaunch._parent.control import LaunchControl
 from mplaunch._recovery_options import RestartOn
 
 T = TypeVar("T")
 
-#: The longest wait between two attempts, in seconds.
-MAX_DELAY = 60.0
+MAX_DELAY = 60.0  # the longest wait between two attempts, in seconds
 
 
 class RestartWarning(RuntimeWarning):
@@ -40,10 +34,8 @@ def run_attempts(
     restart_on: RestartOn = None,
     restart_delay: float = 0.0,
 ) -> Generator[T, None, list[Any]]:
-    """Run ``attempt(restart_count)`` (yielding what it yields: a stream's values) until it returns,
-    restarting after each worker failure that ``restart_on`` accepts, at most ``max_restarts`` times, while
-    time is left; wait :func:`restart_delay_of` before each restart. The exception that ends the launch gets
-    an ``earlier_attempts`` attribute: the failures of the attempts before it, oldest first."""
+    """Run ``attempt(restart_count)``, yielding what it yields, restarting it after accepted failures.
+    The exception that ends the launch gets ``earlier_attempts``: the earlier attempts' failures, oldest first."""
     earlier: list[BaseException] = []
     restart = 0
     while True:
@@ -60,8 +52,7 @@ def run_attempts(
                 or (remaining is not None and remaining < delay)  # the next attempt could not start in time
                 or not restartable(error, restart_on)
             ):
-                with contextlib.suppress(AttributeError, TypeError):
-                    error.earlier_attempts = tuple(earlier)  # type: ignore[attr-defined]
+                set_attribute(error, "earlier_attempts", tuple(earlier))
                 raise
             earlier.append(error)
             restart += 1
@@ -71,8 +62,7 @@ def run_attempts(
 
 
 def restartable(failure: BaseException, restart_on: RestartOn) -> bool:
-    """Whether ``restart_on`` (``None``: every failure; exception classes; a predicate) accepts ``failure``.
-    The predicate runs here, in the parent; an exception it raises is raised from the launch."""
+    """Whether ``restart_on`` (``None``: all; exception classes; a predicate, run here) accepts ``failure``."""
     if restart_on is None:
         return True
     if isinstance(restart_on, tuple):
@@ -81,16 +71,14 @@ def restartable(failure: BaseException, restart_on: RestartOn) -> bool:
 
 
 def restart_delay_of(restart: int, restart_delay: float) -> float:
-    """Seconds to wait before restart number ``restart`` (1-based): ``restart_delay`` doubled for each restart
-    after the first, at most :data:`MAX_DELAY` (e.g. 0.3, 0.6, 1.2, ...)."""
+    """Return the seconds before restart ``restart`` (1-based): ``restart_delay`` doubled each time, capped."""
     if restart_delay <= 0.0:
         return 0.0
     return min(MAX_DELAY, restart_delay * 2.0 ** min(restart - 1, 64))
 
 
 def pause(seconds: float, control: LaunchControl) -> None:
-    """Wait ``seconds`` before a restart; a stop request or a preemption ends the wait at once (Ctrl-C too: it
-    interrupts the wait in the main thread). The caller's next ``control.check()`` or attempt acts on them."""
+    """Wait ``seconds`` before a restart; a stop request or a preemption ends the wait (the caller acts on it)."""
     if seconds <= 0.0:
         return
     preemption = control.preemption
@@ -106,14 +94,10 @@ def pause(seconds: float, control: LaunchControl) -> None:
 
 
 def show_failure(failure: BaseException, restart: int, max_restarts: int, delay: float) -> None:
-    """Write the failure that causes a restart to stderr with its rank and the worker's traceback, as torchrun's
-    agent prints a failed worker's error before restarting."""
+    """Write the failure that causes a restart to stderr with the worker's traceback, as torchrun's agent does."""
     rank = getattr(failure, "rank", "?")
     cause = failure.__cause__
-    if isinstance(cause, RemoteTraceback):
-        detail = cause.tb.strip('\n"')
-    else:
-        detail = f"{type(failure).__qualname__}: {failure}"
+    detail = cause.tb.strip('\n"') if isinstance(cause, RemoteTraceback) else f"{type(failure).__qualname__}: {failure}"
     when = f" in {delay:g} s" if delay else ""
     lines = [
         f"mplaunch: rank {rank} failed in attempt {restart} of {max_restarts + 1}; restarting all workers{when}.",
@@ -125,7 +109,7 @@ def show_failure(failure: BaseException, restart: int, max_restarts: int, delay:
 
 
 def describe_restart(failure: BaseException, restart: int, max_restarts: int) -> str:
-    """The warning announcing restart number ``restart`` (1-based) after ``failure``."""
+    """Return the warning announcing restart ``restart`` (1-based) after ``failure``."""
     if isinstance(failure, WorkerFailedError):
         what = str(failure)
     else:

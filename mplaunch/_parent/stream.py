@@ -1,11 +1,6 @@
 """The values a generator function yields in the ranks, delivered to the caller as they are produced.
-
-A :class:`Stream` wraps one call's loop on its ranks (see :meth:`mplaunch._parent.ranks.Ranks.call`), a launch's
-or warm workers': each rank writes a value to the launch directory as soon as it is yielded and says so on its
-pipe, and the
-parent reads it when the caller asks for the next one. After the last value, the call's outcome is decided
-as for any call: the return value (:attr:`Stream.value`), or the first failure, raised as itself.
-"""
+A :class:`Stream` wraps one call's loop (:meth:`mplaunch._parent.ranks.Ranks.call`): each rank writes a value to
+the launch directory as it is yielded and says so on its pipe; the parent reads it when the caller asks."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import queue
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Generic, TypeVar
 
-from mplaunch._errors import MplaunchError, RemoteTraceback
+from mplaunch._errors import raised_by_design
 from mplaunch._platform import forks
 
 T = TypeVar("T")
@@ -39,16 +34,13 @@ class Stream(Generic[T]):
     def __init__(
         self, exchange: Generator[tuple[int, Any], None, Any], release: Callable[[], None], return_all: bool
     ) -> None:
-        self._exchange = exchange
-        self._release = release
-        self._return_all = return_all
+        self._exchange, self._release, self._return_all = exchange, release, return_all
         self._done = False
         self._pid = os.getpid()  # a process forked from this one has a copy, which must not touch the call
         self.value: Any = None
 
     def prime(self) -> None:
-        """Run the call until its ranks run (they do whether or not the values are read); what refuses it
-        is raised here."""
+        """Run the call until its ranks run it (whether or not the values are read); raise what refuses it."""
         try:
             next(self._exchange)
         except BaseException:
@@ -78,7 +70,7 @@ class Stream(Generic[T]):
             raise StopIteration(self.value) from None
         except BaseException as error:
             self._end()
-            if not ours(error):
+            if not raised_by_design(error):
                 raise
             raise error.with_traceback(None) from error.__cause__
         return (rank, value) if self._return_all else value  # type: ignore[return-value]
@@ -90,7 +82,7 @@ class Stream(Generic[T]):
         if self._done:
             return
         if os.getpid() != self._pid:
-            self._done = True  # (the exchange, when collected here, acts on nothing: see exchange())
+            self._done = True  # (the exchange, when collected here, acts on nothing)
             return
         try:
             self._exchange.close()
@@ -121,16 +113,10 @@ class Stream(Generic[T]):
         Raises:
             StopAsyncIteration: the generators have returned.
         """
-        value = await asyncio.to_thread(self._next_or_end)
+        value = await asyncio.to_thread(next, self, _END)
         if value is _END:
             raise StopAsyncIteration
-        return value  # type: ignore[no-any-return]
-
-    def _next_or_end(self) -> Any:
-        try:
-            return next(self)
-        except StopIteration:
-            return _END
+        return value  # type: ignore[return-value]
 
     async def aclose(self) -> None:
         """:meth:`close`, in a thread."""
@@ -138,24 +124,22 @@ class Stream(Generic[T]):
 
 
 class Queued(Generic[T]):
-    """The values of a stream that runs in another thread (a ``submit()``), as they arrive there; ends when
-    that stream ends (its failure is the future's)."""
+    """The values of a stream read in another thread (a ``submit()``), as they arrive; its failure is the future's."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ended = False
 
     def feed(self, stream: Iterator[T]) -> Any:
-        """Put every value of ``stream`` (in the thread that runs it); return its return value."""
+        """Put every value of ``stream`` (in the thread that reads it); return its return value."""
         while True:
             try:
-                value = next(stream)
+                self._queue.put(next(stream))
             except StopIteration as stop:
                 return stop.value
-            self._queue.put(value)
 
     def end(self) -> None:
-        """Mark the end (after the last value, or a failure: the future holds it)."""
+        """Mark the end (after the last value, or a failure)."""
         self._queue.put(_END)
 
     def __iter__(self) -> Queued[T]:
@@ -169,9 +153,3 @@ class Queued(Generic[T]):
             self._ended = True
             raise StopIteration
         return value  # type: ignore[no-any-return]
-
-
-def ours(error: BaseException) -> bool:
-    """Whether ``error`` is one that mplaunch raises by design (see ``mplaunch._api._ours``): its frames in
-    between say nothing and are cut."""
-    return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)

@@ -1,17 +1,13 @@
-"""Warm workers: :class:`Workers` starts N ranks once and runs many calls on them, keeping their state.
-
-The ranks are a launch's (the same spec, environment, output, rendezvous store, launch directory, reaper and
-engine: :class:`~mplaunch._parent.ranks.Ranks`), but each serves calls in a loop
-(:mod:`mplaunch._worker.serve`) instead of running one function. A call is written once to the launch
-directory as a ``Call`` record; each rank is told on its pipe, runs it in its main thread and answers there.
-The design follows ipyparallel's engines and Ray's actors (a process that keeps its state between tasks), with
-mplaunch's one-copy transport.
-"""
+"""Warm workers: :class:`Workers` starts N ranks once (a launch's spec, store, directory and
+:class:`~mplaunch._parent.ranks.Ranks`) that serve calls (:mod:`mplaunch._worker.serve`): a call is written once to
+the launch directory, each rank is told on its pipe, runs it in its main thread and answers there. Follows
+ipyparallel's engines and Ray's actors (a process keeps its state between tasks), with mplaunch's transport."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import inspect
 import itertools
 import multiprocessing
@@ -27,27 +23,24 @@ from typing import Any
 from typing_extensions import Unpack
 
 from mplaunch._config import LaunchOptions, ParallelConfig, call_config, check_mode, make_config
-from mplaunch._errors import InvalidOptionError, LaunchRefusedError
+from mplaunch._errors import LaunchRefusedError, raised_by_design
 from mplaunch._frames import warn_at_user
-from mplaunch._output.pump import routed, worker_fds
 from mplaunch._parent import checks, devices, futures, policy
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory, space_hint
-from mplaunch._parent.launch import attempt_spec, drained, launch_spec
-from mplaunch._parent.memfiles import outcome_files, payload_written
+from mplaunch._parent.launch import captured_state, check_console_ranks, drained, launch_spec, new_ranks
+from mplaunch._parent.memfiles import payload_written
 from mplaunch._parent.outcomes import RankState, Stopped
 from mplaunch._parent.preemption import preemption_notice
 from mplaunch._parent.ranks import Ranks, board_for, values
 from mplaunch._parent.signalling import signal_worker
 from mplaunch._parent.starter import in_starter
 from mplaunch._parent.store import rendezvous
-from mplaunch._parent.stream import Stream, ours
+from mplaunch._parent.stream import Stream
 from mplaunch._parent.terminal import terminal_kept
 from mplaunch._parent.usage import live_usage
 from mplaunch._platform import forks
 from mplaunch._reports import RankReport, RunReport
-from mplaunch._state.python import warn_not_carried
-from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import flags, transport
 from mplaunch._wire.importable import worker_imports
 from mplaunch._wire.records import EXIT, Call, Payload, call_name
@@ -69,11 +62,10 @@ class Workers:
     Args:
         return_all: :meth:`run` returns every rank's value, in a list ordered by rank.
         **options: the launch options of :func:`~mplaunch.parallel`. Those that place the ranks (``nprocs``,
-            ``start_method``, ``backend``, ``devices``, ``cpu_binding``, ``env``, output, ``log_dir``) apply
-            when they start; ``timeout``, ``stall_timeout``, ``preempt_signals`` and ``preempt_grace`` apply
-            to each call; ``rdzv_timeout`` bounds the ranks' start, apart from the first call's ``timeout``.
-            ``max_restarts``, ``restart_on``, ``restart_delay`` and ``nnodes`` > 1 are refused (see the
-            options reference's table).
+            ``start_method``, ``backend``, ``devices``, ``cpu_binding``, ``env``, output, ``log_dir``) apply when they
+            start; ``timeout``, ``stall_timeout``, ``preempt_signals`` and ``preempt_grace`` apply to each call;
+            ``rdzv_timeout`` bounds the ranks' start, apart from the first call's ``timeout``. ``max_restarts``,
+            ``restart_on``, ``restart_delay`` and ``nnodes`` > 1 are refused (see the options reference's table).
 
     Attributes:
         last_report: the :class:`~mplaunch.RunReport` of the last call that ended, else ``None``: each rank's
@@ -93,27 +85,19 @@ class Workers:
 
     def __init__(self, *, return_all: bool = False, **options: Unpack[LaunchOptions]) -> None:
         __tracebackhide__ = True  # noqa: F841
-        config = make_config(return_all=return_all, **options)
-        self._setup(config, sys._getframe(1))
-
-    def _setup(self, config: ParallelConfig, frame: Any) -> None:
+        self.config = config = make_config(return_all=return_all, **options)
         check_mode(config, "Workers(...)")
         checks.check_not_bootstrapping("Workers")
         checks.check_log_dir(config.log_dir)
         devices.check_request(config.devices)
         self.start_method = config.start_method or policy.default_start_method()
         checks.check_cuda_fork(self.start_method)
-        checks.check_main_guard(self.start_method, frame, "Workers")
-        self.config = config
-        if isinstance(config.nprocs, int):
-            self.nprocs = config.nprocs
-        else:  # "auto": the devices' number, or as a launch counts
-            self.nprocs = policy.resolve_nprocs("auto") if config.devices is None else _count(config.devices)
-        if config.console_ranks is not None and not any(rank < self.nprocs for rank in config.console_ranks):
-            raise InvalidOptionError(
-                f"console_ranks={sorted(config.console_ranks)} names no rank of these workers (ranks 0 to "
-                f"{self.nprocs - 1}), so no output would reach the console: pick ranks below {self.nprocs}."
-            )
+        checks.check_main_guard(self.start_method, sys._getframe(1), "Workers")
+        if isinstance(config.nprocs, int) or config.devices is None:
+            self.nprocs = policy.resolve_nprocs(config.nprocs)  # "auto" as a launch counts
+        else:  # "auto" with devices: their number
+            self.nprocs = config.devices if isinstance(config.devices, int) else len(config.devices)
+        check_console_ranks(config, self.nprocs, "these workers")
         self._numbers = itertools.count()
         self._held = held = Held()
         self._finalizer = weakref.finalize(self, held.close)
@@ -129,10 +113,9 @@ class Workers:
     def run(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run ``function(*args, **kwargs)`` on every rank and return rank 0's value.
 
-        ``function`` may be a plain function or a decorated one (its plain function runs). A generator
-        function returns at once a :class:`~mplaunch.Stream` of the values rank 0 yields, as they are
-        yielded. One call runs at a time: a call from another thread waits; a call from the thread that
-        left a stream unfinished closes that stream first.
+        ``function`` may be a plain function or a decorated one (its plain function runs). A generator function returns
+        at once a :class:`~mplaunch.Stream` of the values rank 0 yields, as they are yielded. One call runs at a time: a
+        call from another thread waits; a call from the thread that left a stream unfinished closes that stream first.
 
         Ctrl-C stops the call in every rank (``KeyboardInterrupt`` at the line it runs) and keeps the ranks.
         A rank that does not stop within ``grace_period`` seconds is stopped with the others, and the next
@@ -142,14 +125,12 @@ class Workers:
             Rank 0's value (every rank's, in a list, with ``return_all=True``), or a ``Stream``.
 
         Raises:
-            BaseException: the first failure of a rank, as a launch raises it (the worker's exception as
-                itself, with ``rank``, ``pid`` and ``failures``). The ranks still running the call are
-                interrupted; those that died are started again by the next call, with a ``RuntimeWarning``
-                that their state was lost.
+            BaseException: the first failure of a rank, as a launch raises it (the worker's exception as itself, with
+                ``rank``, ``pid`` and ``failures``). The ranks still running the call are interrupted; those that died
+                are started again by the next call, with a ``RuntimeWarning`` that their state was lost.
             LaunchRefusedError: the function or an argument cannot be sent to the ranks.
-            LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted, and the error carries
-                each rank's stacks. Or the ranks did not finish starting within ``rdzv_timeout`` seconds; they
-                were stopped.
+            LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted, and the error carries each
+                rank's stacks. Or the ranks did not finish starting within ``rdzv_timeout`` seconds; they were stopped.
             StallError: a rank that called :func:`~mplaunch.heartbeat` in the call stopped calling it for
                 ``stall_timeout`` seconds; the call was interrupted.
             PreemptedError: one of ``preempt_signals`` came during the call (see :func:`~mplaunch.parallel`).
@@ -159,13 +140,13 @@ class Workers:
                 here, before the call is sent to the ranks).
         """
         __tracebackhide__ = True  # noqa: F841
-        target, config = self._checked(function, args, kwargs)
+        call, config = self._checked(function, args, kwargs)
         try:
-            if inspect.isgeneratorfunction(target):
-                return self._stream(target, args, kwargs, config)
-            return self._call(target, args, kwargs, config, None)
+            if inspect.isgeneratorfunction(call.function):
+                return self._stream(call, config)
+            return self._call(call, config, None)
         except BaseException as error:
-            if not ours(error):
+            if not raised_by_design(error):
                 raise
             raise error.with_traceback(None) from error.__cause__
 
@@ -185,15 +166,13 @@ class Workers:
             TypeError: as for :meth:`run`.
         """
         self._held.check_process()
-        target, config = self._checked(function, args, kwargs)
+        call, config = self._checked(function, args, kwargs)
         check_mode(config, "submit()", "Workers.submit()")
         control = LaunchControl(stoppable=True)
-        name = getattr(target, "__qualname__", "call")
-        if inspect.isgeneratorfunction(target):
-            return futures.submit_stream(
-                lambda control: self._stream(target, args, kwargs, config, control), control, name
-            )
-        return futures.submit(lambda control: self._call(target, args, kwargs, config, control), control, name)
+        name = getattr(call.function, "__qualname__", "call")
+        if inspect.isgeneratorfunction(call.function):
+            return futures.submit_stream(lambda control: self._stream(call, config, control), control, name)
+        return futures.submit(lambda control: self._call(call, config, control), control, name)
 
     def close(self) -> None:
         """Tell the ranks to leave (their exit handlers run), stop those still running after
@@ -218,18 +197,9 @@ class Workers:
         state = "closed" if self._held.closed else f"pids {self.pids}"
         return f"<mplaunch.Workers nprocs={self.nprocs} start_method={self.start_method!r}, {state}>"
 
-    def _checked(
-        self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Callable[..., Any], ParallelConfig]:
-        """The plain function a call of :meth:`run` or :meth:`submit` runs, its arguments checked against its
-        signature here, as a launch checks them, and the call's options: these workers', with a decorated
-        function's own options of each call (see :func:`~mplaunch._config.call_config`).
-
-        Raises:
-            TypeError: ``function`` is not callable, or the arguments do not fit it (as a plain call would say).
-            InvalidOptionError: a decorated function sets an option that decides how the ranks were started to
-                another value than these workers'.
-        """
+    def _checked(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Call, ParallelConfig]:
+        """Return the call of the plain function, its arguments checked, and its options (a decorated
+        function's own merged in, see :func:`~mplaunch._config.call_config`, which refuses those that differ)."""
         target = getattr(function, "_mplaunch_target", function)
         if not callable(target):
             raise TypeError(
@@ -237,23 +207,25 @@ class Workers:
                 "pass a function, then its arguments, e.g. workers.run(train_epoch, 0.1)."
             )
         checks.check_arguments(target, args, kwargs, before="sending the call to the ranks")
+        call = Call(target, args, kwargs, getattr(getattr(target, "__code__", None), "co_filename", None))
         own = getattr(function, "config", None)
         if target is function or not isinstance(own, ParallelConfig):
-            return target, self.config
-        return target, call_config(own, self.config, getattr(function, "__name__", "the function"))
+            return call, self.config
+        return call, call_config(own, self.config, getattr(function, "__name__", "the function"))
 
-    def _busy(self) -> Busy:
-        """Hold the call lock (see :meth:`run`)."""
+    def _busy(self) -> Held:
+        """Close this thread's unfinished stream; return the call lock (see :meth:`run`)."""
         held = self._held
         held.check_process()  # before the lock: a thread of the owner may have held it at the fork
         stream = None if held.stream is None else held.stream()
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)
             stream.close()
-        return Busy(held)
+        return held
 
-    def _team(self) -> Team:
-        """The ranks for the next call: started again (with a warning) if any died or was stopped."""
+    def _send(self, call: Call) -> tuple[Team, int]:
+        """Write the call for the next call's ranks (started again, with a warning, if any died or was
+        stopped); return them and its number."""
         held = self._held
         if held.closed:
             raise RuntimeError("these mplaunch.Workers are closed: make new ones")
@@ -268,37 +240,26 @@ class Workers:
                 RuntimeWarning,
             )
             team = held.team = Team(self.config, self.nprocs, self.start_method)
-        return team
-
-    def _send(self, team: Team, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Write the call for the ranks; return its number."""
         number = next(self._numbers)
         fork = self.start_method == "fork"
         imports = None if fork else worker_imports()
         directory = team.ranks.spec.directory
         try:
-            transport.dump(
-                Call(function, args, kwargs, getattr(getattr(function, "__code__", None), "co_filename", None)),
-                directory,
-                call_name(number),
-                by_value=fork,
-                imports=imports,
-            )
+            transport.dump(call, directory, call_name(number), by_value=fork, imports=imports)
         except OSError as error:
             raise LaunchRefusedError(f"cannot write the call's arguments: {error}. {space_hint(directory)}") from error
         except Exception as error:
-            culprit = checks.describe_unpicklable(args, kwargs, imports, function)
+            culprit = checks.describe_unpicklable(call.args, call.kwargs, imports, call.function)
             raise LaunchRefusedError(
                 f"cannot send the call to the ranks: {culprit}. Pass picklable values, or create the object "
                 "inside the function."
             ) from error
-        return number
+        return team, number
 
     def _exchange(
         self, team: Team, number: int, config: ParallelConfig, control: LaunchControl
     ) -> Generator[tuple[int, Any], None, Any]:
-        """Call ``number`` on ``team``'s ranks with the call's options, as :meth:`Ranks.call`; its value (or
-        values) at the end."""
+        """Run call ``number`` on ``team``'s ranks, as :meth:`Ranks.call`; return its value (or values)."""
         ranks = team.ranks
         before = [live_usage(process.pid) for process in ranks.processes]
         started = time.monotonic()
@@ -307,10 +268,9 @@ class Workers:
             ranks.pump.retarget()  # this call's output goes where the caller's would (its notebook cell)
         try:
             with preemption_notice(control, ranks.spec.directory, config.preempt_signals, config.preempt_grace):
-                calling = ranks.call(
+                states = yield from ranks.call(
                     number, control, config.timeout, config.stall_timeout, config.rdzv_timeout, config.return_all
                 )
-                states = yield from calling
         finally:
             report = RunReport((), time.monotonic() - started)
             if os.getpid() == ranks.pid and not team.closed:  # (closed by another thread, or at exit)
@@ -326,32 +286,16 @@ class Workers:
         found = values(states, ranks.spec.nprocs)
         return found if config.return_all else found[0]
 
-    def _call(
-        self,
-        function: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        config: ParallelConfig,
-        control: LaunchControl | None,
-    ) -> Any:
+    def _call(self, call: Call, config: ParallelConfig, control: LaunchControl | None) -> Any:
         with self._busy(), terminal_kept():
-            team = self._team()
-            number = self._send(team, function, args, kwargs)
+            team, number = self._send(call)
             return drained(self._exchange(team, number, config, control or LaunchControl()))
 
-    def _stream(
-        self,
-        function: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        config: ParallelConfig,
-        control: LaunchControl | None = None,
-    ) -> Stream[Any]:
+    def _stream(self, call: Call, config: ParallelConfig, control: LaunchControl | None = None) -> Stream[Any]:
         busy = self._busy()
         busy.__enter__()
         try:
-            team = self._team()
-            number = self._send(team, function, args, kwargs)
+            team, number = self._send(call)
             calling = self._exchange(team, number, config, control or LaunchControl())
             stream: Stream[Any] = Stream(calling, busy.release, config.return_all)
             stream.prime()  # the ranks run the call whether or not its values are read
@@ -363,69 +307,47 @@ class Workers:
 
 
 class Team:
-    """Warm ranks as started once (their :class:`Ranks`), and what lives as long: the launch directory, the
-    rendezvous store, the output pump, the board, the devices and the preemption flag. :meth:`close` ends them.
-
-    Attributes:
-        ranks: the ranks.
-        closed: :meth:`close` was called.
-    """
+    """Warm ranks (their :class:`Ranks`) and what lives as long: directory, store, pump, board, devices, flag."""
 
     def __init__(self, config: ParallelConfig, nprocs: int, start_method: str) -> None:
         self.pid = os.getpid()  # the owner: in a process forked from it, the team is a copy that acts on nothing
         self.closed = False
-        self._stack = contextlib.ExitStack()
-        try:
-            self.ranks = self._start(config, nprocs, start_method)
-        except BaseException:
-            self._stack.close()
-            raise
-
-    def _start(self, config: ParallelConfig, nprocs: int, start_method: str) -> Ranks:
-        stack = self._stack
-        names = stack.enter_context(devices.held(config.devices, LaunchControl()))
-        directory = stack.enter_context(launch_directory())
-        payload: Payload | None = None
-        written = None
-        if start_method == "fork":
-            payload = Payload(None, (), {}, ForkState.capture())  # type: ignore[arg-type]
-        else:
-            state = GlobalState.capture()
-            if state.python is not None:
-                warn_not_carried(state.python)
-            call = Payload(None, (), {}, state)  # type: ignore[arg-type]
-            written = stack.enter_context(payload_written(call, directory, start_method, worker_imports(), memory=True))
-        board = stack.enter_context(board_for(directory, nprocs, True))  # a call may bring its stall_timeout
-        stack.callback(flags.create(directory).close)  # for mplaunch.preempted(): raised by a call's notice
-        spec = launch_spec(
-            config, directory, nprocs, start_method, names, stacks=True, board=board is not None, payload=written
-        )
-        store = stack.enter_context(rendezvous(lazy=spec.backend is None))  # a group is joined at the start
-        outcome_fds = stack.enter_context(outcome_files(nprocs))
-        pump = stack.enter_context(routed(list(range(nprocs)), spec))
-        attempt = attempt_spec(store, 0, worker_fds(pump, start_method, nprocs))
-        ranks = Ranks(spec, attempt, store, outcome_fds=outcome_fds, warm=True, board=board, pump=pump)
-        stack.callback(ranks.close)
-        pipes = [multiprocessing.Pipe(duplex=True) for _ in range(nprocs)]
-        in_starter(lambda: ranks.start(serve, payload, [], pipes))
-        return ranks
+        with contextlib.ExitStack() as stack:  # (all of it closed if the start fails)
+            names = stack.enter_context(devices.held(config.devices, LaunchControl()))
+            directory = stack.enter_context(launch_directory())
+            call = Payload(None, (), {}, captured_state(start_method == "fork"))  # type: ignore[arg-type]
+            written = None
+            if start_method != "fork":
+                written = stack.enter_context(
+                    payload_written(call, directory, start_method, worker_imports(), memory=True)
+                )
+            board = stack.enter_context(board_for(directory, nprocs, True))  # a call may bring its stall_timeout
+            stack.callback(flags.create(directory).close)  # for mplaunch.preempted(): raised by a call's notice
+            spec = launch_spec(
+                config, directory, nprocs, start_method, names, stacks=True, board=board is not None, payload=written
+            )
+            store = stack.enter_context(rendezvous(lazy=spec.backend is None))  # a group is joined at the start
+            ranks = new_ranks(stack, spec, store, board, warm=True)
+            stack.callback(ranks.close)
+            pipes = [multiprocessing.Pipe(duplex=True) for _ in range(nprocs)]
+            in_starter(lambda: ranks.start(serve, call if start_method == "fork" else None, [], pipes))
+            self.ranks = ranks
+            self._stack = stack.pop_all()
 
     def clean(self, number: int) -> None:
         """Remove what call ``number`` left in the launch directory (values nobody read, the call)."""
         directory = self.ranks.spec.directory
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(directory, "post-mortem"))  # the next call's failure may debug
         prefixes = tuple(f"{dot}{kind}{number}{end}" for dot in ("", ".") for kind, end in _CALL_FILES)
         with contextlib.suppress(OSError):
             for entry in os.listdir(directory):
-                if entry.startswith(prefixes):
+                if entry == "post-mortem" or entry.startswith(prefixes):  # (the next call's failure may debug)
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(directory, entry))
 
     def close(self) -> None:
-        """Tell the ranks to leave, wait ``grace_period`` seconds for them, stop those still running, and
-        remove everything. Idempotent. In a process forked from the owner (its exit handlers, its garbage
-        collector) only the copy is marked closed: the ranks, their pipes and directory are the owner's."""
+        """Tell the ranks to leave, stop those still running after ``grace_period`` s, remove everything.
+
+        Idempotent. In a process forked from the owner only the copy is marked closed."""
         if self.closed:
             return
         self.closed = True
@@ -444,13 +366,12 @@ class Team:
             self._stack.close()
 
 
-#: The files of one call in the launch directory: ``call{N}.``, ``item{N}-``, ``result{N}-``.
-_CALL_FILES = (("call", "."), ("item", "-"), ("result", "-"))
+_CALL_FILES = (("call", "."), ("item", "-"), ("result", "-"))  # call{N}., item{N}-, result{N}-
 
 
 def _call_report(ranks: Ranks, before: list[tuple[int, float, float] | None], states: Any, wall: float) -> RunReport:
-    """A warm call's :class:`RunReport`: each rank's peak memory so far and the CPU time the call took (a rank
-    that died in it: its whole account, as a launch's)."""
+    """Return a warm call's report: each rank's peak memory so far and the call's CPU time (a rank that died
+    in it: its whole account)."""
     ended = {report.rank: report for report in ranks.report(states)}
     found = []
     for rank, process in enumerate(ranks.processes):
@@ -475,7 +396,7 @@ def _call_report(ranks: Ranks, before: list[tuple[int, float, float] | None], st
 
 
 class Held:
-    """What a :class:`~mplaunch.Workers` owns, apart from it: its team, and the lock of its calls."""
+    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and its call lock (entered as ``with``)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # the process whose ranks these are: a process forked from it has copies only
@@ -483,8 +404,7 @@ class Held:
         self.closed = False
         self.lock = threading.Lock()  # one call at a time
         self.owner: threading.Thread | None = None  # the thread whose call holds the lock
-        # that call's stream, if it is one; weak: a stream dropped after a `break` is freed at once, which closes it
-        self.stream: weakref.ref[Stream[Any]] | None = None
+        self.stream: weakref.ref[Stream[Any]] | None = None  # its stream; weak: one dropped after a `break` closes
         _open.add(self)
         _register_exit()
 
@@ -499,42 +419,29 @@ class Held:
         """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
         forks.check_owner(self.pid, "these mplaunch.Workers", "Make new Workers in this process.")
 
-
-class Busy:
-    """The call lock of one :class:`Held`, noting the thread that holds it."""
-
-    def __init__(self, held: Held) -> None:
-        self._held = held
-
     def __enter__(self) -> None:
-        self._held.lock.acquire()
-        self._held.owner = threading.current_thread()
+        self.lock.acquire()
+        self.owner = threading.current_thread()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
 
     def release(self) -> None:
-        self._held.owner = None
-        self._held.stream = None
-        self._held.lock.release()
+        """Release the call lock."""
+        self.owner = None
+        self.stream = None
+        self.lock.release()
 
 
 _open: weakref.WeakSet[Held] = weakref.WeakSet()
-_exit_registered = False
 
 
+@functools.cache  # once per process
 def _register_exit() -> None:
-    global _exit_registered
-    if not _exit_registered:
-        atexit.register(_close_all)  # after multiprocessing's handler, so it runs first (last in, first out)
-        _exit_registered = True
+    atexit.register(_close_all)  # after multiprocessing's handler, so it runs first (last in, first out)
 
 
 def _close_all() -> None:
-    """At exit, before ``multiprocessing`` joins its children: close every open set of warm workers."""
+    """Close every open set of warm workers, at exit, before ``multiprocessing`` joins its children."""
     for held in list(_open):
         held.close()
-
-
-def _count(devices: int | tuple[int, ...]) -> int:
-    return devices if isinstance(devices, int) else len(devices)
