@@ -297,11 +297,11 @@ class Workers:
         try:
             team, number = self._send(call)
             calling = self._exchange(team, number, config, control or LaunchControl())
-            stream: Stream[Any] = Stream(calling, busy.release, config.return_all)
-            stream.prime()  # the ranks run the call whether or not its values are read
         except BaseException:
             busy.release()
             raise
+        stream: Stream[Any] = Stream(calling, busy.release, config.return_all)
+        stream.prime()  # the ranks run the call whether or not its values are read (a failure ends the stream)
         self._held.stream = weakref.ref(stream)
         return stream
 

@@ -347,3 +347,25 @@ def test_a_function_defined_after_the_ranks_started_runs_in_them(start_method: s
     assert done.returncode == 0, done.stderr
     assert "warm [10, 11]" in done.stdout
     assert "launch [20, 21]" in done.stdout
+
+
+def test_a_stream_refused_as_it_starts_raises_its_refusal_and_frees_the_workers() -> None:
+    """A generator's call on warm workers that failed as it started (its first step) released the call lock
+    twice: the caller got "RuntimeError: release unlocked lock" instead of the refusal, and the workers were
+    left unusable."""
+    import signal
+
+    found: list[BaseException] = []
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT, preempt_signals=(signal.SIGUSR1,)) as warm:
+
+        def in_a_thread() -> None:  # no signal handler can run there: preempt_signals is refused
+            try:
+                list(warm.run(warm_workers.ranked_values, 2))
+            except BaseException as error:  # noqa: BLE001 - checked below
+                found.append(error)
+
+        thread = threading.Thread(target=in_a_thread)
+        thread.start()
+        thread.join(TIMEOUT)
+        assert [type(error) for error in found] == [mplaunch.InvalidOptionError], found
+        assert list(warm.run(warm_workers.ranked_values, 2)) == [0, 1]  # the lock is free again
