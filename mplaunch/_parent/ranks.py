@@ -343,26 +343,39 @@ class _Call:
     def _step(self, limit: float | None, leaving: bool = False) -> Generator[tuple[int, Any], None, None]:
         """Wait up to ``limit`` s and act on all that happened; yield the values.
         ``leaving``: the call is being left; a stop request or a notice no longer matters."""
+        ends, conns, others = self._watched(leaving)
+        ready = set(readable([*ends, *conns, *others], limit))
+        seen = time.monotonic()  # when the ends in ready were seen: a rank without an outcome failed then
+        for fd, act in others.items():
+            if fd in ready:
+                act()
+        for fd in (fd for fd in conns if fd in ready):
+            yield from self._message(conns[fd])
+        for rank in (ends[fd] for fd in ends if fd in ready):
+            if rank in self.pending and self._said_all(rank):
+                self._ended(rank, seen)
+
+    def _said_all(self, rank: int) -> bool:
+        """Whether ``rank``'s pipe holds no unread message (its last messages come before its end; a pipe at
+        its end reads as ready too)."""
+        conns = self.ranks.conns
+        return rank in self.closed or not conns or not conns[rank].poll(0)
+
+    def _watched(self, leaving: bool) -> tuple[dict[int, int], dict[int, int], dict[int, Callable[[], None]]]:
+        """What to wait on: each pending rank's end and pipe (fd -> rank), and the other sources with what to
+        do when one is ready, in that order: the notice (the ranks were told through the flag), a stop
+        request, the store's listener (a worker connected: start the store it waits for)."""
         ranks, control = self.ranks, self.control
         ends = {ranks.end_fd(rank): rank for rank in self.pending}
         conns = {ranks.conns[rank].fileno(): rank for rank in self.pending - self.closed} if ranks.conns else {}
-        preemption = None if leaving else control.preemption
-        stop = None if leaving else control.fileno()
-        listener = None if ranks.store is None else ranks.store.fileno()
-        notice = None if preemption is None else preemption.fileno()
-        ready = readable([*ends, *conns, *(fd for fd in (stop, listener, notice) if fd is not None)], limit)
-        seen = time.monotonic()  # when the ends in ready were seen: a rank without an outcome failed then
-        if notice is not None and notice in ready and preemption is not None:
-            preemption.drain()  # the ranks were told through the flag
-        if stop is not None and stop in ready:
-            raise LaunchStopped()
-        if listener is not None and listener in ready and ranks.store is not None:
-            ranks.store.serve()  # a worker connected: start the store it waits for
-        for fd in (fd for fd in ready if fd in conns):
-            yield from self._message(conns[fd])
-        for rank in (ends[fd] for fd in ready if fd in ends):
-            if rank in self.pending and (rank in self.closed or not ranks.conns or not ranks.conns[rank].poll(0)):
-                self._ended(rank, seen)  # (its last messages first: a pipe at its end reads as ready too)
+        others: dict[int, Callable[[], None]] = {}
+        if not leaving and control.preemption is not None:
+            others[control.preemption.fileno()] = control.preemption.drain
+        if not leaving and (stop := control.fileno()) is not None:
+            others[stop] = _stopped
+        if ranks.store is not None and (listener := ranks.store.fileno()) is not None:
+            others[listener] = ranks.store.serve
+        return ends, conns, others
 
     def _message(self, rank: int) -> Generator[tuple[int, Any], None, None]:
         """Read and act on one message of ``rank``; yield the value it yielded, if that is what it said."""
@@ -538,6 +551,10 @@ def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
     """Tell forked ranks whether to unshare their arguments: whether we hold a result mplaunch mapped shared.
     Not ``/proc/self/maps``: it also lists the user's ``share_memory_()`` (kept shared) and our board and flag."""
     os.write(pipe[1], (b"1" if holds_shared_mappings() else b"0") * nprocs)
+
+
+def _stopped() -> None:
+    raise LaunchStopped()
 
 
 def values(states: dict[int, RankState], nprocs: int) -> list[Any]:
