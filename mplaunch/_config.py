@@ -99,7 +99,8 @@ class ParallelConfig:
     mask, capped by a container's CPU quota)."""
     start_method: StartMethod | None = _option(None)
     """``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names); ``None``: ``fork`` in an interactive
-    session (REPL, IPython, Jupyter) where fork exists and CUDA is not initialised, else ``spawn``."""
+    session (REPL, IPython, Jupyter) where fork exists and forked workers could use CUDA (neither CUDA nor its
+    driver initialised here, e.g. by ``torch.cuda.is_available()``), else ``spawn``."""
     return_all: bool = _option(False, note={"generator function": "(rank, value) pairs", "multi-node": "this node's"})
     """Return a list of every rank's value, ordered by rank, instead of rank 0's value."""
     timeout: float | None = _option(None, note=_EACH_CALL)

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
-import torch
-
 from mplaunch._config import ParallelConfig, check_mode, refused_in
 from mplaunch._env import NodeSetup, node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError, set_attribute
@@ -277,7 +275,7 @@ def launch_spec(
     multinode = nodes is not None
     world_size = nprocs * (nodes.nnodes if nodes else 1)
     backend = policy.resolve_backend(config.backend, nprocs, None if names is None else len(names))
-    if backend == "nccl" and not torch.cuda.is_available():
+    if backend == "nccl" and not devices.device_count():
         raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
     threads_kept = "OMP_NUM_THREADS" not in os.environ and num_threads >= wanted_threads
     return LaunchSpec(

@@ -26,13 +26,12 @@ def test_cuda_initialised_refuses_fork_only(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_cuda_probe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Probing (is_available, device_count) does not initialise CUDA, so fork stays allowed. On a machine without
+    """Counting devices (``device_count()``) does not initialise CUDA, so fork stays allowed. On a machine without
     CUDA nothing initialises, so CUDA's initialisation is replaced by one that succeeds and is seen by the check
-    (tests/integration/test_cuda.py probes the real one)."""
+    (tests/gpu probes the real one; ``is_available()``, which initialises the driver: test_cuda_probes.py)."""
     initialised: list[bool] = []
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: initialised.append(True))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(initialised))
-    torch.cuda.is_available()
     torch.cuda.device_count()
     assert not initialised
     checks.check_cuda_fork("fork")
@@ -54,7 +53,9 @@ def test_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(policy, "is_interactive", lambda: True)
     assert policy.default_start_method() == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert policy.default_start_method() == "spawn"
+    monkeypatch.setattr(policy, "_said_spawn", False)
+    with pytest.warns(RuntimeWarning, match="spawn here, not fork: CUDA is already initialised"):
+        assert policy.default_start_method() == "spawn"
 
 
 def test_main_importability(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,18 +181,21 @@ def _initialise_cuda_here() -> None:
 def test_refused_fork_says_where_cuda_was_first_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     import mplaunch
 
+    initialised: list[bool] = []
     monkeypatch.setattr(checks, "_first_cuda_init", None)
-    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # a CUDA build's successful initialisation
+    monkeypatch.delattr(
+        torch._C, "_cuda_getDeviceCount", raising=False
+    )  # (recorded too: tests/unit/test_cuda_probes.py)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: initialised.append(True))  # a successful initialisation
     monkeypatch.setattr(torch.cuda.random, "_lazy_init", torch.cuda._lazy_init)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(initialised))
+    torch.cuda._lazy_init()
     with pytest.raises(LaunchRefusedError, match="call mplaunch.record_cuda_init"):
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         checks.check_cuda_fork("fork")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    initialised.clear()
     mplaunch.record_cuda_init()
     mplaunch.record_cuda_init()  # twice is once
     _initialise_cuda_here()
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(LaunchRefusedError) as caught:
         checks.check_cuda_fork("fork")
     assert "CUDA was first initialised here" in str(caught.value)
