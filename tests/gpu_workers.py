@@ -78,8 +78,9 @@ def hold_and_wait(hold_bytes: int, ready: str) -> None:
 
 
 def stuck_in_synchronize() -> None:
-    """Queue a GPU kernel that spins for some 15 s, then wait for it in ``torch.cuda.synchronize()``."""
-    torch.cuda._sleep(30_000_000_000)  # clock cycles: 15 s at 2 GHz
+    """Queue a GPU kernel that spins for a minute or more, then wait for it in ``torch.cuda.synchronize()``
+    (the rank is killed meanwhile: the driver ends its kernel with its context)."""
+    torch.cuda._sleep(120_000_000_000)  # clock cycles: 60 s at 2 GHz
     torch.cuda.synchronize()
 
 
