@@ -34,7 +34,6 @@ from mplaunch._parent.stream import Stream
 from mplaunch._parent.terminal import terminal_kept
 from mplaunch._reports import RunReport
 from mplaunch._state.python import warn_not_carried
-from mplaunch._state.sharing import unshare_verdict
 from mplaunch._state.snapshot import ForkState, GlobalState
 from mplaunch._wire import transport
 from mplaunch._wire.board import Board
@@ -205,7 +204,6 @@ class _Plan:
                 self.start_method,
                 self.names,
                 nodes=nodes,
-                unshare=not self.forked or unshare_verdict((payload.args, payload.kwargs), keep_requested=True),
                 stacks=config.timeout is not None or config.stall_timeout is not None or self.control.stacks_wanted,
                 board=self.board is not None,
                 payload=written,
@@ -263,7 +261,6 @@ def launch_spec(
     names: list[str] | None,
     *,
     nodes: NodeSetup | None = None,
-    unshare: bool | None = True,
     stacks: bool = True,
     board: bool = False,
     payload: Written | None = None,
@@ -292,7 +289,6 @@ def launch_spec(
         log_dir=config.log_dir,
         grace_period=config.grace_period,
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
-        unshare=unshare,
         ignored_signals=ignored_signals(),
         placements=placement.plan(config, nprocs, names, multinode=multinode, threads_kept=threads_kept),
         env_function=placement.env_function(config, start_method) if multinode else None,

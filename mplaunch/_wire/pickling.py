@@ -227,7 +227,7 @@ class Reader:
         self, fd: int, how: str, offsets: dict[int, int] | None = None, start_objects: Sequence[Any] = ()
     ) -> None:
         self._fd = fd
-        self._how = how  # "private", "shared" (mapped) or "copy" (read)
+        self._how = how  # "private" (mapped copy-on-write) or "copy" (read)
         self._offsets = offsets or {}
         self._storages: dict[int, torch.UntypedStorage] = {}
         self.start_objects = start_objects
@@ -253,7 +253,7 @@ class Reader:
     def _piece(self, offset: int, nbytes: int) -> Any:
         if self._how == "copy":
             return read_file(self._fd, offset, nbytes)
-        return map_file(self._fd, offset, nbytes, private=self._how == "private")
+        return map_file(self._fd, offset, nbytes)
 
     def buffers(self, extents: list[tuple[int, int]]) -> list[memoryview]:
         return [memoryview(self._piece(offset, nbytes)).cast("B") for offset, nbytes in extents]

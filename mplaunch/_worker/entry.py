@@ -13,7 +13,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mplaunch._platform.csignal import pthread_sigmask
-from mplaunch._state.sharing import unshare
 from mplaunch._wire import flags, transport
 from mplaunch._wire.inherited import close_quietly
 from mplaunch._wire.records import ITEM, PAYLOAD, Outcome, Payload, Raised, Returned, item_name
@@ -34,12 +33,9 @@ def execute(
     try:
         payload = restore(rank, local_rank, spec, payload)
         function = getattr(payload.function, "_mplaunch_target", payload.function)
-        args, kwargs = payload.args, payload.kwargs
-        if spec.launch.start_method == "fork" and _must_unshare(spec):  # what mplaunch mapped is made private
-            args, kwargs = unshare((args, kwargs), keep_requested=True)  # what share_memory_() asked stays shared
         with process_group(spec.launch.backend, local_rank):
             try:
-                value = function(*args, **kwargs)
+                value = function(*payload.args, **payload.kwargs)
                 if conn is not None and inspect.isgenerator(value):
                     value = stream_values(value, rank, rank in spec.launch.reporting_ranks, spec, conn, 0)
             except BaseException as error:  # when: before the process group's teardown makes peers fail too
@@ -74,22 +70,10 @@ def read_payload(spec: WorkerSpec) -> Payload:
         )
         return payload
     try:
-        payload = transport.load_fd(spec.launch.payload_fd.fd, private=True, start_objects=spec.launch.start_objects)
+        payload = transport.load_fd(spec.launch.payload_fd.fd, result=False, start_objects=spec.launch.start_objects)
         return payload
     finally:
         close_quietly(spec.launch.payload_fd.fd)  # the mappings keep what they need
-
-
-def _must_unshare(spec: WorkerSpec) -> bool:
-    """Return whether a forked worker must unshare its arguments: the parent's answer on ``unshare_pipe``."""
-    if spec.attempt.unshare_pipe is None:
-        return spec.launch.unshare is not False
-    read_end, write_end = spec.attempt.unshare_pipe
-    try:
-        os.close(write_end)  # the worker's copy: if the parent dies, the read ends
-        return os.read(read_end, 1) != b"0"
-    finally:
-        os.close(read_end)
 
 
 def run(
