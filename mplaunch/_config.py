@@ -54,6 +54,7 @@ class LaunchOptions(TypedDict, total=False):
     restart_on: RestartOn
     restart_delay: float
     post_mortem: bool
+    seed: int | None
 
 
 #: The ways of calling, as the options reference's table names them.
@@ -191,6 +192,17 @@ class ParallelConfig:
     post_mortem: bool = _option(False)
     """The first rank that raises opens pdb at its failing line on the caller's terminal, before the others are stopped
     (``q`` or ``c`` ends it). Without a terminal (a notebook), a ``RuntimeWarning`` points to ``fn.debug()``."""
+    seed: int | None = _option(None)
+    """A whole number >= 0: each rank seeds Python's ``random``, NumPy's global generator and torch's CPU and
+    CUDA generators with one 64-bit value made of ``seed`` and its rank, before the function runs. Each rank
+    then draws its own numbers, the same at every call with this seed, under every start method; DataLoader
+    workers, whose seeds come from their rank's torch generator, differ per rank too (as Lightning's
+    ``seed_everything(workers=True)``). Models initialised in the ranks then differ: DDP broadcasts rank 0's
+    parameters, else call ``torch.manual_seed(...)`` before building the model. ``None``: every rank starts from
+    the parent's random state, so all ranks draw alike (a seeded parent gives identical models, and identical
+    augmentations on every rank); a launch from the very state the previous one started from (the parent
+    neither seeded nor drew since) draws anew. torchrun starts each rank from its own seed (Python, NumPy)
+    and the same one (torch); the script seeds its ranks."""
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
@@ -215,6 +227,8 @@ class ParallelConfig:
         _check_whole("nnodes", self.nnodes, 1)
         _check_whole("node_rank", self.node_rank, 0)
         _check_whole("max_restarts", self.max_restarts, 0, " of restarts after a worker failure (0: none)")
+        if self.seed is not None and not _is_whole(self.seed, 0):
+            raise InvalidOptionError(f"seed={self.seed!r} is not valid: pass a whole number >= 0 (e.g. 0), or None.")
         if self.rdzv_endpoint is not None and (not isinstance(self.rdzv_endpoint, str) or not self.rdzv_endpoint):
             raise InvalidOptionError(
                 f"rdzv_endpoint={self.rdzv_endpoint!r} is not valid: pass 'host:port', e.g. 'node0:29400'."

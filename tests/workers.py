@@ -151,6 +151,28 @@ def mutate(module: torch.nn.Linear, tensor: torch.Tensor) -> dict[str, float]:
     return {"weight": module.weight.sum().item(), "tensor": tensor.sum().item()}
 
 
+class _DrawsDataset(torch.utils.data.Dataset[list[float]]):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> list[float]:
+        import random
+
+        import numpy
+
+        return [random.random(), float(numpy.random.rand()), torch.rand(1).item()]
+
+
+def draws_and_loader_draws() -> list[float]:
+    """This rank's Python, NumPy and torch draws, then what its DataLoader's worker draws for two samples."""
+    import random
+
+    import numpy
+
+    loader = torch.utils.data.DataLoader(_DrawsDataset(), batch_size=None, num_workers=1)
+    return [random.random(), float(numpy.random.rand()), torch.rand(1).item(), *[x for s in loader for x in s]]
+
+
 def random_draws() -> dict[str, Any]:
     import random
 
@@ -1106,6 +1128,7 @@ def seen(directory: str) -> dict[str, Any]:
         "env": os.environ.get("MPLAUNCH_PROBE"),
         "cpus": sorted(os.sched_getaffinity(0)),
         "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "draw": torch.rand(1).item(),
     }
 
 

@@ -34,7 +34,7 @@ from mplaunch._parent.stream import Stream
 from mplaunch._parent.terminal import terminal_kept
 from mplaunch._reports import RunReport
 from mplaunch._state.python import warn_not_carried
-from mplaunch._state.snapshot import ForkState, GlobalState
+from mplaunch._state.snapshot import ForkState, GlobalState, for_launch
 from mplaunch._wire import transport
 from mplaunch._wire.board import Board
 from mplaunch._wire.importable import WorkerImports, worker_imports
@@ -297,6 +297,7 @@ def launch_spec(
         stacks=stacks,
         board=board,
         max_restarts=config.max_restarts,
+        seed=config.seed,
         # how long a node other than rank 0's waits for rank 0's result
         result_wait=config.timeout if config.timeout is not None else config.rdzv_timeout,
         payload_fd=None if payload is None else payload.fd,
@@ -340,8 +341,9 @@ def check_console_ranks(config: ParallelConfig, world_size: int, whose: str) -> 
 
 
 def captured_state(forked: bool, state: GlobalState | None = None) -> ForkState | GlobalState:
-    """Capture the parent's state for the ranks (``state``: already captured); warn of what a spawn loses."""
-    found = state or (ForkState.capture() if forked else GlobalState.capture())
+    """Capture the parent's state for the ranks (``state``: already captured, by :func:`for_launch` too); warn
+    of what a spawn loses."""
+    found = state or (for_launch(ForkState.capture()) if forked else for_launch(GlobalState.capture()))
     if isinstance(found, GlobalState) and found.python is not None and not forked:
         warn_not_carried(found.python)
     return found

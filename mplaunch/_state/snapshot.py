@@ -6,10 +6,13 @@ Python's ``random`` in the child.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import pickle
 import random
 import sys
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -83,6 +86,7 @@ class GlobalState:
     cuda_rng: tuple[torch.Tensor, ...] | None
     extra: tuple[tuple[Callable[[Any], None], Any], ...]
     python: PythonState | None
+    reseed: int | None = None  # what every rank seeds its generators with instead, see for_launch
 
     @classmethod
     def capture(cls, *, python: bool = True) -> GlobalState:
@@ -145,6 +149,8 @@ class GlobalState:
                 torch.cuda.set_rng_state(state, device)
         for restore, value in self.extra:
             restore(value)
+        if self.reseed is not None:
+            seed_all(self.reseed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +160,7 @@ class ForkState:
 
     python_rng: Any
     extra: tuple[tuple[Callable[[Any], None], Any], ...]
+    reseed: int | None = None
 
     @classmethod
     def capture(cls) -> ForkState:
@@ -165,3 +172,71 @@ class ForkState:
         random.setstate(self.python_rng)
         for restore, value in self.extra:
             restore(value)
+        if self.reseed is not None:
+            seed_all(self.reseed)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's legacy global generator (when NumPy is imported) and torch's CPU and
+    CUDA generators (lazily) with ``seed`` (64 bits)."""
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    torch.manual_seed(seed)
+
+
+def derived_seed(*parts: object) -> int:
+    """Return a 64-bit seed made of ``parts`` (e.g. a seed and a rank), the same in every process."""
+    return int.from_bytes(hashlib.blake2b(pickle.dumps(parts), digest_size=8).digest(), "little")
+
+
+State = TypeVar("State", GlobalState, ForkState)
+_left: list[Any] = [None, 0]  # the generators as the last launch left them, and launches started from them since
+_counting = threading.Lock()
+
+
+def for_launch(state: State) -> State:
+    """Return ``state`` for a launch's ranks: as captured, unless the parent's generators are exactly as the
+    last launch left them (not seeded, set or drawn from since). Then its ranks seed with what that state and
+    the number of launches from it give, so two launches in a row do not draw the same numbers.
+
+    To see a re-seeding to the same state, the first launch from a state marks each generator it finds
+    changed: it flips the low bit of the first word of its MT19937 state (Python's, NumPy's legacy, torch's
+    CPU). No draw reads that bit: the next twist takes only the word's top bit, and the word itself was
+    output already or is replaced first (Matsumoto and Nishimura 1998). The parent draws what it would have.
+    """
+    with _counting:
+        now = _generators()
+        if now == _left[0]:
+            _left[1] += 1
+            return dataclasses.replace(state, reseed=derived_seed(now, _left[1]))
+        _mark()
+        _left[:] = [_generators(), 0]
+        return state
+
+
+def _generators() -> tuple[Any, ...]:
+    """Return the parent's random states (Python's, NumPy's legacy, torch's CPU and initialised CUDA)."""
+    numpy = sys.modules.get("numpy") if "numpy.random" in sys.modules else None
+    numpy_state = None if numpy is None else numpy.random.get_state()
+    return (
+        random.getstate(),
+        None if numpy_state is None else (numpy_state[0], numpy_state[1].tobytes(), *numpy_state[2:]),
+        torch.get_rng_state().numpy().tobytes(),
+        tuple(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None,
+    )
+
+
+def _mark() -> None:
+    """Flip the bit no draw reads in each generator (see :func:`for_launch`)."""
+    version, words, gauss = random.getstate()
+    random.setstate((version, (words[0] ^ 1, *words[1:]), gauss))
+    if "numpy.random" in sys.modules:
+        name, keys, *rest = sys.modules["numpy"].random.get_state()
+        keys = keys.copy()
+        keys[0] ^= 1
+        sys.modules["numpy"].random.set_state((name, keys, *rest))
+    state = torch.get_rng_state()
+    if state.numel() == 5056:  # CPUGeneratorImplState: the first word at byte 24, after the seed, left and next
+        state[24] ^= 1
+        torch.set_rng_state(state)

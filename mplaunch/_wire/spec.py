@@ -57,6 +57,7 @@ class LaunchSpec:
     stacks: bool = True  # each rank installs its stacks dump handler
     board: bool = True
     max_restarts: int = 0  # TORCHELASTIC_MAX_RESTARTS
+    seed: int | None = None  # each rank seeds its generators with (seed, rank)
     result_wait: float = 600.0  # seconds a non-rank-0 node waits for rank 0's result in the store
     payload_fd: InheritedFd | None = None  # None: inherited (fork), or in the directory
     start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)

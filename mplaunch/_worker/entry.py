@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mplaunch._platform.csignal import pthread_sigmask
+from mplaunch._state.snapshot import derived_seed, seed_all
 from mplaunch._wire import flags, transport
 from mplaunch._wire.inherited import close_quietly
 from mplaunch._wire.records import ITEM, PAYLOAD, Outcome, Payload, Raised, Returned, item_name
@@ -59,6 +60,8 @@ def restore(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | Non
     if payload is None:
         payload = read_payload(spec)
     payload.state.restore()
+    if spec.launch.seed is not None:
+        seed_all(derived_seed(spec.launch.seed, rank))
     return payload
 
 
