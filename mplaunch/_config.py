@@ -168,7 +168,10 @@ class ParallelConfig:
     """Extra environment variables for the ranks, set after torchrun's: a mapping (kept as a ``dict``), or a
     function of the rank returning one (called in the parent before any rank starts; in each rank on
     several nodes). Setting a torchrun variable, ``MASTER_ADDR``/``MASTER_PORT``, or
-    ``CUDA_VISIBLE_DEVICES`` with ``devices=`` is refused. The parent's ``os.environ`` is not changed."""
+    ``CUDA_VISIBLE_DEVICES`` with ``devices=`` is refused. A spawn rank's interpreter starts with them (a
+    forkserver launch with ``env=`` starts its ranks so too); a fork rank gets them before the function runs,
+    and refuses a ``PYTHON*`` variable read only as Python starts (start methods guide: "The environment").
+    The parent's ``os.environ`` is not changed."""
     preempt_signals: tuple[signal.Signals, ...] = _option(
         (), refused={"submit()": _THREAD}, note={"Workers(...)": "per call", "Workers.run/submit": "its call (run)"}
     )

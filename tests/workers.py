@@ -737,6 +737,19 @@ def placement_seen() -> dict[str, Any]:
     }
 
 
+def import_and_warn() -> list[str]:
+    """Import ``fork_given_path`` (on env='s PYTHONPATH); whether a UserWarning is raised or only warned."""
+    import warnings
+
+    import fork_given_path  # type: ignore[import-not-found]
+
+    try:
+        warnings.warn("a warning", UserWarning, stacklevel=1)
+    except UserWarning:
+        return [fork_given_path.VALUE, "raised"]
+    return [fork_given_path.VALUE, "warned"]
+
+
 def touch(path: str) -> None:
     with open(path, "w"):
         pass

@@ -275,6 +275,8 @@ def launch_spec(
     if backend == "nccl" and not devices.device_count():
         raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
     threads_kept = "OMP_NUM_THREADS" not in os.environ and num_threads >= wanted_threads
+    placements = placement.plan(config, nprocs, names, multinode=multinode, threads_kept=threads_kept)
+    placement.check_fork_env(placements, start_method)
     return LaunchSpec(
         directory=directory,
         nprocs=nprocs,
@@ -290,7 +292,7 @@ def launch_spec(
         grace_period=config.grace_period,
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
         ignored_signals=ignored_signals(),
-        placements=placement.plan(config, nprocs, names, multinode=multinode, threads_kept=threads_kept),
+        placements=placements,
         env_function=placement.env_function(config, start_method) if multinode else None,
         post_mortem=checks.post_mortem_terminal(config.post_mortem),
         # a cost only some launches need: a plain call without a timeout never asks for stacks

@@ -8,6 +8,7 @@ import inspect
 import os
 import signal
 import time
+import warnings
 from collections.abc import Generator, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -55,11 +56,13 @@ def execute(
 
 def restore(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Payload:
     """Apply the rank's placement, then restore the parent's state from ``payload`` (else read here)."""
-    placement.apply(spec, local_rank, rank, environ_made=state.environ_made)  # before anything reads them
+    variables = placement.apply(spec, local_rank, rank, environ_made=state.environ_made)  # before anything reads them
     set_threads(placement.thread_count(spec, local_rank))
     if payload is None:
         payload = read_payload(spec)
     payload.state.restore()
+    if "PYTHONWARNINGS" in variables:  # over the parent's filters, as Python puts them over its defaults
+        getattr(warnings, "_processoptions", lambda options: None)(variables["PYTHONWARNINGS"].split(","))
     if spec.launch.seed is not None:
         seed_all(derived_seed(spec.launch.seed, rank))
     return payload

@@ -244,23 +244,26 @@ def test_a_real_call_warns_at_the_callers_line(test_logger: logging.Logger, monk
 
 
 def test_spawn_workers_get_one_hash_seed_unless_the_user_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mplaunch._parent.processes import spawn_hash_seed as _spawn_hash_seed
+    from mplaunch._parent.processes import spawn_environ
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     seeds = []
     for _ in range(2):
-        with _spawn_hash_seed("spawn"):
+        with spawn_environ("spawn", {}):
             seeds.append(os.environ["PYTHONHASHSEED"])
         assert "PYTHONHASHSEED" not in os.environ  # the parent's environment as found
     assert seeds[0] == seeds[1]
     assert 0 < int(seeds[0]) < 2**32  # the same for every launch of this process
-    with _spawn_hash_seed("fork"):
-        assert "PYTHONHASHSEED" not in os.environ  # fork: the parent's own hashing
+    with spawn_environ("fork", {"MPLAUNCH_TEST": "1"}):
+        assert "PYTHONHASHSEED" not in os.environ and "MPLAUNCH_TEST" not in os.environ  # fork: set in the rank
     for users in ("7", "random"):
         monkeypatch.setenv("PYTHONHASHSEED", users)
-        with _spawn_hash_seed("spawn"):
+        with spawn_environ("spawn", {}):
             assert os.environ["PYTHONHASHSEED"] == (users if users != "random" else seeds[0])
         assert os.environ["PYTHONHASHSEED"] == users
+    with spawn_environ("spawn", {"PYTHONHASHSEED": "3", "MPLAUNCH_TEST": "1"}):  # a rank's env= goes first
+        assert (os.environ["PYTHONHASHSEED"], os.environ["MPLAUNCH_TEST"]) == ("3", "1")
+    assert "MPLAUNCH_TEST" not in os.environ
 
 
 @pytest.mark.parametrize("drawn", [0, 1, 700], ids=["seeded", "drawn-once", "past-a-twist"])
