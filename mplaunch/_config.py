@@ -130,7 +130,9 @@ class ParallelConfig:
     """A directory (created before any rank starts) where each rank's output also goes to ``rank{N}.log``,
     overwritten at each call (a restart appends, after a ``--- restart N ---`` line); the stacks of a timeout
     or a stall go to ``rank{N}.stacks``; with ``backend="nccl"``, NCCL's flight recorder dumps there on a
-    collective's timeout. Any path; kept absolute."""
+    collective's timeout. Any path; kept absolute. Launches (and ``Workers``) that run at the same time, in
+    this process or another, cannot share one: the second is refused with ``LaunchRefusedError`` (the nodes of
+    one multi-node launch share it)."""
     nnodes: int | None = _option(None, refused={"generator function": _STREAM_NODES, "Workers(...)": _ONE_NODE})
     """Machines taking part, each running the call with ``nprocs`` ranks; ``None``: ``MPLAUNCH_NNODES`` (or
     SLURM's, in an ``srun`` step with one task per node), else 1. With more than one, the call launches

@@ -6,6 +6,7 @@ removes those of dead parents of this pid namespace."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -141,3 +142,39 @@ def space_hint(directory: str) -> str:
         f"It has {free:.0f} MiB free of {total:.0f} MiB; mplaunch needs room there for the arguments and results "
         "(e.g. docker run --shm-size=8g), or set MPLAUNCH_SHM_DIR to a larger directory."
     )
+
+
+@contextlib.contextmanager
+def log_dir_held(log_dir: str | None) -> Iterator[None]:
+    """Hold ``log_dir`` while a launch (or warm workers) writes there: an exclusive ``flock`` on it, which any
+    other holder's, of this process or another, refuses. Forked children close their copy: it outlives no one."""
+    if log_dir is None:
+        yield
+        return
+    fd = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LaunchRefusedError(
+            f"log_dir={log_dir!r} is used by another launch that still runs (in this process or another): their "
+            "rank{N}.log, stacks and traces would overwrite each other. Give each launch that runs at the same "
+            "time its own log_dir, e.g. fn.options(log_dir=f'logs/{trial}').submit(...)."
+        ) from None
+    _held.add(fd)
+    try:
+        yield
+    finally:
+        _held.discard(fd)
+        os.close(fd)
+
+
+_held: set[int] = set()  # the descriptors of the log_dirs held
+
+
+@forks.in_child
+def _let_go_of_log_dirs() -> None:
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()

@@ -22,7 +22,7 @@ from mplaunch._frames import named_original
 from mplaunch._output.pump import routed, worker_fds
 from mplaunch._parent import checks, devices, placement, policy, stacks
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.directory import launch_directory
+from mplaunch._parent.directory import launch_directory, log_dir_held
 from mplaunch._parent.limits import open_files_explained, short_socket_directory
 from mplaunch._parent.memfiles import Written, outcome_files, payload_written
 from mplaunch._parent.parent_signals import ignored_signals, parent_signals, sigchld_handled
@@ -136,6 +136,7 @@ def _launch(request: CallRequest, control: LaunchControl) -> Generator[tuple[int
         plan = _Plan(request, control, names)
         plan.check()
         with launch_directory() as directory, contextlib.ExitStack() as held:
+            held.enter_context(log_dir_held(config.log_dir if plan.nodes is None else None))  # (nodes share one)
             spec = held.enter_context(plan.spec_written(directory))
             with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
                 if plan.nodes is not None:

@@ -27,7 +27,7 @@ from mplaunch._errors import LaunchRefusedError, raised_by_design
 from mplaunch._frames import warn_at_user
 from mplaunch._parent import checks, devices, futures, policy
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.directory import launch_directory, space_hint
+from mplaunch._parent.directory import launch_directory, log_dir_held, space_hint
 from mplaunch._parent.launch import captured_state, check_console_ranks, drained, launch_spec, new_ranks
 from mplaunch._parent.memfiles import payload_written
 from mplaunch._parent.outcomes import RankState, Stopped
@@ -315,6 +315,7 @@ class Team:
         with contextlib.ExitStack() as stack:  # (all of it closed if the start fails)
             names = stack.enter_context(devices.held(config.devices, LaunchControl()))
             directory = stack.enter_context(launch_directory())
+            stack.enter_context(log_dir_held(config.log_dir))
             call = Payload(None, (), {}, captured_state(start_method == "fork"))  # type: ignore[arg-type]
             written = None
             if start_method != "fork":
