@@ -118,7 +118,8 @@ class ParallelConfig:
     """A ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl with a CUDA device
     per rank, else gloo): each rank runs ``init_process_group`` with it before the function (binding
     ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group`` after it, also when it raises (warm
-    ranks: once, around all their calls). ``None``: the function manages process groups itself."""
+    ranks: once, around all their calls). ``None``: the function manages process groups itself (a function that
+    calls ``init_process_group`` with a backend set fails with a ``ValueError`` that says so)."""
     prefix_output: bool | str = _option(False)
     """Prefix every line a rank writes to its stdout or stderr (fd 1 and 2: ``print``, logging, C code,
     subprocesses) with ``[rank N] `` (``True``), or with a template of the fields ``rank``, ``local_rank``,

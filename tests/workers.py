@@ -246,6 +246,33 @@ def return_unpicklable() -> Any:
     return {"lock": threading.Lock()}
 
 
+class Holder:
+    """An object whose attribute cannot be pickled (a lock, deep inside a result or an argument)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.weights = torch.ones(3)
+        self.logger = threading.Lock()
+
+
+def return_holder() -> dict[str, Any]:
+    return {"epochs": 3, "trainer": Holder()}
+
+
+def yield_holder() -> Any:
+    yield 1
+    yield [Holder()]
+
+
+def init_own_group() -> int:
+    """Initialise the default process group in the function, as code written for torchrun does."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_rank()
+
+
 def return_open_file(path: str) -> Any:
     return open(path, "w")  # noqa: SIM115 - the result under test
 

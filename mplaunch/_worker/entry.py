@@ -22,7 +22,7 @@ from mplaunch._wire.spec import WorkerSpec
 from mplaunch._worker import apply_placement as placement
 from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.heartbeat import watch
-from mplaunch._worker.outcome import decide, finish
+from mplaunch._worker.outcome import decide, finish, unsendable
 from mplaunch._worker.process_group import process_group
 from mplaunch._worker.setup import Forked, Interrupted, Terminated, set_threads, set_up
 from mplaunch._worker.state import state
@@ -110,7 +110,11 @@ def stream_values(
             except StopIteration as stop:
                 return stop.value
             if reporting:
-                transport.dump(item, spec.launch.directory, item_name(number, rank, index))
+                try:
+                    transport.dump(item, spec.launch.directory, item_name(number, rank, index))
+                except Exception as error:  # noqa: BLE001 - reported as a returned value that cannot be sent is
+                    what = f"the value #{index} that rank {rank} yielded"
+                    raise unsendable(what, "value", item, error, rank, True) from error
                 with whole_messages():
                     conn.send((ITEM, number, index))
                 index += 1
