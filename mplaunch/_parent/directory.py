@@ -146,8 +146,8 @@ def space_hint(directory: str) -> str:
 
 @contextlib.contextmanager
 def log_dir_held(log_dir: str | None) -> Iterator[None]:
-    """Hold ``log_dir`` while a launch (or warm workers) writes there: an exclusive ``flock`` on it, which any
-    other holder's, of this process or another, refuses. Forked children close their copy: it outlives no one."""
+    """Hold ``log_dir`` while a launch (or warm workers) writes there: an exclusive ``flock``, which refuses
+    any other holder, in this process or another. Forked children close their copy: it outlives no one."""
     if log_dir is None:
         yield
         return
@@ -157,24 +157,22 @@ def log_dir_held(log_dir: str | None) -> Iterator[None]:
     except BlockingIOError:
         os.close(fd)
         raise LaunchRefusedError(
-            f"log_dir={log_dir!r} is used by another launch that still runs (in this process or another): their "
-            "rank{N}.log, stacks and traces would overwrite each other. Give each launch that runs at the same "
-            "time its own log_dir, e.g. fn.options(log_dir=f'logs/{trial}').submit(...)."
+            f"log_dir={log_dir!r} is used by another launch that still runs (here or in another process): their "
+            "rank{N}.log, stacks and traces would mix. Give each launch at a time its own log_dir, e.g. "
+            "fn.options(log_dir=f'logs/{trial}').submit(...)."
         ) from None
-    _held.add(fd)
+    _log_dirs.add(fd)
     try:
         yield
     finally:
-        _held.discard(fd)
+        _log_dirs.discard(fd)
         os.close(fd)
 
 
-_held: set[int] = set()  # the descriptors of the log_dirs held
+_log_dirs: set[int] = set()  # the descriptors of the log_dirs held
 
 
 @forks.in_child
 def _let_go_of_log_dirs() -> None:
-    for fd in _held:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _held.clear()
+    while _log_dirs:
+        os.close(_log_dirs.pop())

@@ -6,7 +6,6 @@ import collections
 import contextlib
 import functools
 import itertools
-import sys
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
@@ -47,7 +46,7 @@ def _inside(obj: Any) -> Iterable[Any]:
         return [*([] if grad is None else [grad]), *vars(obj).values()]
     if isinstance(obj, functools.partial):
         return [obj.func, *obj.args, *obj.keywords.values()]
-    if isinstance(obj, _OPAQUE) or _is_array(obj):
+    if isinstance(obj, _OPAQUE):
         return ()
     try:
         attributes = vars(obj)
@@ -62,11 +61,6 @@ def _inside(obj: Any) -> Iterable[Any]:
                 with contextlib.suppress(AttributeError):
                     found.append(descriptor.__get__(obj, kind))
     return found
-
-
-def _is_array(obj: Any) -> bool:
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(obj, numpy.ndarray)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -111,24 +105,18 @@ def _walk(obj: Any) -> Iterator[torch.Tensor]:
 def unshare(obj: T, *, keep_requested: bool = False) -> T:
     """Make the shared memory in ``obj`` private to the calling process, in place, and return ``obj``.
 
-    Runs in a forked process, before its other threads use ``obj``: a tensor in torch's shared memory
-    (``Tensor.is_shared()``, e.g. after ``Module.share_memory()`` in the parent, which ``fork`` keeps shared) is
-    re-pointed to a private copy of its storage, made once per storage, so that views and every reference to
-    the same tensor (a module's parameter and the list given to an optimizer) stay what they were to each
-    other. An in-place update in one process is then seen neither by the others nor by the parent. Other
-    tensors are left alone: a forked process's memory is copy-on-write already, and so are mplaunch's results
-    (mapped privately). It looks inside lists, tuples, sets, deques, dicts, partials, tensors' gradients and
-    the attributes of any object (modules, dataclasses, your own classes), each object once (cycles are fine),
-    not into functions, classes or modules, nor into an object that raises when looked into; containers of
-    plain values are passed over in one pass in C. Costs one copy of each shared storage. NumPy arrays that
-    view torch's shared memory (``tensor.numpy()``) stay shared. The idea, and the need for it with
-    ``nn.Module``, come from Lightning Fabric's launcher.
+    For a forked process, before its other threads use ``obj``: a tensor in torch's shared memory
+    (``Tensor.is_shared()``, e.g. after ``Module.share_memory()``, which ``fork`` keeps shared) is re-pointed to a
+    private copy of its storage, made once per storage, so views and every reference to the same tensor (a
+    module's parameter and an optimizer's list) still alias each other. Other tensors are copy-on-write in a
+    forked process already (mplaunch's results too). It looks inside containers, partials, tensors' gradients
+    and any object's attributes, each object once, not into functions, classes or modules. NumPy arrays that
+    view torch's shared memory stay shared. The idea comes from Lightning Fabric's launcher.
 
     Args:
         obj: tensors, modules, or collections and objects holding them.
-        keep_requested: leave torch's shared memory shared (what ``share_memory_()`` or
-            ``Module.share_memory()`` asked for, as hogwild training needs): nothing is then changed (kept
-            for code written for mplaunch 0.3, whose results were mapped shared).
+        keep_requested: leave torch's shared memory shared (as hogwild training needs): nothing is changed
+            (kept for code written for mplaunch 0.3, whose results were mapped shared).
 
     Returns:
         ``obj`` itself, holding no shared memory any more.

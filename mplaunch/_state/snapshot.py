@@ -10,12 +10,12 @@ import hashlib
 import pickle
 import random
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
+from mplaunch._platform import forks
 from mplaunch._state.python import PythonState
 
 _HOOKS: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
@@ -177,8 +177,7 @@ class ForkState:
 
 
 def seed_all(seed: int) -> None:
-    """Seed Python's ``random``, NumPy's legacy global generator (when NumPy is imported) and torch's CPU and
-    CUDA generators (lazily) with ``seed`` (64 bits)."""
+    """Seed Python's ``random``, NumPy's global generator (if imported) and torch's (CUDA lazily) with ``seed``."""
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed([seed & 0xFFFFFFFF, seed >> 32])
@@ -192,19 +191,12 @@ def derived_seed(*parts: object) -> int:
 
 State = TypeVar("State", GlobalState, ForkState)
 _left: list[Any] = [None, 0]  # the generators as the last launch left them, and launches started from them since
-_counting = threading.Lock()
+_counting = forks.new_lock()
 
 
 def for_launch(state: State) -> State:
-    """Return ``state`` for a launch's ranks: as captured, unless the parent's generators are exactly as the
-    last launch left them (not seeded, set or drawn from since). Then its ranks seed with what that state and
-    the number of launches from it give, so two launches in a row do not draw the same numbers.
-
-    To see a re-seeding to the same state, the first launch from a state marks each generator it finds
-    changed: it flips the low bit of the first word of its MT19937 state (Python's, NumPy's legacy, torch's
-    CPU). No draw reads that bit: the next twist takes only the word's top bit, and the word itself was
-    output already or is replaced first (Matsumoto and Nishimura 1998). The parent draws what it would have.
-    """
+    """Return ``state`` for a launch's ranks; if the parent's generators are as the last launch left them (not
+    seeded, set or drawn from since), with a ``reseed`` made of them and the count of launches from them."""
     with _counting:
         now = _generators()
         if now == _left[0]:
@@ -215,20 +207,16 @@ def for_launch(state: State) -> State:
         return state
 
 
-def _generators() -> tuple[Any, ...]:
-    """Return the parent's random states (Python's, NumPy's legacy, torch's CPU and initialised CUDA)."""
-    numpy = sys.modules.get("numpy") if "numpy.random" in sys.modules else None
-    numpy_state = None if numpy is None else numpy.random.get_state()
-    return (
-        random.getstate(),
-        None if numpy_state is None else (numpy_state[0], numpy_state[1].tobytes(), *numpy_state[2:]),
-        torch.get_rng_state().numpy().tobytes(),
-        tuple(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None,
-    )
+def _generators() -> bytes:
+    """Return the parent's random states (Python, NumPy's global, torch's CPU and initialised CUDA)."""
+    numpy = sys.modules["numpy"].random.get_state() if "numpy.random" in sys.modules else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return pickle.dumps((random.getstate(), numpy, [t.numpy().tobytes() for t in (torch.get_rng_state(), *cuda)]))
 
 
 def _mark() -> None:
-    """Flip the bit no draw reads in each generator (see :func:`for_launch`)."""
+    """Flip a bit no draw reads in each MT19937 state, so that a re-seeding to the state it had is seen: the next
+    twist reads only the first word's top bit, and that word was output already (Matsumoto & Nishimura 1998)."""
     version, words, gauss = random.getstate()
     random.setstate((version, (words[0] ^ 1, *words[1:]), gauss))
     if "numpy.random" in sys.modules:
@@ -237,6 +225,6 @@ def _mark() -> None:
         keys[0] ^= 1
         sys.modules["numpy"].random.set_state((name, keys, *rest))
     state = torch.get_rng_state()
-    if state.numel() == 5056:  # CPUGeneratorImplState: the first word at byte 24, after the seed, left and next
+    if state.numel() == 5056:  # CPUGeneratorImplState: the first word at byte 24
         state[24] ^= 1
         torch.set_rng_state(state)
