@@ -157,7 +157,7 @@ def test_unpicklable_argument_is_refused_before_launching(start_method: str, mon
         start(process)
 
     monkeypatch.setattr(BaseProcess, "start", record)
-    with pytest.raises(LaunchRefusedError, match=r"positional argument 1 \(lock\)"):
+    with pytest.raises(LaunchRefusedError, match=r"positional argument 1 \(args\[1\]: _thread\.lock\)"):
         launch(workers.identity, start_method)(1, threading.Lock())
     assert started == []  # no worker was started
 
