@@ -184,3 +184,17 @@ def test_spawned_arguments_are_mapped_not_copied(start_method: StartMethod) -> N
     baseline = anonymous(torch.ones(1024))
     # read through a private mapping of the parent's copy: no private 128 MiB copy was made
     assert anonymous(torch.ones(128 * 2**20 // 4)) - baseline < 32 * 2**20
+
+
+def test_seed_applies_to_a_call_that_runs_in_process_as_its_rank(
+    seeded_parent: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under an outer launcher (torchrun) the function runs in this process, which is the rank: seed= seeds it
+    with (seed, RANK) as a launched rank would be; so does fn.debug() as rank 0."""
+    from mplaunch._state.snapshot import derived_seed
+
+    draw = parallel(nprocs=2, seed=7)(workers.draws_and_loader_draws)
+    assert draw.debug()[0] == random.Random(derived_seed(7, 0)).random()
+    monkeypatch.setenv("MPLAUNCH_IN_PROCESS", "1")
+    monkeypatch.setenv("RANK", "1")
+    assert draw()[0] == random.Random(derived_seed(7, 1)).random()
