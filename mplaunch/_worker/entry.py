@@ -112,7 +112,7 @@ def stream_values(
             if reporting:
                 try:
                     transport.dump(item, spec.launch.directory, item_name(number, rank, index))
-                except Exception as error:  # noqa: BLE001 - reported as a returned value that cannot be sent is
+                except Exception as error:  # noqa: BLE001 - reported as an unsendable result is
                     what = f"the value #{index} that rank {rank} yielded"
                     raise unsendable(what, "value", item, error, rank, True) from error
                 with whole_messages():
