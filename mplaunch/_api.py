@@ -17,7 +17,7 @@ from mplaunch._frames import named_original, resolve, user_frame
 from mplaunch._parent import futures, in_process, launch
 from mplaunch._parent.control import LaunchControl
 from mplaunch._reports import RunReport
-from mplaunch._state.snapshot import GlobalState
+from mplaunch._state.snapshot import GlobalState, for_launch
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -161,7 +161,7 @@ class ParallelFunction(Generic[P, T]):
             return in_thread(lambda _: here(), control, name)
         control.queued = self.config.devices is not None  # until the launch holds its devices
         try:
-            control.state = GlobalState.capture()
+            control.state = for_launch(GlobalState.capture())
         except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
             control.state = None
         start: Callable[[launch.CallRequest, LaunchControl], Any] = (

@@ -92,9 +92,10 @@ class WorkerExitedError(WorkerFailedError):
 
 
 class RemoteError(WorkerFailedError):
-    """A worker raised an exception (or returned a result) that could not be pickled or unpickled.
+    """A worker raised an exception (or returned or yielded a value) that could not be pickled or unpickled.
 
-    The message carries the original type name and message; ``__cause__`` carries the worker's traceback.
+    The message carries the original type name and message, and the path to a value's part that could not be
+    pickled (``result['trainer'].logger: _thread.lock``); ``__cause__`` carries the worker's traceback.
 
     Attributes:
         type_name: qualified name of the original exception type, e.g. ``"mymod.MyError"``.

@@ -89,3 +89,12 @@ def allocate(nbytes: int) -> int:
     held = torch.ones(nbytes // 4, device=_device())
     torch.cuda.synchronize()
     return int(held.numel() * 4)
+
+
+def cuda_draw(seed: int) -> tuple[float, float]:
+    """A draw from this rank's default CUDA generator, and one from a generator seeded with (``seed``, rank)."""
+    from mplaunch._state.snapshot import derived_seed
+
+    device = _device()
+    generator = torch.Generator(device=device).manual_seed(derived_seed(seed, worker_info().rank))
+    return torch.rand(1, device=device).item(), torch.rand(1, device=device, generator=generator).item()

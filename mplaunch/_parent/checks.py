@@ -148,20 +148,23 @@ def check_main_guard(start_method: str, frame: FrameType | None, name: str = "th
 
 
 def describe_unpicklable(
-    args: tuple[Any, ...], kwargs: dict[str, Any], imports: WorkerImports | None, function: Any = None
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    imports: WorkerImports | None,
+    function: Any = None,
+    by_value: bool = False,
 ) -> str:
-    """Name the first argument that cannot be pickled for workers that can import ``imports``, and why."""
-    for index, value in enumerate(args):
-        error = pickling.pickle_error(value, imports=imports, start_objects=True)
+    """Name the first argument (else the function) that cannot be pickled for workers that can import
+    ``imports``, the path to the part that cannot, and why."""
+    how: dict[str, Any] = {"imports": imports, "by_value": by_value, "start_objects": True}
+    named = [(f"positional argument {i}", _positional_name(function, i) or f"args[{i}]", v) for i, v in enumerate(args)]
+    named += [(f"keyword argument {name!r}", name, value) for name, value in kwargs.items()]
+    named.append(("the function", getattr(function, "__name__", "function"), function))
+    for what, root, value in named:
+        error = pickling.pickle_error(value, **how)
         if error is not None:
-            name = _positional_name(function, index)
-            named = f" {name!r}" if name else ""
-            return f"positional argument {index}{named} ({type(value).__qualname__}): {error}"
-    for name, value in kwargs.items():
-        error = pickling.pickle_error(value, imports=imports, start_objects=True)
-        if error is not None:
-            return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
-    return "the function or the captured global state"
+            return f"{what} ({pickling.unpicklable_part(value, root, **how)}): {error}"
+    return "the captured global state"
 
 
 def _positional_name(function: Any, index: int) -> str | None:

@@ -27,7 +27,7 @@ from mplaunch._errors import LaunchRefusedError, raised_by_design
 from mplaunch._frames import warn_at_user
 from mplaunch._parent import checks, devices, futures, policy
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.directory import launch_directory, space_hint
+from mplaunch._parent.directory import launch_directory, log_dir_held, space_hint
 from mplaunch._parent.launch import captured_state, check_console_ranks, drained, launch_spec, new_ranks
 from mplaunch._parent.memfiles import payload_written
 from mplaunch._parent.outcomes import RankState, Stopped
@@ -165,7 +165,7 @@ class Workers:
             RuntimeError: this process was forked from the one that made these workers.
             TypeError: as for :meth:`run`.
         """
-        self._held.check_process()
+        self._held.check_process(self)
         call, config = self._checked(function, args, kwargs)
         check_mode(config, "submit()", "Workers.submit()")
         control = LaunchControl(stoppable=True)
@@ -197,6 +197,12 @@ class Workers:
         state = "closed" if self._held.closed else f"pids {self.pids}"
         return f"<mplaunch.Workers nprocs={self.nprocs} start_method={self.start_method!r}, {state}>"
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{self!r} cannot be sent to another process, its own ranks included: call it only in the process "
+            f"that made it (pid {self._held.pid}), not from a function it runs"
+        )
+
     def _checked(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Call, ParallelConfig]:
         """Return the call of the plain function, its arguments checked, and its options (a decorated
         function's own merged in, see :func:`~mplaunch._config.call_config`, which refuses those that differ)."""
@@ -216,7 +222,7 @@ class Workers:
     def _busy(self) -> Held:
         """Close this thread's unfinished stream; return the call lock (see :meth:`run`)."""
         held = self._held
-        held.check_process()  # before the lock: a thread of the owner may have held it at the fork
+        held.check_process(self)  # before the lock: a thread of the owner may have held it at the fork
         stream = None if held.stream is None else held.stream()
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)
@@ -240,6 +246,7 @@ class Workers:
                 RuntimeWarning,
             )
             team = held.team = Team(self.config, self.nprocs, self.start_method)
+            team.state_lost = True
         number = next(self._numbers)
         fork = self.start_method == "fork"
         imports = None if fork else worker_imports()
@@ -249,7 +256,7 @@ class Workers:
         except OSError as error:
             raise LaunchRefusedError(f"cannot write the call's arguments: {error}. {space_hint(directory)}") from error
         except Exception as error:
-            culprit = checks.describe_unpicklable(call.args, call.kwargs, imports, call.function)
+            culprit = checks.describe_unpicklable(call.args, call.kwargs, imports, call.function, by_value=fork)
             raise LaunchRefusedError(
                 f"cannot send the call to the ranks: {culprit}. Pass picklable values, or create the object "
                 "inside the function."
@@ -271,6 +278,11 @@ class Workers:
                 states = yield from ranks.call(
                     number, control, config.timeout, config.stall_timeout, config.rdzv_timeout, config.return_all
                 )
+        except BaseException as error:
+            if team.state_lost and hasattr(error, "add_note"):  # its first failure: maybe of what is gone
+                error.add_note(_LOST)
+            team.state_lost = False
+            raise
         finally:
             report = RunReport((), time.monotonic() - started)
             if os.getpid() == ranks.pid and not team.closed:  # (closed by another thread, or at exit)
@@ -312,9 +324,11 @@ class Team:
     def __init__(self, config: ParallelConfig, nprocs: int, start_method: str) -> None:
         self.pid = os.getpid()  # the owner: in a process forked from it, the team is a copy that acts on nothing
         self.closed = False
+        self.state_lost = False  # started again in place of ranks that died: what earlier calls left is gone
         with contextlib.ExitStack() as stack:  # (all of it closed if the start fails)
             names = stack.enter_context(devices.held(config.devices, LaunchControl()))
             directory = stack.enter_context(launch_directory())
+            stack.enter_context(log_dir_held(config.log_dir))
             call = Payload(None, (), {}, captured_state(start_method == "fork"))  # type: ignore[arg-type]
             written = None
             if start_method != "fork":
@@ -366,6 +380,8 @@ class Team:
             self._stack.close()
 
 
+_LOST = "mplaunch.Workers: the ranks were started again before this call (some had died or were stopped), so what \
+earlier calls left in them (globals, models, the process group) is gone: run those calls again first."
 _CALL_FILES = (("call", "."), ("item", "-"), ("result", "-"))  # call{N}., item{N}-, result{N}-
 
 
@@ -415,9 +431,10 @@ class Held:
         if team is not None:
             team.close()  # in a process forked from the owner, a copy: it leaves the owner's ranks alone
 
-    def check_process(self) -> None:
-        """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
-        forks.check_owner(self.pid, "these mplaunch.Workers", "Make new Workers in this process.")
+    def check_process(self, workers: Workers) -> None:
+        """Raise ``RuntimeError`` naming ``workers`` in a process forked from the one that made them (their rank)."""
+        advice = "Call them there; in one of their ranks, call the function itself."
+        forks.check_owner(self.pid, f"{workers!r} and their ranks", advice)
 
     def __enter__(self) -> None:
         self.lock.acquire()

@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from mplaunch import InvalidOptionError, LaunchTimeoutError, WorkerExitedError, parallel
+from mplaunch import InvalidOptionError, LaunchTimeoutError, StartMethod, WorkerExitedError, parallel
 from mplaunch._parent import devices
 from tests import gpu_workers, workers
 from tests.gpu.smi import seconds_until_freed, total_mib, used_mib
@@ -35,6 +35,15 @@ def test_cuda_values_come_back_on_the_cpu(start_method: str) -> None:
     assert result["big"].device.type == "cpu"
     assert result["big"].numel() == 256 * MIB
     assert int(result["big"][-1]) == 7
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_seed_seeds_each_ranks_cuda_generator(start_method: StartMethod) -> None:
+    """seed= seeds torch's CUDA generators too (lazily, through torch.manual_seed), with (seed, rank)."""
+    run = parallel(nprocs=2, start_method=start_method, timeout=120, return_all=True, seed=3)(gpu_workers.cuda_draw)
+    draws = run(3)
+    assert [draw for draw, expected in draws] == [expected for draw, expected in draws]
+    assert draws[0][0] != draws[1][0]
 
 
 def test_cuda_results_keep_their_storage_sharing() -> None:

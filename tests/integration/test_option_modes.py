@@ -194,6 +194,16 @@ def _check_start_bound(outcome: Outcome, mode: str) -> None:
         _seen(outcome)
 
 
+def _check_seed(outcome: Outcome, mode: str) -> None:
+    """Rank 0 drew from torch seeded with (seed, rank 0), as ``seed_all`` seeds it."""
+    import torch
+
+    from mplaunch._state.snapshot import derived_seed
+
+    expected = torch.rand(1, generator=torch.Generator().manual_seed(derived_seed(7, 0))).item()
+    assert _seen(outcome)["draw"] == expected, outcome.value
+
+
 PROBES: dict[str, Probe] = {
     "nprocs": Probe(1, _check_world(1, 4), values={"multi-node": 2}),
     "start_method": Probe("spawn", _check_spawned),
@@ -239,6 +249,7 @@ PROBES: dict[str, Probe] = {
     ),
     "restart_delay": Probe(0.5, _check_delay, workers.fail_once, lambda d: (str(d), "value"), {"max_restarts": 1}),
     "post_mortem": Probe(True, _check_post_mortem),
+    "seed": Probe(7, _check_seed),
 }
 NAMES = [field.name for field in dataclasses.fields(ParallelConfig)]
 

@@ -142,17 +142,17 @@ def test_describe_unpicklable_names_the_argument() -> None:
     import threading
 
     text = checks.describe_unpicklable((1, threading.Lock()), {}, None)
-    assert text.startswith("positional argument 1 (lock)")
+    assert text.startswith("positional argument 1 (args[1]: _thread.lock)"), text
 
     def train(steps: int, lock: object, *rest: object) -> None: ...
 
     text = checks.describe_unpicklable((1, threading.Lock()), {}, None, train)
-    assert text.startswith("positional argument 1 'lock' (lock)"), text  # its name, where the signature has one
+    assert text.startswith("positional argument 1 (lock: _thread.lock)"), text  # its name, where the signature has one
     text = checks.describe_unpicklable((1, 2, threading.Lock()), {}, None, train)
-    assert text.startswith("positional argument 2 (lock)"), text  # *rest
+    assert text.startswith("positional argument 2 (args[2]: _thread.lock)"), text  # *rest
     with open(__file__) as file:
         text = checks.describe_unpicklable((), {"f": file}, None)
-    assert text.startswith("keyword argument 'f' (TextIOWrapper)")
+    assert text.startswith("keyword argument 'f' (f: _io.TextIOWrapper)"), text
     assert "pass or return its path (or its data) and open it where it is used" in text
 
 
