@@ -87,12 +87,12 @@ class Workers:
         __tracebackhide__ = True  # noqa: F841
         self.config = config = make_config(return_all=return_all, **options)
         check_mode(config, "Workers(...)")
-        checks.check_not_bootstrapping("Workers")
+        checks.check_not_bootstrapping("mplaunch.Workers")
         checks.check_log_dir(config.log_dir)
         devices.check_request(config.devices)
         self.start_method = config.start_method or policy.default_start_method()
         checks.check_cuda_fork(self.start_method)
-        checks.check_main_guard(self.start_method, sys._getframe(1), "Workers")
+        checks.check_main_guard(self.start_method, sys._getframe(1), "mplaunch.Workers")
         if isinstance(config.nprocs, int) or config.devices is None:
             self.nprocs = policy.resolve_nprocs(config.nprocs)  # "auto" as a launch counts
         else:  # "auto" with devices: their number
