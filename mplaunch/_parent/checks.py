@@ -40,8 +40,10 @@ def record_cuda_init() -> None:
     capture, once. Calling it again has no effect; once CUDA is initialised there is nothing left to record.
 
     Example:
-        >>> import mplaunch
-        >>> mplaunch.record_cuda_init()
+        ```python title="first_cell.py"
+        import mplaunch
+        mplaunch.record_cuda_init()  # before anything touches CUDA
+        ```
     """
     if getattr(torch.cuda._lazy_init, "_mplaunch_recorder", False):
         return
