@@ -78,7 +78,7 @@ def spawn(
     Example:
         ```python title="Fragment: main() is a torch.multiprocessing.spawn target"
         if __name__ == "__main__":
-            mplaunch.spawn(main, args=(world_size,), nprocs=world_size)  # was: mp.spawn(...)
+            mplaunch.spawn(main, args=(world_size,), nprocs=world_size)  # mp.spawn
         ```
     """
     if not callable(fn):
