@@ -86,7 +86,7 @@ class ParallelConfig:
     """The launch options of one decorated function (``fn.config``) or of warm workers, validated when made: no
     ``ParallelConfig`` holds an invalid value. [`parallel()`][mplaunch.parallel] makes one from its keyword options,
     ``ParallelFunction.options`` with ``dataclasses.replace()``; each field's default is the option's. Each field's
-    text below is the one source of the options reference, whose table says in which ways of calling each option works.
+    docstring is the one source of the options reference, whose table says in which ways of calling each option works.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
