@@ -150,8 +150,7 @@ class RankInfo:
 
     @property
     def preempted(self) -> bool:
-        """Whether this process's launch was preempted, read at each access (see
-        [`preempted()`][mplaunch.preempted])."""
+        """Whether this process's launch was preempted, read at each access ([`preempted()`][mplaunch.preempted])."""
         return flags.is_set()
 
 

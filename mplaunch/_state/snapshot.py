@@ -40,8 +40,7 @@ def register_state(capture: Callable[[], Any], restore: Callable[[Any], None]) -
 
 
 def unregister_state(capture: Callable[[], Any], restore: Callable[[Any], None]) -> None:
-    """Remove a pair added by [`register_state()`][mplaunch.register_state]; a pair that is not registered is
-    ignored."""
+    """Remove a pair added by [`register_state()`][mplaunch.register_state]; a pair not registered is ignored."""
     if (capture, restore) in _HOOKS:
         _HOOKS.remove((capture, restore))
 
