@@ -1,5 +1,6 @@
 # `make demo` trains the example on real data; `make test` runs the test suite; `make check` runs the linters,
-# the strict type check, the import contracts and the docs build (CI runs it before `make test`).
+# the strict type check, the import contracts, the docs build and a check of the built pages (CI runs it before
+# `make test`).
 # Each creates the virtual environment it needs (.venv) with the CPU build of torch pinned in constraints.txt.
 PYTHON ?= python3
 VENV ?= .venv
@@ -46,7 +47,8 @@ check: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check mplaunch tests benchmarks examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mkdocs build --strict --site-dir $$(mktemp -d)
+	site=$$(mktemp -d) && $(VENV)/bin/mkdocs build --strict --site-dir $$site && $(PY) scripts/check_site.py $$site; \
+		status=$$?; rm -rf $$site; exit $$status
 
 docs: $(VENV)/.installed
 	$(VENV)/bin/mkdocs serve

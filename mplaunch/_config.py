@@ -27,10 +27,10 @@ StartMethod.__doc__ = """The start methods mplaunch accepts (``multiprocessing``
 
 
 class LaunchOptions(TypedDict, total=False):
-    """The keyword options of :func:`~mplaunch.parallel` and ``ParallelFunction.options`` (all optional), for
+    """The keyword options of [`parallel()`][mplaunch.parallel] and ``ParallelFunction.options`` (all optional), for
     annotating ``**options`` with ``typing.Unpack`` (PEP 692). Their meaning and defaults are
-    :class:`ParallelConfig`'s fields; ``return_all`` is not among them: it changes the return type, so it is
-    a parameter of its own (``parallel(return_all=True)``)."""
+    [`ParallelConfig`][mplaunch.ParallelConfig]'s fields; ``return_all`` is not among them: it changes the return type,
+    so it is a parameter of its own (``parallel(return_all=True)``)."""
 
     nprocs: int | Literal["auto"]
     start_method: StartMethod | None
@@ -85,9 +85,9 @@ def _option(default: Any, *, refused: Mapping[str, str] | None = None, note: Map
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
     """The launch options of one decorated function (``fn.config``) or of warm workers, validated when made: no
-    ``ParallelConfig`` holds an invalid value. :func:`~mplaunch.parallel` makes one from its keyword options,
-    ``ParallelFunction.options`` with :func:`dataclasses.replace`; each field's default is the option's. Each field's
-    text below is the one source of the options reference, whose table says in which ways of calling each option works.
+    ``ParallelConfig`` holds an invalid value. [`parallel()`][mplaunch.parallel] makes one from its keyword options,
+    ``ParallelFunction.options`` with ``dataclasses.replace()``; each field's default is the option's. Each field's
+    docstring is the one source of the options reference, whose table says in which ways of calling each option works.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is

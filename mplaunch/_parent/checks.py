@@ -42,8 +42,10 @@ def record_cuda_init() -> None:
     initialised: one capture, once. Calling it again has no effect.
 
     Example:
-        >>> import mplaunch
-        >>> mplaunch.record_cuda_init()
+        ```python title="first_cell.py"
+        import mplaunch
+        mplaunch.record_cuda_init()  # before anything touches CUDA
+        ```
     """
     if getattr(torch.cuda._lazy_init, "_mplaunch_recorder", False):
         return
@@ -103,9 +105,10 @@ def check_not_bootstrapping(name: str = "the function") -> None:
 
 
 def _guard_message(where: str, name: str, line: str | None) -> str:
-    """Return the advice for a call at import time: the user's own call, moved under the guard."""
+    """Return the advice for a call at import time (``name``: a parallel function's, or ``mplaunch.Workers``)."""
+    called = name if name.startswith("mplaunch.") else f"the parallel function {name}"
     return (
-        f"{where} called the parallel function {name}() at import time. With start_method 'spawn' or "
+        f"{where} called {called}() at import time. With start_method 'spawn' or "
         "'forkserver' each worker runs your script again, so the call must be under "
         '`if __name__ == "__main__":`, e.g.\n\n'
         '    if __name__ == "__main__":\n'

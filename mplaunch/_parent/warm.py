@@ -48,27 +48,28 @@ from mplaunch._worker.serve import serve
 
 
 class Workers:
-    """``nprocs`` ranks started once and kept: each :meth:`run` runs a function on every rank of them.
+    """``nprocs`` ranks started once and kept: each [`run()`][mplaunch.Workers.run] runs a function on every
+    rank.
 
     The ranks see torchrun's environment, as a launch's do; with ``backend`` set, the process group is
     initialised once, when they start, and kept. What a rank keeps between calls persists: its module
     globals (``global model``), the objects they hold, a CUDA context, the process group. A function
     defined after the ranks started (a re-run notebook cell) reaches them by value.
 
-    Closing (:meth:`close`, the end of a ``with`` block), garbage collection, the interpreter's exit (also a
-    notebook kernel's shutdown or restart) and the death of this process end the ranks and remove what they
+    Closing ([`close()`][mplaunch.Workers.close], the end of a ``with`` block), garbage collection, the interpreter's
+    exit (also a notebook kernel's shutdown or restart) and the death of this process end the ranks and remove what they
     used (processes, shared memory, descriptors).
 
     Args:
-        return_all: :meth:`run` returns every rank's value, in a list ordered by rank.
-        **options: the launch options of :func:`~mplaunch.parallel`. Those that place the ranks (``nprocs``,
+        return_all: [`run()`][mplaunch.Workers.run] returns every rank's value, in a list ordered by rank.
+        **options: the launch options of [`parallel()`][mplaunch.parallel]. Those that place the ranks (``nprocs``,
             ``start_method``, ``backend``, ``devices``, ``cpu_binding``, ``env``, output, ``log_dir``) apply when they
             start; ``timeout``, ``stall_timeout``, ``preempt_signals`` and ``preempt_grace`` apply to each call;
             ``rdzv_timeout`` bounds the ranks' start, apart from the first call's ``timeout``. ``max_restarts``,
             ``restart_on``, ``restart_delay`` and ``nnodes`` > 1 are refused (see the options reference's table).
 
     Attributes:
-        last_report: the :class:`~mplaunch.RunReport` of the last call that ended, else ``None``: each rank's
+        last_report: the [`RunReport`][mplaunch.RunReport] of the last call that ended, else ``None``: each rank's
             peak memory, and the CPU and wall time the call took.
 
     Raises:
@@ -76,9 +77,11 @@ class Workers:
         LaunchRefusedError: a check before starting failed (main guard, CUDA before fork).
 
     Example:
-        >>> with mplaunch.Workers(nprocs=2, backend="gloo") as workers:  # doctest: +SKIP
-        ...     workers.run(load_model, "resnet18")
-        ...     loss = workers.run(train_epoch, lr=0.1)
+        ```python title="Fragment: load_model() and train_epoch() are yours"
+        with mplaunch.Workers(nprocs=2, backend="gloo") as workers:
+            workers.run(load_model, "resnet18")  # each rank keeps the model
+            loss = workers.run(train_epoch, lr=0.1)
+        ```
     """
 
     last_report: RunReport | None = None
@@ -87,12 +90,12 @@ class Workers:
         __tracebackhide__ = True  # noqa: F841
         self.config = config = make_config(return_all=return_all, **options)
         check_mode(config, "Workers(...)")
-        checks.check_not_bootstrapping("Workers")
+        checks.check_not_bootstrapping("mplaunch.Workers")
         checks.check_log_dir(config.log_dir)
         devices.check_request(config.devices)
         self.start_method = config.start_method or policy.default_start_method()
         checks.check_cuda_fork(self.start_method)
-        checks.check_main_guard(self.start_method, sys._getframe(1), "Workers")
+        checks.check_main_guard(self.start_method, sys._getframe(1), "mplaunch.Workers")
         if isinstance(config.nprocs, int) or config.devices is None:
             self.nprocs = policy.resolve_nprocs(config.nprocs)  # "auto" as a launch counts
         else:  # "auto" with devices: their number
@@ -114,8 +117,8 @@ class Workers:
         """Run ``function(*args, **kwargs)`` on every rank and return rank 0's value.
 
         ``function`` may be a plain function or a decorated one (its plain function runs). A generator function returns
-        at once a :class:`~mplaunch.Stream` of the values rank 0 yields, as they are yielded. One call runs at a time: a
-        call from another thread waits; a call from the thread that left a stream unfinished closes that stream first.
+        at once a [`Stream`][mplaunch.Stream] of the values rank 0 yields, as they are yielded. One call runs at a time:
+        a call from another thread waits; a call from the thread that left a stream unfinished closes that stream first.
 
         Ctrl-C stops the call in every rank (``KeyboardInterrupt`` at the line it runs) and keeps the ranks.
         A rank that does not stop within ``grace_period`` seconds is stopped with the others, and the next
@@ -131,9 +134,9 @@ class Workers:
             LaunchRefusedError: the function or an argument cannot be sent to the ranks.
             LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted, and the error carries each
                 rank's stacks. Or the ranks did not finish starting within ``rdzv_timeout`` seconds; they were stopped.
-            StallError: a rank that called :func:`~mplaunch.heartbeat` in the call stopped calling it for
+            StallError: a rank that called [`heartbeat()`][mplaunch.heartbeat] in the call stopped calling it for
                 ``stall_timeout`` seconds; the call was interrupted.
-            PreemptedError: one of ``preempt_signals`` came during the call (see :func:`~mplaunch.parallel`).
+            PreemptedError: one of ``preempt_signals`` came during the call (see [`parallel()`][mplaunch.parallel]).
             KeyboardInterrupt: Ctrl-C; the call was interrupted.
             RuntimeError: the workers are closed, or this process was forked from the one that made them.
             TypeError: ``function`` is not callable, or the arguments do not fit its signature (checked
@@ -151,19 +154,19 @@ class Workers:
             raise error.with_traceback(None) from error.__cause__
 
     def submit(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.LaunchFuture[Any]:
-        """Run the call in the background; return a :class:`concurrent.futures.Future` of what :meth:`run`
-        returns or raises. ``cancel()`` interrupts the call (not the ranks); ``report`` is its
-        :class:`~mplaunch.RunReport` once it has ended.
+        """Run the call in the background; return a ``concurrent.futures.Future`` of what
+        [`run()`][mplaunch.Workers.run] returns or raises. ``cancel()`` interrupts the call (not the ranks); ``report``
+        is its [`RunReport`][mplaunch.RunReport] once it has ended.
 
         For a generator function, the future is of its return value, and its ``items`` attribute iterates
-        over the values yielded (as :meth:`run`'s stream), as they arrive.
+        over the values yielded (as [`run()`][mplaunch.Workers.run]'s stream), as they arrive.
 
         Returns:
             The future.
 
         Raises:
             RuntimeError: this process was forked from the one that made these workers.
-            TypeError: as for :meth:`run`.
+            TypeError: as for [`run()`][mplaunch.Workers.run].
         """
         self._held.check_process(self)
         call, config = self._checked(function, args, kwargs)

@@ -22,7 +22,7 @@ _HOOKS: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
 
 
 def register_state(capture: Callable[[], Any], restore: Callable[[Any], None]) -> None:
-    """Add a piece of your own global state to every :class:`GlobalState` captured from now on.
+    """Add a piece of your own global state to every [`GlobalState`][mplaunch.GlobalState] captured from now on.
 
     ``capture()`` runs in the parent at each launch; ``restore(value)`` runs in every worker before your
     function, with the captured ``value``. Both must be picklable (module-level functions are) under
@@ -33,15 +33,17 @@ def register_state(capture: Callable[[], Any], restore: Callable[[Any], None]) -
         restore: ``(value) -> None``, called in each worker.
 
     Example:
-        >>> import mylib  # doctest: +SKIP
-        >>> register_state(mylib.get_mode, mylib.set_mode)  # doctest: +SKIP
+        ```python title="Fragment: mylib stands for a library with a global mode"
+        import mylib
+        register_state(mylib.get_mode, mylib.set_mode)
+        ```
     """
     if (capture, restore) not in _HOOKS:
         _HOOKS.append((capture, restore))
 
 
 def unregister_state(capture: Callable[[], Any], restore: Callable[[Any], None]) -> None:
-    """Remove a pair added by :func:`register_state`; a pair that is not registered is ignored."""
+    """Remove a pair added by [`register_state()`][mplaunch.register_state]; a pair not registered is ignored."""
     if (capture, restore) in _HOOKS:
         _HOOKS.remove((capture, restore))
 
@@ -60,7 +62,8 @@ class GlobalState:
     the RNG states of Python's ``random``, NumPy's global generator (when ``numpy.random`` is imported), torch's
     CPU generator, every CUDA device's generator when CUDA is already initialised (capturing never creates a
     CUDA context), the warning filters, the ``logging`` configuration (loggers and their console, file and null
-    handlers), the umask and the resource limits, and whatever was added with :func:`register_state`. It does
+    handlers), the umask and the resource limits, and whatever was added with
+    [`register_state()`][mplaunch.register_state]. It does
     not cover thread counts (set per worker by the launcher), other libraries' state, or generators you created.
 
     Capturing costs about a hundred microseconds (the torch CPU RNG state is 5 KiB; each configured logger adds
@@ -68,8 +71,10 @@ class GlobalState:
     already matches (as after ``fork``).
 
     Example:
-        >>> state = GlobalState.capture()   # in the parent
-        >>> state.restore()                 # in a worker
+        ```python title="Fragment: what a launch does"
+        state = GlobalState.capture()  # in the parent
+        state.restore()                # in each worker
+        ```
     """
 
     deterministic: bool

@@ -125,6 +125,22 @@ def test_missing_guard_is_found_in_the_users_script(
     assert 'if __name__ == "__main__":\n        value = fit(3)\n' in message  # the user's own call, moved
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_missing_guard_names_workers_as_what_was_called(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, start_method: str
+) -> None:
+    """Warm workers made at import time are refused before any rank starts, and the message names
+    ``mplaunch.Workers()``, not a parallel function of that name."""
+    script = f"import mplaunch\nworkers = mplaunch.Workers(nprocs=1, start_method={start_method!r})\n"
+    with pytest.raises(LaunchRefusedError) as caught:
+        _run_main(monkeypatch, tmp_path, script)
+    message = str(caught.value)
+    assert "Your script script.py (line 2) called mplaunch.Workers() at import time" in message, message
+    assert "parallel function" not in message
+    moved = f"workers = mplaunch.Workers(nprocs=1, start_method={start_method!r})"
+    assert f'if __name__ == "__main__":\n        {moved}\n' in message  # the user's own line, moved
+
+
 @pytest.mark.parametrize("runner", [False, True], ids=["python script.py", "pdb/runpy"])
 def test_a_guarded_call_is_never_refused_because_of_a_runners_frame(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, runner: bool
