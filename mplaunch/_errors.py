@@ -187,9 +187,6 @@ class PreemptedError(MplaunchError):
         self.stopped: tuple[int, ...] = tuple(stopped)
         self.failures: tuple[BaseException, ...] = tuple(failures)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.signum, self.values, self.stopped, self.failures))
-
 
 class NodeLostError(MplaunchError, RuntimeError):
     """Another node of a multi-node launch is gone: its launching process stopped sending the rendezvous's
@@ -218,11 +215,8 @@ class RemoteTraceback(Exception):
     """The formatted traceback of a worker, attached as ``__cause__`` of the exception re-raised in the parent."""
 
     def __init__(self, tb: str) -> None:
-        super().__init__(tb)
+        super().__init__(tb)  # str() is the traceback
         self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
 
 
 def raised_by_design(error: BaseException) -> bool:
