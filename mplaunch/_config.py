@@ -17,8 +17,6 @@ from mplaunch._recovery_options import RestartOn, check_restart_on, check_signal
 
 #: The fields a ``prefix_output`` template may use.
 PREFIX_FIELDS = ("rank", "local_rank", "node_rank", "pid")
-#: The prefix of ``prefix_output=True``.
-DEFAULT_PREFIX = "[rank {rank}] "
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 
