@@ -17,11 +17,11 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from mplaunch._errors import LaunchRefusedError
 from mplaunch._output.lines import Sink, consoles, flush
-from mplaunch._output.rank_streams import RANK_MARK
+from mplaunch._output.rank_streams import RANK_MARK, on_fd
 from mplaunch._wire.inherited import InheritedFd
 from mplaunch._wire.spec import RankFds
 
@@ -40,14 +40,7 @@ def should_route(prefix: bool | str, console_ranks: frozenset[int] | None, log_d
     """Return whether output goes through the parent: an option asks, or ``sys.stdout``/``stderr`` is not fd 1/2."""
     if prefix or console_ranks is not None or log_dir is not None:
         return True
-    return not (_is_fd(sys.stdout, 1) and _is_fd(sys.stderr, 2))
-
-
-def _is_fd(stream: Any, fd: int) -> bool:
-    try:
-        return bool(stream.fileno() == fd)
-    except (AttributeError, OSError, ValueError):
-        return False
+    return not (on_fd(sys.stdout, 1) and on_fd(sys.stderr, 2))
 
 
 class _Source:
@@ -319,15 +312,6 @@ def _announced(text: bytes) -> tuple[int, int | None, int]:
     return fields[0], fields[1] if len(fields) > 1 else None, fields[2] if len(fields) > 2 else 0
 
 
-def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:
-    """Return the caller's fd 1 and 2 for every rank (not the fork server's), ``None`` if one is closed."""
-    try:
-        os.fstat(1), os.fstat(2)
-    except OSError:
-        return None
-    return (RankFds(InheritedFd(1), InheritedFd(2), routed=False),) * nprocs
-
-
 @contextlib.contextmanager
 def routed(ranks: list[int | None], spec: LaunchSpec, restart: int = 0) -> Iterator[Pump | None]:
     """Yield a :class:`Pump` for the attempt if output is routed, else ``None``; close it on exit."""
@@ -342,7 +326,13 @@ def routed(ranks: list[int | None], spec: LaunchSpec, restart: int = 0) -> Itera
 
 
 def worker_fds(pump: Pump | None, start_method: str, nprocs: int) -> tuple[RankFds, ...] | None:
-    """Return the workers' fd table: the pump's pipes, the caller's fd 1 and 2 under forkserver, else ``None``."""
+    """Return the workers' fd table: the pump's pipes, the caller's open fd 1 and 2 under forkserver, else ``None``."""
     if pump is not None:
         return tuple(pump.fds)
-    return own_fds(nprocs) if start_method == "forkserver" else None
+    if start_method != "forkserver":
+        return None
+    try:
+        os.fstat(1), os.fstat(2)
+    except OSError:
+        return None
+    return (RankFds(InheritedFd(1), InheritedFd(2), routed=False),) * nprocs

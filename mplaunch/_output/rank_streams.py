@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import TextIO
+from typing import Any, TextIO
 
 from mplaunch._env import whole_number
 from mplaunch._wire.spec import RankFds
@@ -41,6 +41,14 @@ def take_fds(table: tuple[RankFds, ...] | None, local_rank: int, rank: int) -> N
         _streams_on_fds()
 
 
+def on_fd(stream: Any, fd: int) -> bool:
+    """Return whether ``stream`` is open over descriptor ``fd``."""
+    try:
+        return not getattr(stream, "closed", False) and bool(stream.fileno() == fd)
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def _close(*fds: int) -> None:
     for fd in fds:
         if fd > 2:
@@ -53,7 +61,7 @@ def _streams_on_fds() -> None:
     another stream (ipykernel's ``OutStream``) is replaced, and logging handlers holding it are repointed."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
-        if _writes_to(old, fd):
+        if isinstance(old, io.TextIOWrapper) and on_fd(old, fd):
             with contextlib.suppress(Exception):
                 old.reconfigure(line_buffering=True)
             continue
@@ -62,16 +70,6 @@ def _streams_on_fds() -> None:
         if getattr(sys, f"__{name}__") is old:
             setattr(sys, f"__{name}__", new)
         _repoint_handlers(old, new)
-
-
-def _writes_to(stream: TextIO | None, fd: int) -> bool:
-    """Return whether ``stream`` is a plain text stream over descriptor ``fd``."""
-    if not isinstance(stream, io.TextIOWrapper):
-        return False
-    try:
-        return stream.fileno() == fd
-    except (OSError, ValueError):
-        return False
 
 
 def _repoint_handlers(old: object, new: TextIO) -> None:
@@ -128,14 +126,7 @@ def terminal_stdin(prepared: TextIO | None = None) -> None:
             sys.stdin = prepared if prepared is not None else stdin_stream()
         return
     with contextlib.suppress(OSError, ValueError):
-        if os.isatty(0) and not _reads_fd0(sys.stdin):
+        if os.isatty(0) and not on_fd(sys.stdin, 0):
             sys.stdin, prepared = prepared if prepared is not None else stdin_stream(), None
     if prepared is not None:  # not taken (the caller's sys.stdin is None): its descriptor is let go
         prepared.close()
-
-
-def _reads_fd0(stream: object) -> bool:
-    try:
-        return not stream.closed and stream.fileno() == 0  # type: ignore[attr-defined]
-    except (AttributeError, OSError, ValueError):
-        return False
