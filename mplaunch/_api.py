@@ -147,16 +147,13 @@ class ParallelFunction(Generic[P, T]):
             future.done(), future.cancel()  # (False, True): cancel() stops it
             ```
         """
-        frame = user_frame()
         control = LaunchControl(stoppable=True)
         request = launch.CallRequest(self, args, kwargs, submitted=True)
         try:
-            control.in_process = not request.check(frame)
+            control.in_process = not request.check(user_frame())
         except Exception as error:  # noqa: BLE001 - a refusal is the future's outcome, as calling would raise it
             control.close()
             return futures.failed(error)
-        finally:
-            del frame
         name = getattr(self, "__qualname__", "launch")
         in_thread = futures.submit_stream if request.streams else futures.submit
         if control.in_process:  # already a rank: the function runs here, in the future's thread
