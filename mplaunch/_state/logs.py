@@ -5,6 +5,7 @@ queues, rotating files, custom classes) are not carried: the snapshot names them
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pickle
@@ -240,7 +241,5 @@ def _build(spec: HandlerSpec) -> logging.Handler | None:
 
 def _note(message: str) -> None:
     """Tell the user on stderr (not a warning: the carried filters may make it an error)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         print(f"mplaunch: {message}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass

@@ -5,6 +5,7 @@ the server's umask and limits (multiprocessing itself sends ``cwd``, ``sys.path`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -54,10 +55,9 @@ class PythonState:
 
             for limit, value in self.rlimits:
                 if resource.getrlimit(limit) != value:
-                    try:
+                    # e.g. a hard limit above this process's: keep its own
+                    with contextlib.suppress(ValueError, OSError):
                         resource.setrlimit(limit, value)
-                    except (ValueError, OSError):  # e.g. a hard limit above this process's: keep its own
-                        pass
 
     @property
     def not_carried(self) -> tuple[str, ...]:

@@ -68,12 +68,6 @@ def _plain(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
 
 
-def _shared(obj: Any, keep_requested: bool = False) -> bool:
-    """Return whether a forked process would share ``obj``'s memory: a CPU tensor in torch's shared memory,
-    unless ``keep_requested``."""
-    return isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not keep_requested and _torch_shared(obj)
-
-
 def _torch_shared(tensor: torch.Tensor) -> bool:
     """Return whether ``tensor`` is in torch's shared memory (``share_memory_()``)."""
     try:
@@ -124,10 +118,12 @@ def unshare(obj: T, *, keep_requested: bool = False) -> T:
     Raises:
         OSError: no memory for a copy.
     """
+    if keep_requested:
+        return obj
     copies: dict[int, torch.UntypedStorage] = {}  # a shared storage's address -> its private copy
     with torch.no_grad():
         for found in list(_walk(obj)):
-            if not _shared(found, keep_requested):
+            if found.device.type != "cpu" or not _torch_shared(found):
                 continue
             if not _plain(found):  # sparse or quantized: a copy of its own
                 found.data = found.data.clone()

@@ -62,18 +62,13 @@ def path_if_present(directory: str) -> str | None:
 def is_set() -> bool:
     """Return whether this process's launch was preempted (mapping ``MPLAUNCH_PREEMPT_FILE`` on first call)."""
     global _looked, _mapping
-    if _mapping is None:
-        if _looked:
-            return False
+    if _mapping is None and not _looked:
         _looked = True
         path = os.environ.get(FLAG_VARIABLE)
-        if not path:
-            return False
-        with contextlib.suppress(OSError, ValueError):
-            _mapping = _map(path, create=False)
-        if _mapping is None:
-            return False
-    return _mapping[0] != 0
+        if path:
+            with contextlib.suppress(OSError, ValueError):
+                _mapping = _map(path, create=False)
+    return _mapping is not None and _mapping[0] != 0
 
 
 def raise_flag(mapping: mmap.mmap) -> None:

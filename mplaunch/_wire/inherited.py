@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.context
 import os
 from typing import Any
@@ -72,7 +73,5 @@ def close_quietly(*fds: int | None) -> None:
     for fd in fds:
         if fd is not None:
             _MADE.discard(fd)
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
