@@ -372,13 +372,11 @@ def _check_ranks(console_ranks: Iterable[int]) -> frozenset[int]:
         f"console_ranks={console_ranks!r} is not valid: pass the ranks whose output should reach the console as "
         "a collection of whole numbers >= 0 (e.g. console_ranks=[0]), or None for every rank."
     )
-    if isinstance(console_ranks, (str, bytes)):
-        raise InvalidOptionError(message)
     try:
         ranks = frozenset(console_ranks)
     except TypeError:
         raise InvalidOptionError(message) from None
-    if not all(_is_whole(r, 0) for r in ranks):
+    if isinstance(console_ranks, (str, bytes)) or not all(_is_whole(r, 0) for r in ranks):
         raise InvalidOptionError(message)
     return ranks
 
