@@ -193,14 +193,12 @@ def _pickle_once(
     return buffer.getbuffer(), cloud_pickler
 
 
-class _InlineCloudPickler(_CloudPickler):
-    inline_bytes = 1 << 62
-
-
 def to_bytes(obj: object) -> bytes:
     """Pickle ``obj`` into self-contained ``bytes`` (everything inline) for another machine."""
     buffer = io.BytesIO()
-    _InlineCloudPickler(buffer).dump(obj)
+    pickler = _CloudPickler(buffer)
+    pickler.inline_bytes = 1 << 62
+    pickler.dump(obj)
     return buffer.getvalue()
 
 
@@ -270,14 +268,10 @@ class Reader:
         elif kind == "file":
             array = self._piece(self._offsets[index], data)
             self._storages[index] = torch.frombuffer(array, dtype=torch.uint8).untyped_storage()
-        elif kind == "shared":  # the user's shared memory, received with this process's start
-            return torch.storage.TypedStorage(
-                wrap_storage=self.start_objects[index], dtype=dtype or torch.uint8, _internal=True
-            )
+        # "shared": the user's shared memory, received with this process's start
+        untyped = self.start_objects[index] if kind == "shared" else self._storages[index]
         # wrapped as bytes, as torch.load returns it: tensors of newer dtypes (float8) expect this on rebuild
-        return torch.storage.TypedStorage(
-            wrap_storage=self._storages[index], dtype=dtype or torch.uint8, _internal=True
-        )
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype or torch.uint8, _internal=True)
 
     def _piece(self, offset: int, nbytes: int) -> Any:
         if self._how == "copy":
