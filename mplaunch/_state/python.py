@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
+import resource
 import warnings
 from typing import Any
 
@@ -50,14 +50,11 @@ class PythonState:
         self.logging.restore()
         if self.umask is not None:
             os.umask(self.umask)
-        if self.rlimits:
-            import resource
-
-            for limit, value in self.rlimits:
-                if resource.getrlimit(limit) != value:
-                    # e.g. a hard limit above this process's: keep its own
-                    with contextlib.suppress(ValueError, OSError):
-                        resource.setrlimit(limit, value)
+        for limit, value in self.rlimits:
+            if resource.getrlimit(limit) != value:
+                # e.g. a hard limit above this process's: keep its own
+                with contextlib.suppress(ValueError, OSError):
+                    resource.setrlimit(limit, value)
 
     @property
     def not_carried(self) -> tuple[str, ...]:
@@ -103,17 +100,6 @@ def _umask() -> int | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def _limits() -> tuple[int, ...]:
-    """List the resource limits this platform has (none without ``resource``)."""
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return ()
-    return tuple(sorted({getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")}))
-
-
 def _rlimits() -> tuple[tuple[int, tuple[int, int]], ...]:
-    import resource
-
-    return tuple((limit, resource.getrlimit(limit)) for limit in _limits())
+    limits = sorted({getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")})
+    return tuple((limit, resource.getrlimit(limit)) for limit in limits)

@@ -143,7 +143,6 @@ class GlobalState:
             self.anomaly_check_nan,
         ):
             torch.autograd.set_detect_anomaly(self.anomaly_enabled, self.anomaly_check_nan)
-        random.setstate(self.python_rng)
         if self.numpy_rng is not None:
             import numpy
 
@@ -152,10 +151,7 @@ class GlobalState:
         if self.cuda_rng is not None:
             for device, state in enumerate(self.cuda_rng[: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(state, device)
-        for restore, value in self.extra:
-            restore(value)
-        if self.reseed is not None:
-            seed_all(self.reseed)
+        ForkState(self.python_rng, self.extra, self.reseed).restore()  # random, register_state's pieces, the reseed
 
 
 @dataclasses.dataclass(frozen=True)
