@@ -1,8 +1,5 @@
-"""The preemption flag: one byte in the launch directory, mapped by the parent and every worker, so a worker
-learns of a preemption without a signal (which would interrupt its DataLoader and collectives) or a system
-call. Processes a worker forks share the mapping; others it starts map the file named by
-``MPLAUNCH_PREEMPT_FILE`` on their first read.
-"""
+"""The preemption flag: one byte in the launch directory that the parent and every worker map, so a worker learns
+of a preemption without a signal (which would interrupt its DataLoader and collectives) or a system call."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ def create(directory: str) -> mmap.mmap:
 
 
 def attach(directory: str, present: bool | None = None) -> bool:
-    """Map ``directory``'s flag in a worker and set ``MPLAUNCH_PREEMPT_FILE``; return whether there is one
-    (``present``: as the parent knew before forking; ``None``: look)."""
+    """Map ``directory``'s flag in a worker, set ``MPLAUNCH_PREEMPT_FILE``; return whether there is one."""
     global _mapping, _looked
     _looked = True
     if present is False:

@@ -1,8 +1,5 @@
-"""Pickling objects that hold tensors, with storages and buffers of :data:`INLINE_BYTES` or more recorded
-apart from the pickle (for :mod:`mplaunch._wire.transport`), and unpickling them. A pickle is made once
-(protocol 5): by reference where the reader can import what it names, else by value with cloudpickle;
-start objects become placeholders (:mod:`mplaunch._wire.start_objects`).
-"""
+"""Pickling objects with tensors once (protocol 5; by reference where the reader can import, else cloudpickle),
+storages and buffers of :data:`INLINE_BYTES` or more apart from the pickle, start objects as placeholders."""
 
 from __future__ import annotations
 
@@ -36,12 +33,8 @@ def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
 
 
 class StorageWriter:
-    """The storage half of a pickler: records each storage once, in order, and pickles a reference to it.
-
-    ``reducer_override`` is skipped for builtin containers and atoms (``persistent_id`` costs a call per object).
-    Start objects become placeholders (with ``probe``, judged by their own reduction), and with ``keep_shared``
-    so do storages in torch's shared memory, which the reader then shares.
-    """
+    """The storage half of a pickler (``reducer_override``: ``persistent_id`` would cost a call per object): each
+    storage once, start objects (``probe``: judged by their reduction) and ``keep_shared`` storages as placeholders."""
 
     inline_bytes = INLINE_BYTES
 
@@ -126,10 +119,7 @@ class _Pickler(StorageWriter, pickle.Pickler):
 
 
 class _CloudPickler(StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
-    """Pickle by value what the reader cannot import, judged by ``imports`` (else cloudpickle's own rule).
-
-    Open files are refused: cloudpickle would send a copy of their contents.
-    """
+    """Pickle by value what ``imports`` says the reader cannot import; refuse open files (not their contents)."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
@@ -157,10 +147,8 @@ def pickle_object(
     start_objects: bool = False,
     keep_shared: bool = False,
 ) -> tuple[memoryview, StorageWriter]:
-    """Pickle ``obj`` by reference, else (or with ``by_value``) by value; return the pickle and the pickler.
-
-    With ``start_objects``, a refusal by a start object of unknown type retries with each object probed.
-    """
+    """Pickle ``obj`` by reference, else (or ``by_value``) by value; return the pickle and the pickler.
+    With ``start_objects``, a start object's refusal retries with each object probed."""
     try:
         found = at_start.StartObjects() if start_objects else None
         return _pickle_once(obj, by_value, imports, found, False, keep_shared)

@@ -1,13 +1,6 @@
-"""Moving objects with tensors between the parent and its workers through shared memory.
-
-Storages and out-of-band buffers of 64 KiB or more go at page-aligned offsets apart from the pickle: into a
-memory file the worker inherited (:func:`dump_fd`: data, pickle, then a trailer; no ``/dev/shm`` limit), else
-into ``name.bin`` and ``name.pkl`` in the launch directory (:func:`dump`). A payload is mapped copy-on-write by
-every worker; a result is mapped copy-on-write (the pickle's pages cut off), so it stays the caller's own after
-the caller forks (a write copies the page), or read and unlinked. A mapped storage is
-an ordinary CPU storage (``torch.frombuffer``: not ``is_shared()``, so DataLoader queues, ``share_memory_()``
-and ``torch.save`` work). Nothing flows through a pipe, so no size can deadlock a join.
-"""
+"""Objects with tensors through shared memory: large data page-aligned apart from the pickle, in an inherited memory
+file (:func:`dump_fd`) or launch-directory files (:func:`dump`), mapped copy-on-write as ordinary CPU storages
+(not ``is_shared()``). Nothing flows through a pipe, so no size can deadlock a join."""
 
 from __future__ import annotations
 
@@ -45,8 +38,7 @@ def _aligned(offset: int) -> int:
 def _layout(
     obj: object, by_value: bool, imports: WorkerImports | None, start_objects: bool, keep_shared: bool = False
 ) -> tuple[list[tuple[int, memoryview]], int, bytes, memoryview, list[Any]]:
-    """Pickle ``obj``; return the data pieces (offset, bytes), the data's end, the header, the pickle and the
-    start objects."""
+    """Pickle ``obj``; return the data pieces (offset, bytes), their end, the header, the pickle, the start objects."""
     data, pickler = pickle_object(obj, by_value, imports, start_objects, keep_shared)
     pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
     offsets: dict[int, int] = {}  # storage index -> offset
@@ -79,11 +71,8 @@ def dump(
     start_objects: bool = False,
     keep_shared: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` as ``directory/name.bin`` and ``name.pkl`` (renamed into place last: complete once seen).
-
-    Returns the start objects written as placeholders (``keep_shared``: torch shared storages too), which the
-    reader passes to :func:`load`; without ``start_objects``, a start object raises RuntimeError.
-    """
+    """Write ``obj`` as ``directory/name.bin`` and ``name.pkl`` (renamed into place last: complete once seen);
+    return the start objects written as placeholders, for :func:`load`."""
     pieces, _, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
     if pieces:
         fd = os.open(os.path.join(directory, f"{name}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -113,10 +102,8 @@ def dump_fd(
     keep_shared: bool = False,
     plain: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` into the memory file ``fd``, replacing what it held, trailer last; otherwise as :func:`dump`.
-
-    ``plain``: ``obj`` holds only importable records of built-in scalars, so the standard pickler writes it.
-    """
+    """Write ``obj`` into the memory file ``fd``, trailer last, as :func:`dump` does (``plain``: the standard
+    pickler, for importable records of built-in scalars)."""
     pieces: list[tuple[int, memoryview]] = []
     objects: list[Any] = []
     if plain:
@@ -166,10 +153,8 @@ def load(
     missing_ok: bool = False,
     start_objects: Sequence[Any] = (),
 ) -> Any:
-    """Read the object ``name`` written by :func:`dump`, its data mapped copy-on-write (``private``) or read.
-
-    ``remove`` unlinks its files; without ``missing_ok``, FileNotFoundError when nothing complete is there.
-    """
+    """Read the object ``name`` written by :func:`dump`, its data mapped copy-on-write (``private``) or read;
+    FileNotFoundError when nothing complete is there, unless ``missing_ok``."""
     path, data_path = os.path.join(directory, f"{name}.pkl"), os.path.join(directory, f"{name}.bin")
     try:
         file = open(path, "rb")  # noqa: SIM115 - closed below
