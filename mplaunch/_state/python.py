@@ -1,7 +1,5 @@
-"""Capture the parent's warning filters, ``logging``, umask and resource limits, and restore them in a worker:
-``spawn``/``forkserver`` workers miss what the parent set up after it started, and ``forkserver`` workers have
-the server's umask and limits (multiprocessing itself sends ``cwd``, ``sys.path`` and ``sys.argv``).
-"""
+"""Capture the parent's warning filters, ``logging``, umask and resource limits, which ``spawn``/``forkserver``
+workers miss (or have the server's), and restore them in a worker."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ _warned: set[str] = set()
 
 @dataclasses.dataclass(frozen=True)
 class PythonState:
-    """The parent's warning filters, logging configuration, umask and resource limits; restoring changes only
-    what differs."""
+    """The parent's warning filters, logging configuration, umask and resource limits; restored where they differ."""
 
     warning_filters: tuple[Any, ...]
     logging: LoggingState

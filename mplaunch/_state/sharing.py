@@ -33,8 +33,7 @@ _OPAQUE = (
 
 
 def _inside(obj: Any) -> Iterable[Any]:
-    """Return what the walk looks at inside ``obj``, running none of its own methods where possible (a lazy
-    mapping's ``values()``)."""
+    """Return what the walk looks at inside ``obj``, running none of its own methods where possible."""
     if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
         return () if set(map(type, obj)) <= _LEAVES else obj
     if isinstance(obj, (dict, types.MappingProxyType)):

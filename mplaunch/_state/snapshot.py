@@ -1,7 +1,5 @@
-"""Capture the parent's process-global state and restore it in a worker, so the three start methods start
-alike: ``spawn`` and ``forkserver`` workers have none of the parent's seeds and flags, and ``fork`` reseeds
-Python's ``random`` in the child.
-"""
+"""Capture the parent's process-global state and restore it in a worker, so the three start methods start alike
+(``spawn``/``forkserver`` workers have none of its seeds and flags; ``fork`` reseeds ``random`` in the child)."""
 
 from __future__ import annotations
 
@@ -156,8 +154,7 @@ class GlobalState:
 
 @dataclasses.dataclass(frozen=True)
 class ForkState:
-    """What a forked worker does not inherit as it was: ``random`` (CPython reseeds it in the child) and the
-    :func:`register_state` pieces (a library may reset its own at fork); ``fork`` keeps the rest of GlobalState."""
+    """What a fork does not keep: ``random`` (reseeded) and the :func:`register_state` pieces (a library may reset)."""
 
     python_rng: Any
     extra: tuple[tuple[Callable[[Any], None], Any], ...]
