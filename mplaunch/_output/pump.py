@@ -1,8 +1,5 @@
-r"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread.
-
-It writes whole, prefixed lines to the ``sys.stdout``/``stderr`` current at launch (a Jupyter cell shows them)
-and to ``log_dir/rank{N}.log``. Another rank's text waits at most :data:`HOLD` seconds for an open line to end.
-"""
+r"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread into whole, prefixed
+lines on the ``sys.stdout``/``stderr`` current at launch (a Jupyter cell shows them) and ``log_dir/rank{N}.log``."""
 
 from __future__ import annotations
 
@@ -57,9 +54,7 @@ class _Source:
 
 
 class Pump:
-    """Pipes for one node's ranks and the thread that drains them; a rank of ``None`` is announced (multi-node).
-
-    ``prefix``: ``True`` or a template of ``rank``, ``local_rank``, ``node_rank``, ``pid``; a ``restart`` appends."""
+    """Pipes for one node's ranks and the thread that drains them; a rank of ``None`` is announced (multi-node)."""
 
     def __init__(
         self,

@@ -1,8 +1,5 @@
-"""Per-rank output in a worker: the parent's descriptors in place of fd 1 and 2, and the terminal as stdin.
-
-The parent's pair per rank is a pair of pipes it drains or the caller's own fd 1 and 2 (not the fork server's).
-As the descriptors change, everything is caught: Python streams, logging handlers, C code, child processes.
-"""
+"""Per-rank output in a worker: the parent's pipes (or the caller's own fd 1 and 2) in place of fd 1 and 2, so
+that everything is caught (Python streams, logging, C code, children); and the terminal as stdin."""
 
 from __future__ import annotations
 
@@ -57,8 +54,7 @@ def _close(*fds: int) -> None:
 
 
 def _streams_on_fds() -> None:
-    """Make ``sys.stdout``/``stderr`` line-buffered over fd 1/2, so a rank killed later loses no printed line;
-    another stream (ipykernel's ``OutStream``) is replaced, and logging handlers holding it are repointed."""
+    """Make ``sys.stdout``/``stderr`` line-buffered over fd 1/2 (a rank killed later loses no printed line)."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
         if isinstance(old, io.TextIOWrapper) and on_fd(old, fd):
@@ -84,8 +80,7 @@ _HELD: list[TextIO] = []  # a forked worker's inherited sys.stdin, from hold_std
 
 
 def hold_stdin() -> None:
-    """Hide a forked worker's ``sys.stdin`` from multiprocessing's start-up, for :func:`terminal_stdin`: it
-    would open ``/dev/null`` in its place (some 50 page copies), often replaced again later."""
+    """Hide a forked worker's ``sys.stdin`` from multiprocessing, which would open ``/dev/null`` (50 page copies)."""
     if sys.stdin is not None:
         _HELD.append(sys.stdin)
         sys.stdin = None
@@ -116,8 +111,7 @@ def stdin_for_forks(start_method: str) -> Iterator[TextIO | None]:
 
 
 def terminal_stdin(prepared: TextIO | None = None) -> None:
-    """Make a worker's ``sys.stdin`` the caller's terminal where there is one (a pipe stays the caller's);
-    ``prepared``: a :func:`stdin_stream` the parent made before the fork, else one is made here."""
+    """Make a worker's ``sys.stdin`` the caller's terminal, if any (``prepared``: one the parent made for forks)."""
     if _HELD:
         inherited = _HELD.pop()
         with contextlib.suppress(OSError, ValueError, AttributeError):
