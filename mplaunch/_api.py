@@ -191,9 +191,8 @@ class ParallelFunction(Generic[P, T]):
         return ParallelFunction(self.__wrapped__, replace_options(self.config, overrides))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        """Pickle by reference (module and qualified name); by value (the plain function and options) if its name
-        does not find it, or if it belongs to ``__main__`` and the pickler sends ``__main__``'s functions by value
-        (cloudpickle, as submitit, loky, Ray and dask use, to a fresh interpreter without this ``__main__``)."""
+        """Pickle by name; by value where the name does not find it, or for ``__main__`` to a pickler that sends
+        ``__main__`` by value (cloudpickle's, as submitit, loky, Ray and dask use: a fresh interpreter)."""
         module = getattr(self, "__module__", "")
         by_value = module == "__main__" and _main_by_value(sys._getframe(1))
         if resolve(module, getattr(self, "__qualname__", "")) is self and not by_value:
@@ -336,8 +335,7 @@ def parallel(
 
 
 def _main_by_value(frame: types.FrameType | None) -> bool:
-    """Return whether the pickler calling ``__reduce__`` (a frame's ``self`` with a ``dump``) is a cloudpickle or
-    dill one other than mplaunch's, whose workers rerun ``__main__`` and find the function by name."""
+    """Return whether the pickler calling ``__reduce__`` is cloudpickle's or dill's (not mplaunch's own)."""
     for _ in range(8):
         if frame is None:
             return False

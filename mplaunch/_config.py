@@ -293,8 +293,7 @@ def check_mode(config: ParallelConfig, mode: str, what: str | None = None) -> No
 
 
 def call_config(own: ParallelConfig, workers: ParallelConfig, name: str) -> ParallelConfig:
-    """Return the options of a call of ``name`` on warm workers: theirs, with the function's own of PER_CALL;
-    InvalidOptionError where the function sets an option of the ranks' start to another value."""
+    """Return the options of a call of ``name`` on warm workers: theirs, with its own of PER_CALL (else refused)."""
     overrides = {}
     for field in dataclasses.fields(ParallelConfig):
         value, theirs = getattr(own, field.name), getattr(workers, field.name)

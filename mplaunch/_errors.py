@@ -1,7 +1,5 @@
-"""The exceptions mplaunch raises: each subclasses :class:`MplaunchError` and the builtin that fits (the tree is
-drawn in docs/reference/exceptions.md). A worker's exception is re-raised in the parent as itself, with the
-remote traceback as ``__cause__``, as CPython's ``concurrent.futures.process`` does (``_ExceptionWithTraceback``).
-"""
+"""The exceptions mplaunch raises, each also the builtin that fits; a worker's is re-raised as itself, the remote
+traceback as ``__cause__`` (as CPython's ``concurrent.futures.process`` does)."""
 
 from __future__ import annotations
 
@@ -220,8 +218,7 @@ class RemoteTraceback(Exception):
 
 
 def raised_by_design(error: BaseException) -> bool:
-    """Return whether mplaunch raises ``error`` by design (its own, a worker's, Ctrl-C), so its frames can go;
-    anything else is a bug of mplaunch and keeps its full traceback."""
+    """Return whether mplaunch raises ``error`` by design (its own, a worker's, Ctrl-C): else a bug, traceback kept."""
     return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
 
 
