@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -160,10 +161,8 @@ class ParallelFunction(Generic[P, T]):
             here = functools.partial(in_process.run_in_process, self, args, kwargs, self.config)
             return in_thread(lambda _: here(), control, name)
         control.queued = self.config.devices is not None  # until the launch holds its devices
-        try:
+        with contextlib.suppress(Exception):  # a failure: captured again in the launch, whose error the future gets
             control.state = for_launch(GlobalState.capture())
-        except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
-            control.state = None
         start: Callable[[launch.CallRequest, LaunchControl], Any] = (
             launch.launch_stream if request.streams else launch.launch
         )

@@ -211,16 +211,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
         _check_start_method(self.start_method)
-        if not isinstance(self.return_all, bool):
-            raise InvalidOptionError(f"return_all={self.return_all!r} is not valid: pass True or False.")
+        for name in ("return_all", "post_mortem"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidOptionError(f"{name}={getattr(self, name)!r} is not valid: pass True or False.")
         _check_prefix(self.prefix_output)
         if self.cpu_binding not in (None, "cores", "numa"):
             raise InvalidOptionError(
                 f"cpu_binding={self.cpu_binding!r} is not valid: pass 'cores' (each rank on its own cores), "
                 "'numa' (each rank on one NUMA node), or None."
             )
-        if not isinstance(self.post_mortem, bool):
-            raise InvalidOptionError(f"post_mortem={self.post_mortem!r} is not valid: pass True or False.")
         _check_seconds("timeout", self.timeout, "> 0, or None for no limit", optional=True)
         _check_seconds("stall_timeout", self.stall_timeout, "> 0, or None to watch no rank", optional=True)
         _check_seconds("grace_period", self.grace_period, ">= 0", allow_zero=True)

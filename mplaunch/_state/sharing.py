@@ -62,11 +62,6 @@ def _inside(obj: Any) -> Iterable[Any]:
     return found
 
 
-def _plain(tensor: torch.Tensor) -> bool:
-    """Return whether ``tensor`` is dense, unquantized and on the CPU: one storage, which can be re-pointed."""
-    return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
-
-
 def _torch_shared(tensor: torch.Tensor) -> bool:
     """Return whether ``tensor`` is in torch's shared memory (``share_memory_()``)."""
     try:
@@ -124,7 +119,7 @@ def unshare(obj: T, *, keep_requested: bool = False) -> T:
         for found in list(_walk(obj)):
             if found.device.type != "cpu" or not _torch_shared(found):
                 continue
-            if not _plain(found):  # sparse or quantized: a copy of its own
+            if found.layout != torch.strided or found.is_quantized:  # no one storage to re-point: a copy of its own
                 found.data = found.data.clone()
                 continue
             storage = found.untyped_storage()

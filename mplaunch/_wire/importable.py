@@ -27,8 +27,6 @@ def worker_sys_path() -> tuple[str, ...]:
 
 def rerun_main_file(main: ModuleType | None) -> str | None:
     """Return the file a worker re-runs as its ``__main__``, or ``None`` when multiprocessing runs none."""
-    if main is None:
-        return None
     path = getattr(main, "__file__", None)
     name = getattr(getattr(main, "__spec__", None), "name", None)
     if name is not None and (name == "__main__" or name.endswith(".__main__")):
