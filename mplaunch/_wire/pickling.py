@@ -147,12 +147,11 @@ def pickle_object(
     start_objects: bool = False,
     keep_shared: bool = False,
 ) -> tuple[memoryview, StorageWriter]:
-    """Pickle ``obj`` by reference, else (or ``by_value``) by value; return the pickle and the pickler.
-    With ``start_objects``, a start object's refusal retries with each object probed."""
+    """Pickle ``obj`` by reference, else (or ``by_value``) by value; return the pickle and the pickler."""
     try:
         found = at_start.StartObjects() if start_objects else None
         return _pickle_once(obj, by_value, imports, found, False, keep_shared)
-    except RuntimeError as error:
+    except RuntimeError as error:  # a start object of a type not known refused: again, each object probed
         if not (start_objects and at_start.says_start_only(error)):
             raise
     return _pickle_once(obj, by_value, imports, at_start.StartObjects(), True, keep_shared)

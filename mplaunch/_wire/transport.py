@@ -9,7 +9,7 @@ import mmap
 import os
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mplaunch._wire.importable import WorkerImports
@@ -24,11 +24,13 @@ _MAGIC_PLAIN = _MAGIC + 1  # the same, after a standard pickle alone (``plain``)
 _PLAIN_HEADER = _HEADER.pack(0) + _HEADER.pack(len(_EMPTY := pickle.dumps({}, protocol=5))) + _EMPTY  # no data
 
 
-def _write_at(fd: int, data: memoryview | bytes, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    written = 0
-    while written < len(view):
-        written += os.pwrite(fd, view[written : written + (1 << 30)], offset + written)
+def _write_at(fd: int, pieces: Iterable[tuple[int, memoryview | bytes]]) -> None:
+    """Write each ``(offset, data)`` of ``pieces`` into ``fd``."""
+    for offset, data in pieces:
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written : written + (1 << 30)], offset + written)
 
 
 def _aligned(offset: int) -> int:
@@ -71,21 +73,18 @@ def dump(
     start_objects: bool = False,
     keep_shared: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` as ``directory/name.bin`` and ``name.pkl`` (renamed into place last: complete once seen);
-    return the start objects written as placeholders, for :func:`load`."""
+    """Write ``obj`` as ``directory/name.bin`` and ``name.pkl`` (renamed last); return the start objects, for load."""
     pieces, _, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
     if pieces:
         fd = os.open(os.path.join(directory, f"{name}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            for offset, piece in pieces:
-                _write_at(fd, piece, offset)
+            _write_at(fd, pieces)
         finally:
             os.close(fd)
     staging = os.path.join(directory, f".{name}.pkl")
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        _write_at(fd, header, 0)
-        _write_at(fd, data, len(header))
+        _write_at(fd, [(0, header), (len(header), data)])
     finally:
         os.close(fd)
     os.replace(staging, os.path.join(directory, f"{name}.pkl"))
@@ -102,8 +101,7 @@ def dump_fd(
     keep_shared: bool = False,
     plain: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` into the memory file ``fd``, trailer last, as :func:`dump` does (``plain``: the standard
-    pickler, for importable records of built-in scalars)."""
+    """Write ``obj`` into the memory file ``fd``, trailer last (``plain``: a record of scalars, standard pickler)."""
     pieces: list[tuple[int, memoryview]] = []
     objects: list[Any] = []
     if plain:
@@ -111,15 +109,12 @@ def dump_fd(
     else:
         pieces, end, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
     os.ftruncate(fd, 0)
-    for offset, piece in pieces:
-        _write_at(fd, piece, offset)
+    _write_at(fd, pieces)
     trailer = _TRAILER.pack(end, _MAGIC_PLAIN if plain else _MAGIC)
     if len(data) < INLINE_BYTES:  # one write: the pickle is small enough to copy
-        _write_at(fd, b"".join((header, data, trailer)), end)
+        _write_at(fd, [(end, b"".join((header, data, trailer)))])
     else:
-        _write_at(fd, header, end)
-        _write_at(fd, data, end + len(header))
-        _write_at(fd, trailer, end + len(header) + len(data))
+        _write_at(fd, [(end, header), (end + len(header), data), (end + len(header) + len(data), trailer)])
     return objects
 
 
