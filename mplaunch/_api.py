@@ -207,8 +207,7 @@ class ParallelFunction(Generic[P, T]):
 
 
 class BoundParallelMethod:
-    """A decorated method bound to an instance (``trainer.fit``), passed first as a bound method passes it; other
-    attributes (``config``, ``last_report``...) are the decorated function's."""
+    """A decorated method bound to an instance (``trainer.fit``), passed first; other attributes are the function's."""
 
     def __init__(self, function: ParallelFunction[..., Any], instance: object) -> None:
         self.__func__ = function

@@ -9,7 +9,7 @@ import os
 import signal
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypedDict, TypeGuard
+from typing import Any, Literal, TypedDict, TypeGuard, get_args
 
 from mplaunch._env import check_extra_env
 from mplaunch._errors import InvalidOptionError
@@ -341,8 +341,7 @@ def _check_nprocs(nprocs: object) -> None:
 def _check_start_method(start_method: object) -> None:
     available = multiprocessing.get_all_start_methods()
     if start_method is not None and start_method not in available:
-        known = ("fork", "spawn", "forkserver")
-        what = "is not available on this platform" if start_method in known else "is no start method"
+        what = "is not available on this platform" if start_method in get_args(StartMethod) else "is no start method"
         raise InvalidOptionError(
             f"start_method={start_method!r} {what}: use one of "
             f"{', '.join(repr(m) for m in available)}, or None to let mplaunch choose."

@@ -193,8 +193,8 @@ _counting = forks.new_lock()
 
 
 def for_launch(state: State) -> State:
-    """Return ``state`` for a launch's ranks; if the parent's generators are as the last launch left them (not
-    seeded, set or drawn from since), with a ``reseed`` made of them and the count of launches from them."""
+    """Return ``state`` for a launch, with a ``reseed`` if the generators are as the last launch left them (so
+    a launch from the very same state draws anew): made of them and the count of launches from them."""
     with _counting:
         now = _generators()
         if now == _left[0]:
