@@ -98,3 +98,12 @@ def large_tensors(count: int) -> Iterator[object]:
 
     for index in range(count):
         yield torch.full((256 * 1024,), float(index))
+
+
+calls: list[object] = []
+
+
+def record(tag: object) -> list[object]:
+    """Note ``tag`` in this rank's list of calls; return the list so far."""
+    calls.append(tag)
+    return list(calls)

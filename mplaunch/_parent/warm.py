@@ -114,8 +114,9 @@ class Workers:
         """Run ``function(*args, **kwargs)`` on every rank and return rank 0's value.
 
         ``function`` may be a plain function or a decorated one (its plain function runs). A generator function returns
-        at once a :class:`~mplaunch.Stream` of the values rank 0 yields, as they are yielded. One call runs at a time: a
-        call from another thread waits; a call from the thread that left a stream unfinished closes that stream first.
+        at once a :class:`~mplaunch.Stream` of the values rank 0 yields, as they are yielded. One call runs at a time,
+        in the order the calls were made (``run()`` and :meth:`submit` alike, from any thread); a call from the
+        thread that left a stream unfinished closes that stream first.
 
         Ctrl-C stops the call in every rank (``KeyboardInterrupt`` at the line it runs) and keeps the ranks.
         A rank that does not stop within ``grace_period`` seconds is stopped with the others, and the next
@@ -152,8 +153,12 @@ class Workers:
 
     def submit(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.LaunchFuture[Any]:
         """Run the call in the background; return a :class:`concurrent.futures.Future` of what :meth:`run`
-        returns or raises. ``cancel()`` interrupts the call (not the ranks); ``report`` is its
-        :class:`~mplaunch.RunReport` once it has ended.
+        returns or raises. ``cancel()`` interrupts the call (not the ranks), or takes it out of the queue;
+        ``report`` is its :class:`~mplaunch.RunReport` once it has ended.
+
+        Calls run one at a time, in the order they were made: the ranks run submitted calls in the order of
+        their ``submit()`` (a first-in, first-out queue, as a one-thread executor's tasks and Ray's calls of one
+        caller to an actor), ``run()`` calls taking their place in the same queue.
 
         For a generator function, the future is of its return value, and its ``items`` attribute iterates
         over the values yielded (as :meth:`run`'s stream), as they arrive.
@@ -170,9 +175,14 @@ class Workers:
         check_mode(config, "submit()", "Workers.submit()")
         control = LaunchControl(stoppable=True)
         name = getattr(call.function, "__qualname__", "call")
-        if inspect.isgeneratorfunction(call.function):
-            return futures.submit_stream(lambda control: self._stream(call, config, control), control, name)
-        return futures.submit(lambda control: self._call(call, config, control), control, name)
+        turn = self._held.take_turn()  # here, in the caller's thread: its place in the queue
+        try:
+            if inspect.isgeneratorfunction(call.function):
+                return futures.submit_stream(lambda control: self._stream(call, config, control, turn), control, name)
+            return futures.submit(lambda control: self._call(call, config, control, turn), control, name)
+        except BaseException:
+            self._held.give_up(turn)
+            raise
 
     def close(self) -> None:
         """Tell the ranks to leave (their exit handlers run), stop those still running after
@@ -213,14 +223,16 @@ class Workers:
             return call, self.config
         return call, call_config(own, self.config, getattr(function, "__name__", "the function"))
 
-    def _busy(self) -> Held:
-        """Close this thread's unfinished stream; return the call lock (see :meth:`run`)."""
+    def _busy(self, turn: int | None = None, control: LaunchControl | None = None) -> Held:
+        """Close this thread's unfinished stream; wait for the call's ``turn`` (default: the next) and return
+        the held calls, whose ``__exit__`` ends the turn (see :meth:`run`)."""
         held = self._held
         held.check_process()  # before the lock: a thread of the owner may have held it at the fork
         stream = None if held.stream is None else held.stream()
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)
             stream.close()
+        held.wait_turn(held.take_turn() if turn is None else turn, control)
         return held
 
     def _send(self, call: Call) -> tuple[Team, int]:
@@ -286,14 +298,15 @@ class Workers:
         found = values(states, ranks.spec.nprocs)
         return found if config.return_all else found[0]
 
-    def _call(self, call: Call, config: ParallelConfig, control: LaunchControl | None) -> Any:
-        with self._busy(), terminal_kept():
+    def _call(self, call: Call, config: ParallelConfig, control: LaunchControl | None, turn: int | None = None) -> Any:
+        with self._busy(turn, control), terminal_kept():
             team, number = self._send(call)
             return drained(self._exchange(team, number, config, control or LaunchControl()))
 
-    def _stream(self, call: Call, config: ParallelConfig, control: LaunchControl | None = None) -> Stream[Any]:
-        busy = self._busy()
-        busy.__enter__()
+    def _stream(
+        self, call: Call, config: ParallelConfig, control: LaunchControl | None = None, turn: int | None = None
+    ) -> Stream[Any]:
+        busy = self._busy(turn, control)
         try:
             team, number = self._send(call)
             calling = self._exchange(team, number, config, control or LaunchControl())
@@ -396,14 +409,18 @@ def _call_report(ranks: Ranks, before: list[tuple[int, float, float] | None], st
 
 
 class Held:
-    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and its call lock (entered as ``with``)."""
+    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and the queue of its calls: each takes a
+    turn when it is made and runs when its turn comes, one at a time (a ticket lock: first in, first out)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # the process whose ranks these are: a process forked from it has copies only
         self.team: Team | None = None
         self.closed = False
-        self.lock = threading.Lock()  # one call at a time
-        self.owner: threading.Thread | None = None  # the thread whose call holds the lock
+        self.turns = threading.Condition()
+        self.next_turn = itertools.count()
+        self.serving = 0  # the turn of the call that runs or is next
+        self.given_up: set[int] = set()  # later turns whose calls left the queue (cancelled, interrupted)
+        self.owner: threading.Thread | None = None  # the thread whose call has its turn
         self.stream: weakref.ref[Stream[Any]] | None = None  # its stream; weak: one dropped after a `break` closes
         _open.add(self)
         _register_exit()
@@ -419,18 +436,43 @@ class Held:
         """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
         forks.check_owner(self.pid, "these mplaunch.Workers", "Make new Workers in this process.")
 
-    def __enter__(self) -> None:
-        self.lock.acquire()
+    def take_turn(self) -> int:
+        with self.turns:
+            return next(self.next_turn)
+
+    def wait_turn(self, turn: int, control: LaunchControl | None = None) -> None:
+        """Wait until ``turn`` comes; a stop of ``control`` (``LaunchStopped``) or Ctrl-C gives it up."""
+        with self.turns:
+            try:
+                while self.serving != turn:
+                    if control is not None:
+                        control.check()
+                    self.turns.wait(0.05 if control is not None else None)  # (a stop writes to no condition)
+            except BaseException:
+                self.give_up(turn)
+                raise
         self.owner = threading.current_thread()
+
+    def give_up(self, turn: int) -> None:
+        """End ``turn`` (or leave the queue before it came); the next turn still waiting comes."""
+        with self.turns:
+            self.given_up.add(turn)
+            while self.serving in self.given_up:
+                self.given_up.discard(self.serving)
+                self.serving += 1
+            self.turns.notify_all()
+
+    def __enter__(self) -> None:
+        pass  # the turn was taken by Workers._busy
 
     def __exit__(self, *exc: object) -> None:
         self.release()
 
     def release(self) -> None:
-        """Release the call lock."""
+        """End the running call's turn."""
         self.owner = None
         self.stream = None
-        self.lock.release()
+        self.give_up(self.serving)
 
 
 _open: weakref.WeakSet[Held] = weakref.WeakSet()

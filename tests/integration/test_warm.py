@@ -245,6 +245,28 @@ def test_submit_returns_a_future_and_calls_run_one_at_a_time(tmp_path: Path) -> 
         assert after.result(TIMEOUT)[2] == 1
 
 
+def test_calls_reach_every_rank_in_the_order_they_were_made(tmp_path: Path) -> None:
+    """A first-in, first-out queue (a one-thread executor's, Ray's actor calls from one caller): 20 calls
+    submitted while one runs, a ``run()`` from the main thread between them, and a queued call cancelled.
+    They were reordered: each waited for a plain lock in its thread of its own (``...10, 12, 13, 11...``)."""
+    go, started = str(tmp_path / "go"), str(tmp_path / "started")
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, return_all=True) as workers:
+        first = workers.submit(warm_workers.wait_for, go, started)
+        while not os.path.exists(started):
+            time.sleep(0.01)
+        queued = [workers.submit(warm_workers.record, index) for index in range(10)]
+        assert queued[3].cancel()
+        Path(go).touch()
+        between = workers.run(warm_workers.record, "run")
+        later = [workers.submit(warm_workers.record, index) for index in range(10, 20)]
+        orders = later[-1].result(TIMEOUT)
+    assert first.result() == ["seen", "seen"]
+    assert queued[3].cancelled()
+    expected = [*(index for index in range(10) if index != 3), "run", *range(10, 20)]
+    assert between == [expected[:10], expected[:10]]
+    assert orders == [expected, expected]
+
+
 def test_options_that_warm_workers_cannot_honour_are_refused() -> None:
     with pytest.raises(mplaunch.InvalidOptionError, match="max_restarts"):
         Workers(nprocs=2, start_method="fork", max_restarts=1)
