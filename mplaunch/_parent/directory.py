@@ -89,9 +89,22 @@ def _start_reaper(root: str) -> None:
         _reapers[key] = started
 
 
+def _standard_fds_open() -> None:
+    """Open ``/dev/null`` on each of fds 0-2 that is closed (a daemon, a GUI host): a descriptor the launch made
+    there would reach a spawned rank as its stdin, stdout or stderr, and be replaced."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:  # another thread took the number meanwhile
+                os.close(opened)
+
+
 @contextlib.contextmanager
 def launch_directory() -> Iterator[str]:
     """Create this launch's directory, yield its path, and remove it after, in this process only (not a child's)."""
+    _standard_fds_open()  # before the launch makes any descriptor
     root = shm_root()
     maker = os.getpid()
     try:
