@@ -274,14 +274,16 @@ def daemonic_allowed() -> Iterator[None]:
 @contextlib.contextmanager
 def main_prepared() -> Iterator[None]:
     """Hide a ``__main__.__file__`` that is no real file (``python -`` sets ``<stdin>``), which spawn would
-    run; give a ``__main__`` without ``__spec__`` (``python -m pdb``'s) ``None``, which multiprocessing reads."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
+    run; give a ``__main__`` without ``__spec__`` (``python -m pdb``'s) ``None``, which multiprocessing reads;
+    hide a default start method a spawned rank cannot set (loky's, in a joblib worker), whose name spawn sends."""
+    main: Any = sys.modules.get("__main__")
+    default: Any = multiprocessing.context._default_context
+    foreign = default._actual_context
+    if foreign is not None and foreign._name not in multiprocessing.get_all_start_methods():
+        default._actual_context = None  # spawn sends the platform's default instead
     path = getattr(main, "__file__", None)
     hide = path is not None and not os.path.isfile(path)
-    add_spec = "__spec__" not in vars(main)
+    add_spec = main is not None and "__spec__" not in vars(main)
     if hide:
         del main.__file__
     if add_spec:
@@ -293,6 +295,8 @@ def main_prepared() -> Iterator[None]:
             main.__file__ = path
         if add_spec:
             vars(main).pop("__spec__", None)
+        if foreign is not None:
+            default._actual_context = foreign
 
 
 @functools.lru_cache(maxsize=1)
