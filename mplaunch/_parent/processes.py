@@ -10,6 +10,7 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.popen_fork
 import multiprocessing.process
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
@@ -71,6 +72,8 @@ def start_workers(
                 context.set_forkserver_preload(preload)
                 short_socket_directory()
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
+            if spec.start_method != "fork":  # before signals are blocked: its start unblocks SIGINT and SIGTERM
+                multiprocessing.resource_tracker.ensure_running()  # (bpo-33613), which ranks would then not hold
             kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]
             processes = [
                 kind(

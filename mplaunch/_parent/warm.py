@@ -246,11 +246,12 @@ class Workers:
             if team is not None:
                 team.close()
             held.team = None
-            warn_at_user(
-                "mplaunch.Workers: ranks had died or were stopped; all ranks were started again, and the state "
-                "they held (globals, models, the process group) is lost",
-                RuntimeWarning,
-            )
+            if team is not None and team.ranks.ready:  # (ranks that died starting held no state)
+                warn_at_user(
+                    "mplaunch.Workers: ranks had died or were stopped; all ranks were started again, and the state "
+                    "they held (globals, models, the process group) is lost",
+                    RuntimeWarning,
+                )
             team = held.team = Team(self.config, self.nprocs, self.start_method)
         number = next(self._numbers)
         fork = self.start_method == "fork"
