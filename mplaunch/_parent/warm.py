@@ -156,9 +156,8 @@ class Workers:
         returns or raises. ``cancel()`` interrupts the call (not the ranks), or takes it out of the queue;
         ``report`` is its :class:`~mplaunch.RunReport` once it has ended.
 
-        Calls run one at a time, in the order they were made: the ranks run submitted calls in the order of
-        their ``submit()`` (a first-in, first-out queue, as a one-thread executor's tasks and Ray's calls of one
-        caller to an actor), ``run()`` calls taking their place in the same queue.
+        Calls run in the order they were made, ``run()`` among them: first in, first out, as a one-thread
+        executor runs its tasks and Ray one caller's calls to an actor.
 
         For a generator function, the future is of its return value, and its ``items`` attribute iterates
         over the values yielded (as :meth:`run`'s stream), as they arrive.
@@ -175,8 +174,8 @@ class Workers:
         check_mode(config, "submit()", "Workers.submit()")
         control = LaunchControl(stoppable=True)
         name = getattr(call.function, "__qualname__", "call")
-        turn = self._held.take_turn()  # here, in the caller's thread: its place in the queue
-        try:
+        turn = next(self._held.turns)  # here, in the caller's thread: its place in the queue
+        try:  # (a thread that cannot start must not leave its turn waited for forever)
             if inspect.isgeneratorfunction(call.function):
                 return futures.submit_stream(lambda control: self._stream(call, config, control, turn), control, name)
             return futures.submit(lambda control: self._call(call, config, control, turn), control, name)
@@ -224,15 +223,15 @@ class Workers:
         return call, call_config(own, self.config, getattr(function, "__name__", "the function"))
 
     def _busy(self, turn: int | None = None, control: LaunchControl | None = None) -> Held:
-        """Close this thread's unfinished stream; wait for the call's ``turn`` (default: the next) and return
-        the held calls, whose ``__exit__`` ends the turn (see :meth:`run`)."""
+        """Close this thread's unfinished stream; wait for ``turn`` (default: the next); return ``Held``, whose
+        ``__exit__`` ends it."""
         held = self._held
         held.check_process()  # before the lock: a thread of the owner may have held it at the fork
         stream = None if held.stream is None else held.stream()
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)
             stream.close()
-        held.wait_turn(held.take_turn() if turn is None else turn, control)
+        held.wait_turn(next(held.turns) if turn is None else turn, control)
         return held
 
     def _send(self, call: Call) -> tuple[Team, int]:
@@ -410,15 +409,15 @@ def _call_report(ranks: Ranks, before: list[tuple[int, float, float] | None], st
 
 
 class Held:
-    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and the queue of its calls: each takes a
-    turn when it is made and runs when its turn comes, one at a time (a ticket lock: first in, first out)."""
+    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and its calls' queue (a ticket lock: each
+    takes a turn when it is made, and runs when the turn comes)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # the process whose ranks these are: a process forked from it has copies only
         self.team: Team | None = None
         self.closed = False
-        self.turns = threading.Condition()
-        self.next_turn = itertools.count()
+        self.turns = itertools.count()  # (next() is atomic)
+        self.changed = threading.Condition()
         self.serving = 0  # the turn of the call that runs or is next
         self.given_up: set[int] = set()  # later turns whose calls left the queue (cancelled, interrupted)
         self.owner: threading.Thread | None = None  # the thread whose call has its turn
@@ -437,18 +436,14 @@ class Held:
         """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
         forks.check_owner(self.pid, "these mplaunch.Workers", "Make new Workers in this process.")
 
-    def take_turn(self) -> int:
-        with self.turns:
-            return next(self.next_turn)
-
     def wait_turn(self, turn: int, control: LaunchControl | None = None) -> None:
         """Wait until ``turn`` comes; a stop of ``control`` (``LaunchStopped``) or Ctrl-C gives it up."""
-        with self.turns:
+        with self.changed:
             try:
                 while self.serving != turn:
                     if control is not None:
                         control.check()
-                    self.turns.wait(0.05 if control is not None else None)  # (a stop writes to no condition)
+                    self.changed.wait(0.05 if control is not None else None)  # (a stop writes to no condition)
             except BaseException:
                 self.give_up(turn)
                 raise
@@ -456,12 +451,12 @@ class Held:
 
     def give_up(self, turn: int) -> None:
         """End ``turn`` (or leave the queue before it came); the next turn still waiting comes."""
-        with self.turns:
+        with self.changed:
             self.given_up.add(turn)
             while self.serving in self.given_up:
                 self.given_up.discard(self.serving)
                 self.serving += 1
-            self.turns.notify_all()
+            self.changed.notify_all()
 
     def __enter__(self) -> None:
         pass  # the turn was taken by Workers._busy
