@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Generator, Iterator
+from typing import Any
 
 from mplaunch import worker_info
 
@@ -107,3 +108,23 @@ def record(tag: object) -> list[object]:
     """Note ``tag`` in this rank's list of calls; return the list so far."""
     calls.append(tag)
     return list(calls)
+
+
+_kept: dict[str, object] = {}  # what calls leave in a rank, by name
+KEPT_WORKERS: Any = None  # Workers a rank forked after this was set inherits
+
+
+def keep(name: str, value: object) -> None:
+    _kept[name] = value
+
+
+def read_kept(name: str) -> object:
+    return _kept[name]
+
+
+def call_workers(workers: Any) -> Any:
+    return workers.run(rank_and_pid)
+
+
+def call_kept_workers() -> Any:
+    return KEPT_WORKERS.run(rank_and_pid)
