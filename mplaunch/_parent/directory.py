@@ -90,22 +90,12 @@ def _start_reaper(root: str) -> None:
         _reapers[key] = started
 
 
-def _standard_fds_open() -> None:
-    """Open ``/dev/null`` on each of fds 0-2 that is closed (a daemon, a GUI host): a descriptor the launch made
-    there would reach a spawned rank as its stdin, stdout or stderr, and be replaced."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            opened = os.open(os.devnull, os.O_RDWR)
-            if opened != fd:  # another thread took the number meanwhile
-                os.close(opened)
-
-
 @contextlib.contextmanager
 def launch_directory() -> Iterator[str]:
     """Create this launch's directory, yield its path, and remove it after, in this process only (not a child's)."""
-    _standard_fds_open()  # before the launch makes any descriptor
+    while (fd := os.open(os.devnull, os.O_RDWR)) <= 2:  # a closed fd 0-2 (a daemon's) gets /dev/null: a descriptor
+        pass  # the launch made there would be a spawned rank's stdin, stdout or stderr, replaced as it starts
+    os.close(fd)
     root = shm_root()
     maker = os.getpid()
     try:

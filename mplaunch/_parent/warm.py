@@ -118,8 +118,7 @@ class Workers:
 
         ``function`` may be a plain function or a decorated one (its plain function runs). A generator function returns
         at once a [`Stream`][mplaunch.Stream] of the values rank 0 yields, as they are yielded. One call runs at a time,
-        in the order the calls were made (``run()`` and [`submit()`][mplaunch.Workers.submit] alike, from any thread); a
-        call from the thread that left a stream unfinished closes that stream first.
+        in the order made (``run()``, ``submit()``, any thread); a call from a thread that left a stream open closes it.
 
         Ctrl-C stops the call in every rank (``KeyboardInterrupt`` at the line it runs) and keeps the ranks.
         A rank that does not stop within ``grace_period`` seconds is stopped with the others, and the next
@@ -157,10 +156,8 @@ class Workers:
     def submit(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.LaunchFuture[Any]:
         """Run the call in the background; return a ``concurrent.futures.Future`` of what
         [`run()`][mplaunch.Workers.run] returns or raises. ``cancel()`` interrupts the call (not the ranks), or takes it
-        out of the queue; ``report`` is its [`RunReport`][mplaunch.RunReport] once it has ended.
-
-        Calls run in the order they were made, ``run()`` among them: first in, first out, as a one-thread
-        executor runs its tasks and Ray one caller's calls to an actor.
+        out of the queue; ``report`` is its [`RunReport`][mplaunch.RunReport] once it has ended. Calls run in the order
+        made, ``run()``'s too: first in, first out, as a one-thread executor's tasks or one caller's Ray actor calls.
 
         For a generator function, the future is of its return value, and its ``items`` attribute iterates
         over the values yielded (as [`run()`][mplaunch.Workers.run]'s stream), as they arrive.
@@ -232,8 +229,7 @@ class Workers:
         return call, call_config(own, self.config, getattr(function, "__name__", "the function"))
 
     def _busy(self, turn: int | None = None, control: LaunchControl | None = None) -> Held:
-        """Close this thread's unfinished stream; wait for ``turn`` (default: the next); return ``Held``, whose
-        ``__exit__`` ends it."""
+        """Close this thread's open stream; wait for ``turn`` (default: the next); return ``Held`` (exit ends it)."""
         held = self._held
         held.check_process(self)  # before the lock: a thread of the owner may have held it at the fork
         stream = None if held.stream is None else held.stream()
@@ -254,8 +250,7 @@ class Workers:
             if team is not None:
                 team.close()
             held.team = None
-            lost = team is not None and bool(team.ranks.ready)  # (ranks that died starting held no state)
-            if lost:
+            if lost := team is not None and bool(team.ranks.ready):  # (ranks that died starting held no state)
                 warn_at_user(
                     "mplaunch.Workers: ranks had died or were stopped; all ranks were started again, and the state "
                     "they held (globals, models, the process group) is lost",
@@ -429,8 +424,7 @@ def _call_report(ranks: Ranks, before: list[tuple[int, float, float] | None], st
 
 
 class Held:
-    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and its calls' queue (a ticket lock: each
-    takes a turn when it is made, and runs when the turn comes)."""
+    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and its calls' queue (a ticket lock)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # the process whose ranks these are: a process forked from it has copies only
