@@ -60,8 +60,7 @@ def start_workers(
     target: Callable[..., None] = run,
     rank_args: Sequence[tuple[Any, ...]] = (),
 ) -> None:
-    """Start one worker per spec, rank 0 first, each running ``target(rank, specs[rank], payload,
-    *rank_args[rank])``, and hand each to ``started`` as soon as it runs (before anything can reap it)."""
+    """Start one worker per spec, rank 0 first, running ``target``; hand each to ``started`` before it can be reaped."""
     spec = specs[0].launch
     method = _exec_method(spec)
     context = mp.get_context(method)
@@ -263,8 +262,7 @@ def _forget_dead_forkserver() -> None:
 
 @contextlib.contextmanager
 def daemonic_allowed() -> Iterator[None]:
-    """Let a daemonic process (a ``Pool`` worker) start workers, refused lest children outlive it: ours never
-    outlive their launcher (``PR_SET_PDEATHSIG``, a pidfd watch, the reaper)."""
+    """Let a daemonic process (a ``Pool`` worker) start workers: ours never outlive their launcher (PDEATHSIG)."""
     current = multiprocessing.process.current_process()
     config = getattr(current, "_config", None)
     if not isinstance(config, dict) or not config.get("daemon"):
@@ -279,9 +277,8 @@ def daemonic_allowed() -> Iterator[None]:
 
 @contextlib.contextmanager
 def main_prepared() -> Iterator[None]:
-    """Hide a ``__main__.__file__`` that is no real file (``python -`` sets ``<stdin>``), which spawn would
-    run; give a ``__main__`` without ``__spec__`` (``python -m pdb``'s) ``None``, which multiprocessing reads;
-    hide a default start method a spawned rank cannot set (loky's, in a joblib worker), whose name spawn sends."""
+    """Make what spawn sends usable by a rank: no ``__main__.__file__`` that is no file (``python -``), a ``__spec__``
+    (``python -m pdb``'s ``__main__`` has none), a default start method of the platform's (not joblib loky's)."""
     main: Any = sys.modules.get("__main__")
     default: Any = multiprocessing.context._default_context
     foreign = default._actual_context
@@ -312,8 +309,7 @@ def _hash_seed() -> str:
 
 
 def _exec_method(spec: LaunchSpec) -> str:
-    """Return how the ranks start: as asked, but a fork server's ranks with ``env=`` as spawn's. They would fork
-    from the server, whose interpreter started, and imported the script, with this process's environment then."""
+    """Return how the ranks start: as asked, but with ``env=`` spawn for forkserver (its server has the old environ)."""
     changes = [placement.environ for placement in spec.placements or ()]
     if spec.start_method == "forkserver" and any(os.environ.get(k) != v for env in changes for k, v in env.items()):
         return "spawn"
