@@ -405,7 +405,7 @@ CLEANED_UP = ["atexit0", "atexit1", "finally0", "finally1", "started0", "started
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_close_while_a_submitted_call_runs_lets_the_ranks_clean_up(tmp_path: Path, start_method: str) -> None:
+def test_close_while_a_submitted_call_runs_lets_the_ranks_clean_up(tmp_path: Path, start_method: StartMethod) -> None:
     """Issue 37, item 5: ``close()`` while a call runs in another thread: every rank's ``finally`` block and exit
     handlers run, well within ``grace_period``, before the ranks end."""
     workers = Workers(nprocs=2, start_method=start_method, timeout=TIMEOUT, grace_period=5.0)
