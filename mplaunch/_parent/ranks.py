@@ -490,7 +490,9 @@ class _Call:
         """Leave the ranks still running the call: stop a launch's with ``signum``; interrupt a warm call and
         await the answers for ``grace_period`` seconds (then stop them all)."""
         ranks = self.ranks
-        if ranks.warm and self.pending and self.pending <= ranks.ready:  # (one still starting cannot answer)
+        # a rank still starting (SIGINT held: a spawned one imports torch) cannot answer; one whose READY is unread can
+        answers = all(r in ranks.ready or takes_signal(ranks.pids[r], signal.SIGINT, True) for r in self.pending)
+        if ranks.warm and self.pending and answers:
             self.interrupted |= ranks.interrupt(self.pending - self.interrupted, self.number)
             deadline = time.monotonic() + ranks.spec.grace_period
             while self.pending and time.monotonic() < deadline:
