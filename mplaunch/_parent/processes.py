@@ -108,10 +108,8 @@ def start_workers(
 
 
 def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], None]) -> tuple[int, OSError | None]:
-    """Fork each process in turn, then hand each to ``started``; return how many started and the error that
-    stopped the rest (that worker killed and reaped), else ``None``. Unlike multiprocessing: no pipes, finalizer
-    or reaping of earlier children; a pidfd opens right after each fork, before a SIGCHLD handler can reap it,
-    other bookkeeping after the last fork (speed: each page written between forks is copied once per worker)."""
+    """Fork each process, a pidfd right after each (before a SIGCHLD handler can reap it), the rest after the last
+    fork (each page written between forks is copied per worker); return how many started and the error, if any."""
     multiprocessing.util._flush_std_streams()  # type: ignore[attr-defined] # once: nothing is written between
     parent = os.pidfd_open(os.getpid())
     forked: list[BaseProcess] = []
