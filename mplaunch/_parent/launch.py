@@ -25,7 +25,7 @@ from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.directory import launch_directory, log_dir_held
 from mplaunch._parent.limits import open_files_explained, short_socket_directory
 from mplaunch._parent.memfiles import Written, outcome_files, payload_written
-from mplaunch._parent.parent_signals import ignored_signals, parent_signals, sigchld_handled
+from mplaunch._parent.parent_signals import ignored_signals, own_group, parent_signals, sigchld_handled
 from mplaunch._parent.preemption import Preemption, preemption_notice
 from mplaunch._parent.ranks import STARTED, Ranks, board_for, values
 from mplaunch._parent.restarts import run_attempts
@@ -293,6 +293,7 @@ def launch_spec(
         grace_period=config.grace_period,
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
         ignored_signals=ignored_signals(),
+        own_group=own_group(),
         placements=placements,
         env_function=placement.env_function(config, start_method) if multinode else None,
         post_mortem=checks.post_mortem_terminal(config.post_mortem),

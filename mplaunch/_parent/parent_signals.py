@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import os
 import signal
@@ -40,6 +41,18 @@ def ignored_signals() -> frozenset[int]:
     if threading.current_thread() is not threading.main_thread():
         ignored.add(signal.SIGINT)
     return frozenset(ignored)
+
+
+def own_group() -> bool:
+    """Tell whether ranks launched now take process groups of their own, so that a SIGINT to a rank ends it and one to
+    the caller's group misses it: off the main thread, with no controlling terminal (a kernel, a service)."""
+    if threading.current_thread() is threading.main_thread() or getsignal(signal.SIGINT) == SIG_IGN:
+        return False
+    try:  # with one, a rank out of its group would be a background job, stopped by reading the terminal
+        os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY))
+    except OSError as error:
+        return error.errno == errno.ENXIO
+    return False
 
 
 @contextlib.contextmanager

@@ -49,6 +49,7 @@ class LaunchSpec:
     grace_period: float = 5.0  # seconds before SIGKILL; a worker's own children get part of it
     mp_start_method: str | None = None  # the parent's multiprocessing default, if it set one
     ignored_signals: frozenset[int] = frozenset()  # the stop signals the caller ignores (never SIGTERM)
+    own_group: bool = False  # each rank takes a process group of its own, and SIGINT (parent_signals.own_group)
     placements: tuple[RankPlacement, ...] | None = None
     env_function: Callable[[int], Any] | None = None  # env='s function of the global rank (multi-node)
     post_mortem: bool = False  # the first rank that raises opens pdb

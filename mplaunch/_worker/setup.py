@@ -129,6 +129,9 @@ def start(
     for signum in STOP_SIGNALS:  # one the caller ignores (nohup: SIGHUP) is ignored here too
         ignored = signum in spec.launch.ignored_signals and signum != signal.SIGTERM  # SIGTERM: how a launch stops it
         set_handler(signum, SIG_IGN if ignored else _on_signal)
+    if spec.launch.own_group:  # (SIGINT ignored until now: one pending came to the caller's group)
+        os.setpgid(0, 0)
+        set_handler(signal.SIGINT, _on_signal)
     if on_interrupt is not None:
         set_handler(signal.SIGINT, on_interrupt)
     if getsignal(signal.SIGCHLD) == SIG_IGN:  # inherited: the rank's children's codes would be lost
@@ -147,7 +150,7 @@ def start(
     if spec.launch.start_method != "fork":  # a forked worker has the parent's already
         # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
         multiprocessing.set_start_method(spec.launch.mp_start_method, force=True)
-    # the rank stays in the caller's process group (a terminal's foreground job); orphans stay in its tree
+    # but with own_group, the rank stays in the caller's process group (a terminal's foreground job); orphans stay in its tree
     become_subreaper()
     terminal_stdin(None if forked is None else forked.stdin)
     pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked while starting: may raise now

@@ -231,3 +231,87 @@ def test_sigterm_to_a_rank_stops_the_launch_it_made() -> None:
 
     name, seconds = parallel(nprocs=1, start_method="fork", timeout=90)(workers.nested_launch_stopped_by_sigterm)()
     assert name == "Terminated" and seconds < 15, (name, seconds)
+
+
+OFF_THE_MAIN_THREAD = """
+    import concurrent.futures, os, signal, sys, threading, time
+    from mplaunch import parallel, worker_info
+
+    def work(marks: str) -> int:
+        rank = worker_info().rank
+        with open(os.path.join(marks, f"tmp{rank}"), "w") as file:
+            file.write(str(os.getpid()))
+        os.rename(os.path.join(marks, f"tmp{rank}"), os.path.join(marks, str(rank)))
+        while not os.path.exists(os.path.join(marks, "go")):
+            time.sleep(0.05)
+        return rank + 7
+
+    def run(future, function, marks):
+        try:
+            future.set_result(function(marks))
+        except BaseException as error:
+            future.set_exception(error)
+
+    if __name__ == "__main__":
+        how, start_method, marks, target = sys.argv[1:]
+        function = parallel(nprocs=2, start_method=start_method, timeout=30)(work)
+        if how == "submit":
+            future = function.submit(marks)
+        else:  # a thread of the caller's own, as a server's worker thread
+            future = concurrent.futures.Future()
+            threading.Thread(target=lambda: run(future, function, marks), daemon=True).start()
+        while not all(os.path.exists(os.path.join(marks, rank)) for rank in "01"):
+            time.sleep(0.02)
+        pid = int(open(os.path.join(marks, "1")).read())
+        sent = time.monotonic()
+        if target == "rank":
+            os.kill(pid, signal.SIGINT)
+        else:  # as a notebook's interrupt: SIGINT to the caller's whole process group, which the kernel handles
+            signal.signal(signal.SIGINT, lambda signum, frame: print("caller interrupted", flush=True))
+            os.killpg(os.getpgrp(), signal.SIGINT)
+            time.sleep(1.0)  # time for the ranks to die of it
+            open(os.path.join(marks, "go"), "w").close()
+        try:
+            print("RESULT", future.result(), flush=True)
+        except BaseException as error:
+            print("RAISED", type(error).__name__, getattr(error, "signal_name", None), flush=True)
+        print("TOOK", time.monotonic() - sent, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "start_method", "target"),
+    [
+        ("thread", "fork", "rank"),
+        ("submit", "fork", "rank"),
+        pytest.param("thread", "spawn", "rank", marks=pytest.mark.slow),
+        ("submit", "forkserver", "rank"),
+        ("submit", "fork", "group"),
+        pytest.param("thread", "forkserver", "group", marks=pytest.mark.slow),
+    ],
+)
+def test_sigint_to_a_rank_of_a_launch_off_the_main_thread_ends_it(
+    tmp_path: Path, how: str, start_method: str, target: str
+) -> None:
+    """Issue 37, item 10(c): the ranks of a launch made off the main thread (``submit()``, a server's thread)
+    ignored SIGINT, so that a Ctrl-C to the caller's group is the main thread's to decide: one sent to a rank
+    was lost and the launch ran to its timeout. With no controlling terminal (a kernel, a service: here a new
+    session) each rank takes a process group of its own: a SIGINT to a rank ends the call as from the main
+    thread, and one to the caller's group (a notebook's interrupt) leaves the launch running to its result."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    done = subprocess.run(
+        [sys.executable, str(write_script(tmp_path, OFF_THE_MAIN_THREAD)), how, start_method, str(marks), target],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,  # no controlling terminal, wherever the tests run
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    if target == "rank":
+        assert "RAISED WorkerExitedError SIGINT" in done.stdout, done.stdout + done.stderr
+        assert float(done.stdout.split("TOOK ")[1]) < 10, done.stdout  # not the launch's timeout of 30 s
+    else:
+        assert "caller interrupted" in done.stdout, done.stdout
+        assert "RESULT 7" in done.stdout, done.stdout + done.stderr

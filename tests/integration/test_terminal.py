@@ -192,10 +192,11 @@ def test_torch_distributed_breakpoint(in_terminal: Terminal) -> None:
     finish(terminal)
 
 
-@pytest.mark.parametrize("start_method", METHODS)
-def test_a_rank_configures_the_terminal(in_terminal: Terminal, start_method: str) -> None:
-    """tcsetattr from a background process group: SIGTTOU, and the call hung."""
-    terminal = in_terminal("configure", start_method)
+@pytest.mark.parametrize(("start_method", "submit"), [*((method, False) for method in METHODS), ("fork", True)])
+def test_a_rank_configures_the_terminal(in_terminal: Terminal, start_method: str, submit: bool) -> None:
+    """tcsetattr from a background process group: SIGTTOU, and the call hung. A submitted launch's ranks stay in
+    the caller's group too where there is a terminal (issue 37, item 10(c): without one they take their own)."""
+    terminal = in_terminal("configure", start_method, submit=submit)
     terminal.expect_exact("RESULT configured")
     finish(terminal)
 
