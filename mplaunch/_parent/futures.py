@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from mplaunch._errors import raised_by_design
 from mplaunch._frames import Caller, outside_caller, warnings_for
 from mplaunch._parent.control import LaunchControl, LaunchStopped
-from mplaunch._parent.stream import Queued
+from mplaunch._parent.stream import Queued, Stream
 from mplaunch._platform import forks
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ T = TypeVar("T")
 
 _lock = forks.new_lock()
 _running: set[LaunchFuture[Any]] = set()
+_streams: weakref.WeakKeyDictionary[Stream[Any], LaunchControl] = weakref.WeakKeyDictionary()  # calls' streams
 _hooks_installed = False
 
 
@@ -33,6 +35,7 @@ _hooks_installed = False
 def _forget_running() -> None:
     """Forget the parent's launches in a forked child, whose exit must not stop them through the shared pipes."""
     _running.clear()
+    _streams.clear()
 
 
 class LaunchFuture(Future[T]):
@@ -249,13 +252,23 @@ def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T], caller: Cal
 
 
 def stop_all() -> None:
-    """Stop every running submitted launch of this process: ask them all first, then wait for each."""
+    """Stop every running submitted launch and call's stream of this process: ask them all, then wait for each."""
     with _lock:
-        running = list(_running)
-    for future in running:
-        future._control.request_stop()
+        running, streams = list(_running), dict(_streams)
+    for control in [*(future._control for future in running), *streams.values()]:
+        control.request_stop()
     for future in running:
         future.cancel()
+    for stream in streams:
+        stream.ended_at_exit()
+
+
+def stopped_at_exit(stream: Stream[T], control: LaunchControl) -> Stream[T]:
+    """Stop the call of ``stream`` at exit, if it runs then, as a submitted launch (``control`` wakes its loop)."""
+    _install_hooks()
+    with _lock:
+        _streams[stream] = control
+    return stream
 
 
 def _install_hooks() -> None:

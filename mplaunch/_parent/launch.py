@@ -92,6 +92,7 @@ def launch_stream(
     steps = _reported(_launch(request, control), control)
 
     def ended() -> None:
+        control.close()
         if control.report is not None and reported is not None:
             reported(control.report)
 

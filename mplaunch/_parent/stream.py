@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -37,6 +38,7 @@ class Stream(Generic[T]):
         self._exchange, self._release, self._return_all = exchange, release, return_all
         self._done = False
         self._pid = os.getpid()  # a process forked from this one has a copy, which must not touch the call
+        self._reading, self._exiting = threading.Lock(), False  # (held while a thread reads a value: ended_at_exit)
         self.value: Any = None
 
     def prime(self) -> None:
@@ -63,13 +65,16 @@ class Stream(Generic[T]):
             raise StopIteration
         forks.check_owner(self._pid, "this mplaunch stream's values", "Read them in that process.")
         try:
-            rank, value = next(self._exchange)
+            with self._reading:
+                rank, value = next(self._exchange)
         except StopIteration as stop:
             self._end()
             self.value = stop.value
             raise StopIteration(self.value) from None
         except BaseException as error:
             self._end()
+            if self._exiting:  # the reader is a daemon thread (the others were joined): it ends quietly
+                raise SystemExit from None
             if not raised_by_design(error):
                 raise
             raise error.with_traceback(None) from error.__cause__
@@ -88,6 +93,16 @@ class Stream(Generic[T]):
             self._exchange.close()
         finally:
             self._end()
+
+    def ended_at_exit(self) -> None:
+        """End the call, asked to stop at exit: here while no thread reads a value, else by the reader it wakes."""
+        self._exiting = True
+        while not self._done:
+            if self._reading.acquire(timeout=0.05):
+                try:
+                    self.close()
+                finally:
+                    self._reading.release()
 
     def _end(self) -> None:
         if not self._done:
