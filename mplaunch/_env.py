@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -301,7 +302,10 @@ def node_setup(
     if count <= 1:
         return None
     rank = pick(node_rank, "MPLAUNCH_NODE_RANK", "SLURM_NODEID")
-    endpoint = pick(rdzv_endpoint, "MPLAUNCH_RDZV_ENDPOINT", "SLURM_LAUNCH_NODE_IPADDR")
+    endpoint = rdzv_endpoint or env.get("MPLAUNCH_RDZV_ENDPOINT")
+    lists = [name for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if env.get(name)]
+    if endpoint is None and slurm_per_node and lists:  # the step's first node, as in ``scontrol show hostnames``
+        endpoint = first_host(env[lists[0]], lists[0])
     if endpoint is None:
         raise InvalidOptionError(
             f"nnodes={count} needs a rendezvous endpoint that every node can reach: pass rdzv_endpoint='host:port' "
@@ -313,6 +317,23 @@ def node_setup(
         f"{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}" if slurm_per_node else "mplaunch"
     )
     return NodeSetup(count, None if rank is None else _whole("node_rank (MPLAUNCH_NODE_RANK)", rank), endpoint, run_id)
+
+
+#: A SLURM host list in its compressed form: hosts of text and ranges in brackets (``rack[1-2]-n[01,07],gpu1``).
+_HOST = r"(?:[^\[\],]+|\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])+"
+_HOSTLIST = re.compile(rf"({_HOST})(?:,{_HOST})*")
+
+
+def first_host(nodelist: str, name: str = "SLURM_JOB_NODELIST") -> str:
+    """Return the first host of a SLURM host list (``node[01-02,07],gpu1``: ``node01``), each range's low bound
+    kept as written (its zero padding is the host name's); raise InvalidOptionError (naming ``name``) for no list."""
+    listed = _HOSTLIST.fullmatch(nodelist)
+    if listed is None:
+        raise InvalidOptionError(
+            f"{name}={nodelist!r} is not a SLURM host list such as 'node[01-02,07],gpu1': set "
+            "MPLAUNCH_RDZV_ENDPOINT=host:port to the first node's address."
+        )
+    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", listed.group(1))
 
 
 def _whole(name: str, value: Any) -> int:
