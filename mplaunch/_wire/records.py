@@ -28,6 +28,7 @@ class State(Protocol):
 
 PAYLOAD = "payload"
 REMOTE_RANK0 = "remote-rank0"
+NODE_ROUND = "node-round"  # a multi-node round's variables for this node's ranks, written as it begins
 _RANK_PREFIX = "rank"
 
 

@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from mplaunch import WorkerExitedError
+from mplaunch import NodeLostError, RestartWarning, WorkerExitedError
 from mplaunch._config import ParallelConfig
-from mplaunch._parent.nodes.elastic import _collect
+from mplaunch._env import NodeSetup
+from mplaunch._parent.nodes import elastic
+from mplaunch._parent.nodes.elastic import _attempt_failure, _collect
+from mplaunch._parent.nodes.handler import NodeWatch
 from mplaunch._wire import transport
 from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned, Signalled, outcome_name
 from mplaunch._wire.spec import LaunchSpec
@@ -41,7 +44,7 @@ def collect(directory: Path, failed: dict[int, Any] | None = None, return_all: b
         num_threads=1,
         reporting_ranks=frozenset({0}),
     )
-    return _collect(spec, failed or {}, ParallelConfig(return_all=return_all))
+    return _collect(spec, failed or {}, return_all)
 
 
 def failure(pid: int, exitcode: int) -> ProcessFailure:
@@ -117,3 +120,36 @@ def test_a_failure_of_rank_0_on_another_node_is_raised_here_as_itself(tmp_path: 
         collect(tmp_path)
     assert caught.value.errno == 28
     assert caught.value.rank == 0  # type: ignore[attr-defined]
+
+
+def test_the_failure_before_a_restart_is_the_lost_node_else_the_first_ranks(tmp_path: Path) -> None:
+    """As a later round begins, the attempt before it is over: its failure is kept for ``earlier_attempts``, and
+    its records are removed (the next attempt's ranks write theirs)."""
+    spec = LaunchSpec(str(tmp_path), 2, "fork", os.getpid(), 1, frozenset({0}))
+    watch = NodeWatch("node-a:29400", 2, None)
+    assert _attempt_failure(spec, watch) == []  # no failure here (another node's ranks failed)
+    write(tmp_path, {0: Signalled(100, signal.SIGTERM), 1: raised(ValueError("rank 1 fails"))})
+    (failure,) = _attempt_failure(spec, watch)
+    assert isinstance(failure, ValueError) and failure.rank == 1  # type: ignore[attr-defined]
+    assert os.listdir(tmp_path) == []
+    write(tmp_path, {0: Signalled(100, signal.SIGTERM)})
+    watch.lost_node = NodeLostError("node 1 of 2 is gone", 1, "node-b", 20, "node-a:29400")
+    lost = watch.lost_node
+    assert _attempt_failure(spec, watch) == [lost]
+    assert watch.lost_node is None and os.listdir(tmp_path) == []
+
+
+def test_earlier_attempts_are_announced_and_kept_on_the_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = ValueError("rank 1 fails in attempt 1")
+
+    def launch(*args: Any) -> list[Any]:
+        args[-1].append(first)  # what a restart keeps (``earlier``)
+        raise KeyError("attempt 2")
+
+    monkeypatch.setattr(elastic, "_launch", launch)
+    nodes = NodeSetup(2, None, "node-a:29400", "mplaunch")
+    spec = LaunchSpec("/nonexistent", 2, "fork", os.getpid(), 1, frozenset({0}))
+    with pytest.warns(RestartWarning, match=r"attempt 1 of 2 failed \(rank \? raised ValueError: rank 1 fails"):
+        with pytest.raises(KeyError) as caught:
+            elastic.launch_nodes(spec, nodes, ParallelConfig(max_restarts=1))
+    assert caught.value.earlier_attempts == (first,)  # type: ignore[attr-defined]

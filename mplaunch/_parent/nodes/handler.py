@@ -2,14 +2,17 @@
 Elastic's agent notices neither a vanished node nor a time limit. :class:`WatchedRendezvous` wraps its c10d
 handler (registered as backend ``mplaunch-c10d``) and, at each ``num_nodes_waiting``, raises out of the agent,
 which stops this node's workers: a node dropped for missed heartbeats, a silent store, a closed rendezvous,
-past ``timeout``. After a rank fails, :meth:`WatchedRendezvous.lost_peer` looks for a node that went silent."""
+past ``timeout``. After a rank fails, :meth:`WatchedRendezvous.lost_peer` looks for a node that went silent.
+:meth:`NodeWatch.guarded` ends torch's calls on a silent store (they block for minutes) and at ``timeout``."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -18,6 +21,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 
 from mplaunch._errors import LaunchTimeoutError, NodeLostError
 from mplaunch._parent.nodes import notice
+from mplaunch._platform.network import interface_towards, shut_connections
+from mplaunch._wire import transport
+from mplaunch._wire.records import NODE_ROUND
 
 if TYPE_CHECKING:
     from mplaunch._parent.preemption import Preemption
@@ -27,6 +33,7 @@ WATCH_KEY = "mplaunch_watch"
 KEEP_ALIVE_INTERVAL = 2  # seconds between two heartbeats of a node (c10d's default: 5)
 KEEP_ALIVE_MAX_ATTEMPT = 5  # heartbeats a node may miss before it is dropped: lost after 10 s of silence
 PROBE_WAIT = 2 * KEEP_ALIVE_INTERVAL + 1  # seconds a node that failed waits for a sign of life of the others
+STORE_SILENCE = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MAX_ATTEMPT  # seconds the store may be silent once the nodes met
 
 
 @dataclasses.dataclass
@@ -44,6 +51,12 @@ class NodeWatch:
     preemption: Preemption | None = None  # the notice, when the ranks can be told
     node_rank: int = -1  # -1 before the nodes met
     leave_barrier: Callable[[], None] | None = None
+    directory: str | None = None  # the launch directory: each round's variables go there (see :meth:`met`)
+    max_restarts: int = 0  # rounds after the first: a node lost meanwhile may rejoin
+    lost_node: NodeLostError | None = None  # the node lost in this round, once known
+    on_restart: Callable[[], None] | None = None  # called as a later round begins
+    expired: bool = False  # timeout expired while the launch ran
+    holder: Any = None  # c10d's rendezvous state holder, once the nodes met
 
     def __post_init__(self) -> None:
         if self.timeout is not None and self.deadline is None:
@@ -55,27 +68,70 @@ class NodeWatch:
 
     def check_deadline(self) -> None:
         """Raise :class:`LaunchTimeoutError` once ``timeout`` has expired."""
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            raise LaunchTimeoutError(
-                f"the multi-node launch did not finish within timeout={self.timeout:g} s; this node's ranks were "
-                "still running and have been stopped (stacks are not collected on a multi-node launch). Raise "
-                "timeout, or look for a rank stuck in a collective.",
-                float(self.timeout or 0.0),
-                (),
-            )
+        if self.expired or (self.deadline is not None and time.monotonic() >= self.deadline):
+            raise self.timeout_error()
+
+    def timeout_error(self) -> LaunchTimeoutError:
+        return LaunchTimeoutError(
+            f"the multi-node launch did not finish within timeout={self.timeout:g} s; this node's ranks were "
+            "still running and have been stopped (stacks are not collected on a multi-node launch). Raise "
+            "timeout, or look for a rank stuck in a collective.",
+            float(self.timeout or 0.0),
+            (),
+        )
+
+    def met(self, round: int) -> None:
+        """Record this round's variables for the ranks: the round as ``TORCHELASTIC_RESTART_COUNT`` (the same on every
+        node, one that rejoined too) and, unless set here, gloo's and NCCL's interface: the one that reaches the
+        other nodes (gloo's default is the host name's address, loopback's on Debian; NCCL's, the first found)."""
+        interface = next(filter(None, (interface_towards(host) for _, (host, _) in sorted(self.peers.items()))), None)
+        variables = {"TORCHELASTIC_RESTART_COUNT": str(round)}
+        for name, value in (("GLOO_SOCKET_IFNAME", f"{interface}"), ("NCCL_SOCKET_IFNAME", f"={interface}")):
+            if interface is not None and name not in os.environ:  # NCCL's "=": this name exactly, not a prefix
+                variables[name] = value
+        if self.directory is not None:
+            transport.dump(variables, self.directory, NODE_ROUND)
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """While the block runs, shut this process's connections to the store (whatever torch was waiting for on
+        them then fails at once) once ``timeout`` expires, or once c10d has not heard from the store for
+        ``STORE_SILENCE`` s after the nodes met (it asks at each heartbeat: this host is cut off from the store)."""
+        stop = threading.Event()
+        guard = threading.Thread(target=self._guard, args=(stop,), name="mplaunch-store-guard", daemon=True)
+        guard.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            guard.join()
+
+    def _guard(self, stop: threading.Event) -> None:
+        while not stop.wait(0.1):
+            now = time.monotonic()
+            self.expired = self.deadline is not None and now >= self.deadline
+            synced = getattr(self.holder, "_last_sync_time", now)  # c10d's last answer from the store (torch's private)
+            if self.joined and now - synced > STORE_SILENCE and self.store_lost is None:
+                self.store_lost = RendezvousError(f"it did not answer for {STORE_SILENCE} s")
+            if self.expired or self.store_lost is not None:
+                shut_connections(int(self.endpoint.rpartition(":")[2]))
+                return
 
     def store_error(self, error: BaseException) -> NodeLostError:
         """Return the error for a rendezvous store that stopped answering after the nodes met."""
         self.store_lost = error
         node_rank, host, pid, which = None, self.endpoint.rsplit(":", 1)[0], None, "the node hosting it"
-        if len(self.peers) == 1:  # the store is not this node's: it is the other node's
-            ((node_rank, (host, pid)),) = self.peers.items()
+        hosting = [rank for rank, (addr, _) in self.peers.items() if addr == host or addr.startswith(f"{host}.")]
+        if hosting or len(self.peers) == 1:  # the store is not this node's: it is the other node's
+            node_rank = min(hosting or self.peers)
+            host, pid = self.peers[node_rank]
             which = f"node {node_rank} of {self.nnodes} (host {host}, launching process pid {pid}), which hosts it,"
         return NodeLostError(
             f"the rendezvous store at {self.endpoint} stopped answering after the {self.nnodes} nodes met "
-            f"({type(error).__name__}: {error}): {which} is gone. Its launching process was killed or stopped, "
-            "or its launch ended (the store lives in the launching process of the first node started at that "
-            "endpoint, and ends with it). This node's workers have been stopped.",
+            f"({type(error).__name__}: {error}): {which} is gone or cut off from this host. Its launching process "
+            "was killed or stopped, its launch ended, or the network between them is down (the store lives in the "
+            "launching process of the first node started at that endpoint, and ends with it). This node's workers "
+            "have been stopped.",
             node_rank,
             host,
             pid,
@@ -108,6 +164,12 @@ class WatchedRendezvous(RendezvousHandler):
         preemption = self._watch.preemption
         if self._round >= 0 and preemption is not None and preemption.noticed:
             raise notice.Preempted()  # a preempted launch is never restarted
+        if self._round >= 0 and self._watch.on_restart is not None:
+            self._watch.on_restart()
+        if self._round >= 0 and hasattr(self._handler, "_bootstrap_store_info"):
+            # torch keeps the first round's MASTER_ADDR/MASTER_PORT and publishes them in that round's store only:
+            # a node that rejoins would wait for them forever. Made again: each round gets its own store server.
+            self._handler._bootstrap_store_info = None
         info: RendezvousInfo = self._handler.next_rendezvous()
         state = self._state()
         if state is not None:
@@ -119,7 +181,8 @@ class WatchedRendezvous(RendezvousHandler):
                 rank: (node.addr, node.pid) for node, rank in self._participants.items() if node != this_node
             }
         self._store = info.store
-        self._watch.joined = True
+        self._watch.met(max(self._round, 0))
+        self._watch.holder, self._watch.joined = getattr(self._handler, "_state_holder", None), True
         self._watch.lost_peer = self.lost_peer
         self._watch.leave_barrier = self.leave_barrier
         return info
@@ -146,13 +209,16 @@ class WatchedRendezvous(RendezvousHandler):
         try:
             waiting = int(self._handler.num_nodes_waiting())
         except RendezvousError as error:
-            raise self._watch.store_error(error) from error
+            raise self._watch.store_error(self._watch.store_lost or error) from error
         state = self._state()
         if state is None or state.round != self._round:
             return waiting  # a new round: elastic restarts the workers
         lost = sorted((rank, node) for node, rank in self._participants.items() if node not in state.participants)
         if lost:
-            raise self._lost(*lost[0])
+            self._watch.lost_node = self._lost(*lost[0])
+            if self._round >= self._watch.max_restarts:
+                raise self._watch.lost_node
+            return len(lost)  # elastic restarts this node's workers, and waits for the lost node to rejoin
         if state.closed:
             raise NodeLostError(
                 f"another node of the launch closed the rendezvous at {self._watch.endpoint}: its launch ended (a "
@@ -202,9 +268,9 @@ class WatchedRendezvous(RendezvousHandler):
         host, pid = getattr(node, "addr", None), getattr(node, "pid", None)
         why = why or f"it sent no rendezvous heartbeat to {self._watch.endpoint} for {silence} s"
         return NodeLostError(
-            f"node {node_rank} of {self._watch.nnodes} (host {host}, launching process pid {pid}) is gone: {why}. "
-            "Its launching process was killed or stopped, or its host is down. This node's workers have been "
-            "stopped.",
+            f"node {node_rank} of {self._watch.nnodes} (host {host}, launching process pid {pid}) is gone or cut off: "
+            f"{why}. Its launching process was killed or stopped, its host is down, or the network to it is. This "
+            "node's workers have been stopped.",
             node_rank,
             host,
             pid,
