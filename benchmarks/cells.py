@@ -1,7 +1,7 @@
 """One benchmark cell, in a fresh process: ``python -m benchmarks.cells NAME PLAN_JSON OUT_JSON [PART ...]``.
 
 A cell (one launcher with one start method, ``mplaunch/fork``, or ``baselines``, ``arguments``, ``ddp``,
-``output``, ``floor``) is named parts, each measured by one function; with PARTs only those run (reruns of
+``output``, ``floor``, ``gpu``) is named parts, each measured by one function; with PARTs only those run (reruns of
 noisy targets).
 A fresh process makes a first launch a real first launch and keeps one launcher's leftovers from the next.
 Results go to OUT_JSON after every part, so a cell killed at its time limit still reports what it measured."""
@@ -26,6 +26,7 @@ from typing import Any
 
 from benchmarks.common import PeakRss, median, one_copy_seconds, timed
 from benchmarks.floor import floor_parts
+from benchmarks.gpu import gpu_parts
 from benchmarks.launchers import BY_KEY, PAYLOADS, build_payload, gloo_cycle, make_payload, size, trivial
 from benchmarks.warm import interactive_parts
 
@@ -210,6 +211,7 @@ def main(name: str, plan_json: str, out: str, *wanted: str) -> None:
         "output": lambda p: {k: functools.partial(output, k == "on", p["repeats"]) for k in ("off", "on")},
         "floor": floor_parts,
         "interactive": interactive_parts,
+        "gpu": gpu_parts,
     }.get(name, functools.partial(launcher_parts, name))(plan)
     result: dict[str, Any] = {"errors": {}}
     for part, measure in parts.items():

@@ -122,6 +122,8 @@ TARGETS = [Target(*row) for row in (  # text, limit, top, bottom (a path or a nu
     ("warm Workers.run(), no-op, 2 ranks (fork) <= 2 ms", 2, "interactive|warm|run", 1e-3, True, "ms"),
     ("yield in a rank -> value in the caller <= 10 ms", 10, "interactive|warm|yield", 1e-3, True, "ms"),
     ("heartbeat() in a rank <= 2 us", 2, "interactive|heartbeat", 1e-6, True, "us"),
+    ("GPU: spawn, ranks initialise CUDA <= 1.05x torch.mp.spawn", 1.05, "gpu|spawn|mplaunch", "gpu|spawn|raw"),
+    ("GPU: 1 GiB CUDA result ready->ret <= 1.3x t.cpu() + a copy", 1.3, "gpu|result|.ret", "gpu|result|.base"),
 )]  # fmt: skip
 
 
@@ -229,6 +231,8 @@ DETAILS = (  # the lines of (d): a label, then the paths of the seconds it shows
     ("fork warm, 8 ranks: mplaunch / the floor", "floor|fork 8|mplaunch", "floor|fork 8|floor"),
     ("fork warm, 32 ranks: mplaunch / the floor", "floor|fork 32|mplaunch", "floor|fork 32|floor"),
     ("return path, 2 ranks: mplaunch / the floor", "floor|return|mplaunch_return", "floor|return|floor_return"),
+    ("GPU, spawn, ranks using CUDA: mplaunch / torch.mp.spawn", "gpu|spawn|mplaunch", "gpu|spawn|raw"),
+    ("GPU, 1 GiB CUDA result: ready->ret / t.cpu() + one copy", "gpu|result|.ret", "gpu|result|.base"),
 )  # fmt: skip
 
 
@@ -265,11 +269,14 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"the machine was busy at the start (load average {os.getloadavg()[0]:.1f})")
     logs = args.results.resolve() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    rounds = run_rounds(plan, [*cells, "baselines", "arguments", "ddp", "output", "floor", "interactive"], logs, notes)
+    groups = ["baselines", "arguments", "ddp", "output", "floor", "interactive", "gpu"]
+    rounds = run_rounds(plan, [*cells, *groups], logs, notes)
     verdicts = []
     for target in TARGETS:
         status, value, found = target.verdict(rounds, final=True)
         verdicts.append({"target": target.text, "status": status, "value": value, "values": found, "unit": target.unit})
+    if not any(values(data, "gpu|spawn|raw") for data in rounds):
+        notes.append("GPU rows: N/A, no CUDA device (or a CPU build of torch)")
     for index, data in enumerate(rounds):
         notes += [f"round {index + 1} {cell} {part}: {e}" for cell in data for part, e in data[cell]["errors"].items()]
     versions = {d.name: d.version for d in metadata.distributions() if d.name in PACKAGES}

@@ -55,7 +55,7 @@ def modes_table() -> str:
     """The table of options (rows) and ways of calling (columns), and why each refusal is one."""
     from mplaunch import _config
 
-    header = "| option | " + " | ".join(f"{mode}" for mode in _config.MODES) + " |"
+    header = "| option | " + " | ".join(mode.replace("/", "/<wbr>") for mode in _config.MODES) + " |"
     rows = [header, "|---" * (len(_config.MODES) + 1) + "|"]
     refusals = []
     for field in dataclasses.fields(_config.ParallelConfig):
@@ -69,9 +69,10 @@ def modes_table() -> str:
                 refusals.append(f"- `{field.name}`, {mode}: {reason}.")
                 cells.append("no")
             else:
-                cells.append(f"yes ({note})" if note else "yes")
+                cells.append(f"yes: {note}" if note else "yes")
         rows.append(f"| `{field.name}` | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + '\n\nWhy each "no" is refused:\n\n' + "\n".join(refusals) + "\n"
+    table = '<div class="modes-table" markdown>\n\n' + "\n".join(rows) + "\n\n</div>"  # (docs/extra.css)
+    return table + '\n\nWhy each "no" is refused:\n\n' + "\n".join(refusals) + "\n"
 
 
 def _annotations(cls: type) -> dict[str, str]:

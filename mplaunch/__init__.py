@@ -1,10 +1,4 @@
-"""Run one function on N worker processes of this machine and get its result back.
-
-Example:
-    >>> from mplaunch import parallel
-    >>> @parallel(nprocs=2)  # doctest: +SKIP
-    ... def train(lr): ...
-"""
+"""Run one function on N worker processes of this machine and get its result back (see ``mplaunch.parallel``)."""
 
 from mplaunch._api import ParallelFunction, parallel
 from mplaunch._config import LaunchOptions, ParallelConfig, StartMethod

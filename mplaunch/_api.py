@@ -17,7 +17,7 @@ from mplaunch._frames import named_original, resolve, user_frame
 from mplaunch._parent import futures, in_process, launch
 from mplaunch._parent.control import LaunchControl
 from mplaunch._reports import RunReport
-from mplaunch._state.snapshot import GlobalState
+from mplaunch._state.snapshot import GlobalState, for_launch
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -27,15 +27,16 @@ T = TypeVar("T")
 class ParallelFunction(Generic[P, T]):
     """A function that, when called, runs on ``nprocs`` worker processes and returns rank 0's value.
 
-    Made by :func:`parallel`, with the wrapped function's signature, ``__name__``, ``__qualname__``, ``__module__`` and
-    ``__doc__``; ``__wrapped__`` is the plain function. It pickles by reference (module and qualified name), so
-    ``spawn`` and ``forkserver`` workers find it by importing its module, without launching again. :meth:`debug` runs it
-    here as rank 0 of a world of 1 with a worker's setup, for debuggers; :meth:`submit` launches in the background;
-    :meth:`options` returns a copy with some options replaced.
+    Made by [`parallel()`][mplaunch.parallel], with the wrapped function's signature, ``__name__``, ``__qualname__``,
+    ``__module__`` and ``__doc__``; ``__wrapped__`` is the plain function. It pickles by reference (module and qualified
+    name), so ``spawn`` and ``forkserver`` workers find it by importing its module, without launching again.
+    [`debug()`][mplaunch.ParallelFunction.debug] runs it here as rank 0 of a world of 1 with a worker's setup, for
+    debuggers; [`submit()`][mplaunch.ParallelFunction.submit] launches in the background;
+    [`options()`][mplaunch.ParallelFunction.options] returns a copy with some options replaced.
 
     Attributes:
-        config: the validated launch options (:class:`~mplaunch.ParallelConfig`).
-        last_report: the :class:`~mplaunch.RunReport` of this object's last call that ended (returned or raised),
+        config: the validated launch options ([`ParallelConfig`][mplaunch.ParallelConfig]).
+        last_report: the [`RunReport`][mplaunch.RunReport] of this object's last call that ended (returned or raised),
             else ``None``; a submitted launch's is ``future.report``.
     """
 
@@ -46,14 +47,14 @@ class ParallelFunction(Generic[P, T]):
 
     def __init__(self, function: Callable[P, Any], config: ParallelConfig) -> None:
         functools.update_wrapper(self, function)
-        self.config = config
+        self.config: ParallelConfig = config
 
     @property
     def _mplaunch_target(self) -> Callable[P, Any]:
         return self.__wrapped__
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
-        """Bind a decorated method to ``instance`` (see :class:`BoundParallelMethod`)."""
+        """Bind a decorated method to ``instance`` (see ``BoundParallelMethod``)."""
         return self if instance is None else BoundParallelMethod(self, instance)
 
     def __call__(self, /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -61,7 +62,7 @@ class ParallelFunction(Generic[P, T]):
 
         Returns:
             Rank 0's return value with every tensor on the CPU, or, with ``return_all=True``, a list of every rank's
-            value ordered by rank. For a generator function, at once a :class:`~mplaunch.Stream`: an iterator (and
+            value ordered by rank. For a generator function, at once a [`Stream`][mplaunch.Stream]: an iterator (and
             async iterator) over the values rank 0 yields, as they are yielded (``(rank, value)`` pairs from every
             rank with ``return_all=True``); the workers stop when it ends or is closed (guide: "Interactive work").
 
@@ -74,7 +75,7 @@ class ParallelFunction(Generic[P, T]):
             WorkerExitedError: a worker was killed, exited non-zero, or exited without returning.
             RemoteError: a worker's exception or result could not be pickled or unpickled.
             LaunchTimeoutError: the launch ran past ``timeout`` seconds; it carries each rank's stacks.
-            StallError: a rank stopped calling :func:`~mplaunch.heartbeat` for ``stall_timeout`` seconds.
+            StallError: a rank stopped calling [`heartbeat()`][mplaunch.heartbeat] for ``stall_timeout`` seconds.
             PreemptedError: one of ``preempt_signals`` reached the parent; the ranks were told, had
                 ``preempt_grace`` seconds to save and return, and the rest were stopped.
             KeyboardInterrupt: the parent was interrupted (Ctrl-C, SIGINT); the workers were stopped first.
@@ -115,7 +116,7 @@ class ParallelFunction(Generic[P, T]):
         return in_process.run_here(self, args, kwargs, self.config)  # type: ignore[no-any-return]
 
     def submit(self, /, *args: P.args, **kwargs: P.kwargs) -> futures.LaunchFuture[T]:
-        """Start the launch in the background and return at once a :class:`concurrent.futures.Future`.
+        """Start the launch in the background and return at once a ``concurrent.futures.Future``.
 
         ``result()`` returns or raises exactly what calling the function with these arguments would (``exception()``
         returns that exception): the checks that depend on the call (wrong arguments, a missing main guard) run here, in
@@ -128,11 +129,12 @@ class ParallelFunction(Generic[P, T]):
         ``CancelledError``). Ctrl-C while waiting in ``result()`` or ``exception()``, interrupting an
         IPython/Jupyter cell, and the interpreter's exit stop running launches too.
 
-        Preempting: ``future.preempt()`` tells the ranks as one of ``preempt_signals`` would (signal handlers run
-        only in the main thread, so a submitted launch handles none itself); see :meth:`~mplaunch.LaunchFuture.preempt`.
+        Preempting: ``future.preempt()`` tells the ranks as one of ``preempt_signals`` would (signal handlers run only
+        in the main thread, so a submitted launch handles none itself); see
+        [`preempt()`][mplaunch.LaunchFuture.preempt].
 
         Returns:
-            A :class:`~mplaunch.LaunchFuture` (a :class:`concurrent.futures.Future`) of rank 0's return value (with
+            A [`LaunchFuture`][mplaunch.LaunchFuture] (a ``concurrent.futures.Future``) of rank 0's return value (with
             ``return_all=True``, of the list of every rank's value); for a generator function, of its return value,
             with an ``items`` attribute that iterates over the values yielded, as they arrive.
 
@@ -140,9 +142,10 @@ class ParallelFunction(Generic[P, T]):
             RuntimeError: the interpreter is shutting down, so no thread can start.
 
         Example:
-            >>> future = train.submit(0.1)  # doctest: +SKIP
-            >>> future.done(), future.cancel()  # doctest: +SKIP
-            (False, True)
+            ```python title="Fragment: train() is a decorated function"
+            future = train.submit(0.1)  # returns at once
+            future.done(), future.cancel()  # (False, True): cancel() stops it
+            ```
         """
         frame = user_frame()
         control = LaunchControl(stoppable=True)
@@ -161,7 +164,7 @@ class ParallelFunction(Generic[P, T]):
             return in_thread(lambda _: here(), control, name)
         control.queued = self.config.devices is not None  # until the launch holds its devices
         try:
-            control.state = GlobalState.capture()
+            control.state = for_launch(GlobalState.capture())
         except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
             control.state = None
         start: Callable[[launch.CallRequest, LaunchControl], Any] = (
@@ -177,15 +180,15 @@ class ParallelFunction(Generic[P, T]):
         """Return this function with some options replaced; this one is left unchanged (as Ray's
         ``.options()`` and tenacity's ``retry_with``).
 
-        Takes the keyword options of :func:`parallel` (except ``return_all``, which would change the return
-        type: decorate again for that); options not given keep their values. E.g.
+        Takes the keyword options of [`parallel()`][mplaunch.parallel] (except ``return_all``, which would change the
+        return type: decorate again for that); options not given keep their values. E.g.
         ``train.options(nprocs=1, timeout=60)(0.1)`` or ``train.options(max_restarts=3).submit(0.1)``.
 
         Returns:
-            A new :class:`ParallelFunction` of the same function with the merged options.
+            A new [`ParallelFunction`][mplaunch.ParallelFunction] of the same function with the merged options.
 
         Raises:
-            InvalidOptionError: an option is invalid; the same checks and messages as :func:`parallel`.
+            InvalidOptionError: an option is invalid; the same checks and messages as [`parallel()`][mplaunch.parallel].
             TypeError: an unknown option name.
         """
         return ParallelFunction(self.__wrapped__, replace_options(self.config, overrides))
@@ -277,38 +280,47 @@ def parallel(
 ) -> Callable[[Callable[P, R]], ParallelFunction[P, list[R]]]: ...
 
 
-def parallel(function: Callable[..., Any] | None = None, /, *, return_all: bool = False, **options: Any) -> Any:
+def parallel(
+    function: Callable[..., Any] | None = None, /, *, return_all: bool = False, **options: Unpack[LaunchOptions]
+) -> Any:
     """Make ``function`` run on ``nprocs`` worker processes of this machine each time it is called.
 
-    Usable bare (``@parallel``) or with options (``@parallel(nprocs=2)``), checked here, when decorating. Calling
-    the result starts the workers (from the calling process, the parent), runs the function once in each with the
-    call's arguments, waits for all of them, and returns rank 0's value with every tensor on the CPU. Each worker
-    sees torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-    ``GROUP_RANK``/``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; read it with :func:`mplaunch.worker_info`), so
-    ``torch.distributed.init_process_group("gloo")`` works inside unchanged. The parent's ``os.environ``, signal
-    handlers and thread settings are as before when the call returns.
+    Usable bare (``@parallel``) or with options (``@parallel(nprocs=2)``), checked here, when decorating. Calling the
+    result starts the workers (from the calling process, the parent), runs the function once in each with the call's
+    arguments, waits for all of them, and returns rank 0's value with every tensor on the CPU. Each worker sees
+    torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK``/``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; read it with
+    [`mplaunch.worker_info()`][mplaunch.worker_info]), so ``torch.distributed.init_process_group("gloo")`` works inside
+    unchanged. The parent's ``os.environ``, signal handlers and thread settings are as before when the call returns.
 
     Args:
         function: the function to decorate; given only in the bare form.
         return_all: return a list of every rank's value, ordered by rank, instead of rank 0's value (a parameter
             of its own: it changes the return type).
-        **options: the other launch options, by keyword: the fields of :class:`~mplaunch.ParallelConfig`
+        **options: the other launch options, by keyword: the fields of [`ParallelConfig`][mplaunch.ParallelConfig]
             (``nprocs``, ``start_method``, ``timeout``...), which give each one's meaning, unit and default; the
             options reference's table says in which ways of calling each one works.
 
     Returns:
-        A :class:`ParallelFunction` with the signature of ``function`` (bare form), or a decorator that makes one.
+        A [`ParallelFunction`][mplaunch.ParallelFunction] with the signature of ``function`` (bare form), or a decorator
+        that makes one.
 
     Raises:
         InvalidOptionError: an option is invalid; the message names it, its value and the allowed values.
         TypeError: an option name that does not exist (the message lists the options).
 
     Example:
-        >>> @parallel(nprocs=2, start_method="spawn")  # doctest: +SKIP
-        ... def train(lr: float) -> dict:
-        ...     return model.state_dict()
-        >>> if __name__ == "__main__":  # doctest: +SKIP
-        ...     weights = train(0.1)
+        ```python title="scaled.py"
+        import torch
+        from mplaunch import parallel, worker_info
+
+        @parallel(nprocs=2)
+        def scaled(x: torch.Tensor) -> torch.Tensor:
+            return x * (worker_info().rank + 1)  # runs in each of the 2 workers
+
+        if __name__ == "__main__":
+            print(scaled(torch.ones(3)))  # rank 0's value: tensor([1., 1., 1.])
+        ```
 
     Note:
         Under ``spawn`` and ``forkserver`` the function and its arguments are pickled (by reference when a worker can

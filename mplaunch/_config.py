@@ -27,10 +27,10 @@ StartMethod.__doc__ = """The start methods mplaunch accepts (``multiprocessing``
 
 
 class LaunchOptions(TypedDict, total=False):
-    """The keyword options of :func:`~mplaunch.parallel` and ``ParallelFunction.options`` (all optional), for
+    """The keyword options of [`parallel()`][mplaunch.parallel] and ``ParallelFunction.options`` (all optional), for
     annotating ``**options`` with ``typing.Unpack`` (PEP 692). Their meaning and defaults are
-    :class:`ParallelConfig`'s fields; ``return_all`` is not among them: it changes the return type, so it is
-    a parameter of its own (``parallel(return_all=True)``)."""
+    [`ParallelConfig`][mplaunch.ParallelConfig]'s fields; ``return_all`` is not among them: it changes the return type,
+    so it is a parameter of its own (``parallel(return_all=True)``)."""
 
     nprocs: int | Literal["auto"]
     start_method: StartMethod | None
@@ -54,6 +54,7 @@ class LaunchOptions(TypedDict, total=False):
     restart_on: RestartOn
     restart_delay: float
     post_mortem: bool
+    seed: int | None
 
 
 #: The ways of calling, as the options reference's table names them.
@@ -84,9 +85,9 @@ def _option(default: Any, *, refused: Mapping[str, str] | None = None, note: Map
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
     """The launch options of one decorated function (``fn.config``) or of warm workers, validated when made: no
-    ``ParallelConfig`` holds an invalid value. :func:`~mplaunch.parallel` makes one from its keyword options,
-    ``ParallelFunction.options`` with :func:`dataclasses.replace`; each field's default is the option's. Each field's
-    text below is the one source of the options reference, whose table says in which ways of calling each option works.
+    ``ParallelConfig`` holds an invalid value. [`parallel()`][mplaunch.parallel] makes one from its keyword options,
+    ``ParallelFunction.options`` with ``dataclasses.replace()``; each field's default is the option's. Each field's
+    docstring is the one source of the options reference, whose table says in which ways of calling each option works.
 
     Raises:
         InvalidOptionError: a field has a wrong type or value; the message names it, the value and what is
@@ -99,7 +100,8 @@ class ParallelConfig:
     mask, capped by a container's CPU quota)."""
     start_method: StartMethod | None = _option(None)
     """``"spawn"``, ``"fork"`` or ``"forkserver"`` (``multiprocessing``'s names); ``None``: ``fork`` in an interactive
-    session (REPL, IPython, Jupyter) where fork exists and CUDA is not initialised, else ``spawn``."""
+    session (REPL, IPython, Jupyter) where fork exists and forked workers could use CUDA (neither CUDA nor its
+    driver initialised here, e.g. by ``torch.cuda.is_available()``), else ``spawn``."""
     return_all: bool = _option(False, note={"generator function": "(rank, value) pairs", "multi-node": "this node's"})
     """Return a list of every rank's value, ordered by rank, instead of rank 0's value."""
     timeout: float | None = _option(None, note=_EACH_CALL)
@@ -116,7 +118,8 @@ class ParallelConfig:
     """A ``torch.distributed`` backend (``"gloo"``, ``"nccl"``, ...) or ``"auto"`` (nccl with a CUDA device
     per rank, else gloo): each rank runs ``init_process_group`` with it before the function (binding
     ``cuda:LOCAL_RANK`` first for nccl) and ``destroy_process_group`` after it, also when it raises (warm
-    ranks: once, around all their calls). ``None``: the function manages process groups itself."""
+    ranks: once, around all their calls). ``None``: the function manages process groups itself (a function that
+    calls ``init_process_group`` with a backend set fails with a ``ValueError`` that says so)."""
     prefix_output: bool | str = _option(False)
     """Prefix every line a rank writes to its stdout or stderr (fd 1 and 2: ``print``, logging, C code,
     subprocesses) with ``[rank N] `` (``True``), or with a template of the fields ``rank``, ``local_rank``,
@@ -128,7 +131,9 @@ class ParallelConfig:
     """A directory (created before any rank starts) where each rank's output also goes to ``rank{N}.log``,
     overwritten at each call (a restart appends, after a ``--- restart N ---`` line); the stacks of a timeout
     or a stall go to ``rank{N}.stacks``; with ``backend="nccl"``, NCCL's flight recorder dumps there on a
-    collective's timeout. Any path; kept absolute."""
+    collective's timeout. Any path; kept absolute. Launches (and ``Workers``) that run at the same time, in
+    this process or another, cannot share one: the second is refused with ``LaunchRefusedError`` (the nodes of
+    one multi-node launch share it)."""
     nnodes: int | None = _option(None, refused={"generator function": _STREAM_NODES, "Workers(...)": _ONE_NODE})
     """Machines taking part, each running the call with ``nprocs`` ranks; ``None``: ``MPLAUNCH_NNODES`` (or
     SLURM's, in an ``srun`` step with one task per node), else 1. With more than one, the call launches
@@ -166,7 +171,10 @@ class ParallelConfig:
     """Extra environment variables for the ranks, set after torchrun's: a mapping (kept as a ``dict``), or a
     function of the rank returning one (called in the parent before any rank starts; in each rank on
     several nodes). Setting a torchrun variable, ``MASTER_ADDR``/``MASTER_PORT``, or
-    ``CUDA_VISIBLE_DEVICES`` with ``devices=`` is refused. The parent's ``os.environ`` is not changed."""
+    ``CUDA_VISIBLE_DEVICES`` with ``devices=`` is refused. A spawn rank's interpreter starts with them (a
+    forkserver launch with ``env=`` starts its ranks so too); a fork rank gets them before the function runs,
+    and refuses a ``PYTHON*`` variable read only as Python starts (start methods guide: "The environment").
+    The parent's ``os.environ`` is not changed."""
     preempt_signals: tuple[signal.Signals, ...] = _option(
         (), refused={"submit()": _THREAD}, note={"Workers(...)": "per call", "Workers.run/submit": "its call (run)"}
     )
@@ -190,6 +198,17 @@ class ParallelConfig:
     post_mortem: bool = _option(False)
     """The first rank that raises opens pdb at its failing line on the caller's terminal, before the others are stopped
     (``q`` or ``c`` ends it). Without a terminal (a notebook), a ``RuntimeWarning`` points to ``fn.debug()``."""
+    seed: int | None = _option(None)
+    """A whole number >= 0: each rank seeds Python's ``random``, NumPy's global generator and torch's CPU and
+    CUDA generators with one 64-bit value made of ``seed`` and its rank, before the function runs. Each rank
+    then draws its own numbers, the same at every call with this seed, under every start method; DataLoader
+    workers, whose seeds come from their rank's torch generator, differ per rank too (as Lightning's
+    ``seed_everything(workers=True)``). Models initialised in the ranks then differ: DDP broadcasts rank 0's
+    parameters, else call ``torch.manual_seed(...)`` before building the model. ``None``: every rank starts from
+    the parent's random state, so all ranks draw alike (a seeded parent gives identical models, and identical
+    augmentations on every rank); a launch from the very state the previous one started from (the parent
+    neither seeded nor drew since) draws anew. torchrun starts each rank from its own seed (Python, NumPy)
+    and the same one (torch); the script seeds its ranks."""
 
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
@@ -214,6 +233,8 @@ class ParallelConfig:
         _check_whole("nnodes", self.nnodes, 1)
         _check_whole("node_rank", self.node_rank, 0)
         _check_whole("max_restarts", self.max_restarts, 0, " of restarts after a worker failure (0: none)")
+        if self.seed is not None and not _is_whole(self.seed, 0):
+            raise InvalidOptionError(f"seed={self.seed!r} is not valid: pass a whole number >= 0 (e.g. 0), or None.")
         if self.rdzv_endpoint is not None and (not isinstance(self.rdzv_endpoint, str) or not self.rdzv_endpoint):
             raise InvalidOptionError(
                 f"rdzv_endpoint={self.rdzv_endpoint!r} is not valid: pass 'host:port', e.g. 'node0:29400'."

@@ -138,8 +138,8 @@ class RankInfo:
         node_rank: index of this node (``GROUP_RANK``).
         restart_count: how often the workers were restarted before this attempt (``TORCHELASTIC_RESTART_COUNT``,
             0 on the first attempt): resume from a checkpoint when it is above 0.
-        preempted: whether the launch was preempted, read live at each access (see :func:`preempted`); the
-            other attributes are read once, from the environment.
+        preempted: whether the launch was preempted, read live at each access (see [`preempted()`][mplaunch.preempted]);
+            the other attributes are read once, from the environment.
     """
 
     rank: int
@@ -151,14 +151,14 @@ class RankInfo:
 
     @property
     def preempted(self) -> bool:
-        """Whether this process's launch was preempted, read at each access (see :func:`preempted`)."""
+        """Whether this process's launch was preempted, read at each access ([`preempted()`][mplaunch.preempted])."""
         return flags.is_set()
 
 
 def preempted() -> bool:
     """Return whether the launch running this process was preempted: the parent received one of the launch's
     ``preempt_signals`` (or ``future.preempt()`` was called). The rank should then save its work and return
-    within ``preempt_grace`` seconds; the call raises :class:`~mplaunch.PreemptedError` in the parent.
+    within ``preempt_grace`` seconds; the call raises [`PreemptedError`][mplaunch.PreemptedError] in the parent.
 
     Cheap enough for every step of a training loop: one read of a byte of shared memory, no system call.
     Nothing signals the rank, so its DataLoader workers and process group keep working. True in every rank
@@ -169,14 +169,16 @@ def preempted() -> bool:
         ``True`` once the launch was preempted, else ``False``.
 
     Example:
-        >>> preempted()
-        False
+        ```python title="Fragment: in a decorated function's loop"
+        if mplaunch.preempted():
+            return save_checkpoint(step)  # within preempt_grace seconds
+        ```
     """
     return flags.is_set()
 
 
 def worker_info(environ: Mapping[str, str] | None = None) -> RankInfo:
-    """Return the calling process's :class:`RankInfo`, read from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    """Return the calling process's [`RankInfo`][mplaunch.RankInfo], read from ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
     ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (falling back to ``NODE_RANK``) and ``TORCHELASTIC_RESTART_COUNT``: in an
     mplaunch worker, under torchrun, or in a plain process, which is rank 0 of a world of 1.
 
@@ -187,9 +189,10 @@ def worker_info(environ: Mapping[str, str] | None = None) -> RankInfo:
         ValueError: a variable is set to something that is not a whole number.
 
     Example:
-        >>> info = worker_info({})
-        >>> (info.rank, info.world_size)
-        (0, 1)
+        ```python title="Fragment: in a worker (outside a launch: rank 0 of 1)"
+        info = worker_info()
+        print(f"rank {info.rank} of {info.world_size}")
+        ```
     """
     env = os.environ if environ is None else environ
 

@@ -17,7 +17,7 @@ class MplaunchError(Exception):
     """Base class of every exception mplaunch raises itself.
 
     Attributes:
-        report: the :class:`~mplaunch.RunReport` of the launch that raised it, else ``None`` (an error raised
+        report: the [`RunReport`][mplaunch.RunReport] of the launch that raised it, else ``None`` (an error raised
             before a launch, e.g. an invalid option).
     """
 
@@ -54,8 +54,8 @@ class WorkerFailedError(MplaunchError, RuntimeError):
 
     def __init__(self, message: str, rank: int, pid: int | None) -> None:
         super().__init__(message)
-        self.rank = rank
-        self.pid = pid
+        self.rank: int = rank
+        self.pid: int | None = pid
 
 
 class WorkerExitedError(WorkerFailedError):
@@ -83,18 +83,19 @@ class WorkerExitedError(WorkerFailedError):
         oom: bool | None = None,
     ) -> None:
         super().__init__(message, rank, pid)
-        self.exitcode = exitcode
+        self.exitcode: int | None = exitcode
         if signum is None and exitcode is not None and exitcode < 0:
             signum = -exitcode
-        self.signum = signum
-        self.signal_name = signal_name(-signum if signum is not None else None)
-        self.oom = oom
+        self.signum: int | None = signum
+        self.signal_name: str | None = signal_name(-signum if signum is not None else None)
+        self.oom: bool | None = oom
 
 
 class RemoteError(WorkerFailedError):
-    """A worker raised an exception (or returned a result) that could not be pickled or unpickled.
+    """A worker raised an exception (or returned or yielded a value) that could not be pickled or unpickled.
 
-    The message carries the original type name and message; ``__cause__`` carries the worker's traceback.
+    The message carries the original type name and message, and the path to a value's part that could not be
+    pickled (``result['trainer'].logger: _thread.lock``); ``__cause__`` carries the worker's traceback.
 
     Attributes:
         type_name: qualified name of the original exception type, e.g. ``"mymod.MyError"``.
@@ -102,11 +103,11 @@ class RemoteError(WorkerFailedError):
 
     def __init__(self, message: str, rank: int, pid: int | None, type_name: str) -> None:
         super().__init__(message, rank, pid)
-        self.type_name = type_name
+        self.type_name: str = type_name
 
 
 class StallError(WorkerFailedError):
-    """A rank that had called :func:`~mplaunch.heartbeat` stopped calling it for ``stall_timeout`` seconds;
+    """A rank that had called [`heartbeat()`][mplaunch.heartbeat] stopped calling it for ``stall_timeout`` seconds;
     every rank's stacks were collected, then every worker was stopped.
 
     The message names the stalled rank, how long it was silent, and where each rank was (the innermost frame of the
@@ -115,7 +116,7 @@ class StallError(WorkerFailedError):
     Attributes:
         silent: seconds since the rank's last heartbeat, when the stall was seen.
         stall_timeout: the option's value, in seconds.
-        stacks: each live rank's Python stacks (all threads) as :mod:`faulthandler` wrote them, by rank; a
+        stacks: each live rank's Python stacks (all threads) as ``faulthandler`` wrote them, by rank; a
             rank that could not dump within about a second is missing.
     """
 
@@ -129,9 +130,9 @@ class StallError(WorkerFailedError):
         stacks: dict[int, str] | None = None,
     ) -> None:
         super().__init__(message, rank, pid)
-        self.silent = silent
-        self.stall_timeout = stall_timeout
-        self.stacks = dict(stacks or {})
+        self.silent: float = silent
+        self.stall_timeout: float = stall_timeout
+        self.stacks: dict[int, str] = dict(stacks or {})
 
 
 class LaunchTimeoutError(MplaunchError, TimeoutError):
@@ -140,7 +141,7 @@ class LaunchTimeoutError(MplaunchError, TimeoutError):
     Attributes:
         timeout: the limit, in seconds.
         running: the ranks that were still running when it expired, sorted (empty for a multi-node launch).
-        stacks: each of those ranks' Python stacks (all threads) as :mod:`faulthandler` wrote them just before
+        stacks: each of those ranks' Python stacks (all threads) as ``faulthandler`` wrote them just before
             the stop, by rank; a rank that could not dump within about a second is missing (empty for a
             multi-node launch, whose workers torch elastic runs).
     """
@@ -149,9 +150,9 @@ class LaunchTimeoutError(MplaunchError, TimeoutError):
         self, message: str, timeout: float, running: tuple[int, ...], stacks: dict[int, str] | None = None
     ) -> None:
         super().__init__(message)
-        self.timeout = timeout
-        self.running = running
-        self.stacks = dict(stacks or {})
+        self.timeout: float = timeout
+        self.running: tuple[int, ...] = running
+        self.stacks: dict[int, str] = dict(stacks or {})
 
 
 class PreemptedError(MplaunchError):
@@ -179,12 +180,12 @@ class PreemptedError(MplaunchError):
         failures: tuple[BaseException, ...] = (),
     ) -> None:
         super().__init__(message)
-        self.signum = signum
-        self.signal_name = signal_name(-signum) if signum is not None else None
-        self.values = dict(values or {})
-        self.returned = tuple(sorted(self.values))
-        self.stopped = tuple(stopped)
-        self.failures = tuple(failures)
+        self.signum: int | None = signum
+        self.signal_name: str | None = signal_name(-signum) if signum is not None else None
+        self.values: dict[int, object] = dict(values or {})
+        self.returned: tuple[int, ...] = tuple(sorted(self.values))
+        self.stopped: tuple[int, ...] = tuple(stopped)
+        self.failures: tuple[BaseException, ...] = tuple(failures)
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.args[0], self.signum, self.values, self.stopped, self.failures))
@@ -207,10 +208,10 @@ class NodeLostError(MplaunchError, RuntimeError):
         self, message: str, node_rank: int | None, host: str | None, launcher_pid: int | None, endpoint: str
     ) -> None:
         super().__init__(message)
-        self.node_rank = node_rank
-        self.host = host
-        self.launcher_pid = launcher_pid
-        self.endpoint = endpoint
+        self.node_rank: int | None = node_rank
+        self.host: str | None = host
+        self.launcher_pid: int | None = launcher_pid
+        self.endpoint: str = endpoint
 
 
 class RemoteTraceback(Exception):
@@ -242,14 +243,14 @@ def signal_name(exitcode: int | None) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class FailureInfo:
-    """Where a failure re-raised by a launch came from, read with :func:`failure_info`.
+    """Where a failure re-raised by a launch came from, read with [`failure_info()`][mplaunch.failure_info].
 
     Attributes:
         rank: the global rank whose failure it is.
         pid: that worker's process id, or ``None`` if it never started.
         failures: the other ranks' own failures in the same attempt, by rank (never a rank the launch stopped).
         earlier_attempts: the failures that ended earlier attempts (``max_restarts``), oldest first.
-        report: the launch's :class:`~mplaunch.RunReport` (each rank's exit, memory, CPU and wall time).
+        report: the launch's [`RunReport`][mplaunch.RunReport] (each rank's exit, memory, CPU and wall time).
     """
 
     rank: int
@@ -270,15 +271,17 @@ def failure_info(error: BaseException) -> FailureInfo | None:
         error: any exception, e.g. the one caught around a call of a parallel function.
 
     Returns:
-        A :class:`FailureInfo`, or ``None`` when ``error`` carries no rank (it did not come from a worker:
-        a refused launch, a timeout, an exception of the parent's own).
+        A [`FailureInfo`][mplaunch.FailureInfo], or ``None`` when ``error`` carries no rank (it did not come from a
+        worker: a refused launch, a timeout, an exception of the parent's own).
 
     Example:
-        >>> try:  # doctest: +SKIP
-        ...     train(0.1)
-        ... except ValueError as error:
-        ...     info = failure_info(error)
-        ...     print(info.rank if info else "raised here")
+        ```python title="Fragment: train() is a decorated function"
+        try:
+            train(0.1)
+        except ValueError as error:
+            info = failure_info(error)
+            print(info.rank if info else "raised here")
+        ```
     """
     rank = getattr(error, "rank", None)
     if not isinstance(rank, int) or isinstance(rank, bool):

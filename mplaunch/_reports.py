@@ -20,7 +20,7 @@ class RankReport:
         user_time: CPU seconds it spent in user mode, or ``None`` when unknown.
         system_time: CPU seconds it spent in the kernel, or ``None`` when unknown.
         wall_time: seconds from its start to its end, as the parent saw them.
-        oom: whether the out-of-memory killer ended it: as :attr:`mplaunch.WorkerExitedError.oom`.
+        oom: whether the out-of-memory killer ended it: as ``mplaunch.WorkerExitedError.oom``.
         stopped: whether its exit is the launch's stop (SIGTERM, then SIGKILL after ``grace_period``):
             it still ran when another rank failed, or a timeout, a stall, a cancel or a signal to the parent
             ended the launch. Its exit code is then the stop's (``143``: 128 + SIGTERM, as a shell shows
@@ -45,8 +45,8 @@ class RunReport:
     submitted launch, and ``error.report`` on every error a launch raises.
 
     Attributes:
-        ranks: one :class:`RankReport` per rank of this node, of the launch's last attempt, in rank order;
-            empty when no worker was started, or for a multi-node launch (torch elastic runs its workers).
+        ranks: one [`RankReport`][mplaunch.RankReport] per rank of this node, of the launch's last attempt, in rank
+            order; empty when no worker was started, or for a multi-node launch (torch elastic runs its workers).
         wall_time: seconds the whole launch took, restarts included.
         restarts: how many times the workers were restarted (``max_restarts``).
     """

@@ -40,46 +40,46 @@ def spawn(
     ``torch.multiprocessing.spawn``, so porting is a one-line change (``mp.spawn(...)`` to
     ``mplaunch.spawn(...)``), on mplaunch's launch.
 
-    Each worker is a rank as with :func:`mplaunch.parallel`: torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``/``MASTER_PORT``...), output, signals, stopping, errors and clean-up. A rank may still set
-    ``MASTER_ADDR``/``MASTER_PORT`` itself before ``init_process_group``, as the PyTorch DDP tutorial does:
+    Each worker is a rank as with [`mplaunch.parallel()`][mplaunch.parallel]: torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``...), output, signals, stopping, errors and clean-up. A rank may
+    still set ``MASTER_ADDR``/``MASTER_PORT`` itself before ``init_process_group``, as the PyTorch DDP tutorial does:
     rank 0 then hosts the store there, as under ``torch.multiprocessing.spawn``.
 
     Differences from ``torch.multiprocessing.spawn``:
 
     - it returns rank 0's value (torch returns ``None``);
-    - ``join=False`` returns a :class:`concurrent.futures.Future` of that value (see
-      :meth:`ParallelFunction.submit`; torch returns a ``ProcessContext``);
+    - ``join=False`` returns a ``concurrent.futures.Future`` of that value (see
+      [`ParallelFunction.submit()`][mplaunch.ParallelFunction.submit]; torch returns a ``ProcessContext``);
     - a failing rank's exception is raised as itself, with the worker's traceback as its cause (torch raises
-      ``ProcessRaisedException``); an exit or a signal raises :class:`~mplaunch.WorkerExitedError` (torch:
+      ``ProcessRaisedException``); an exit or a signal raises [`WorkerExitedError`][mplaunch.WorkerExitedError] (torch:
       ``ProcessExitedException``);
     - ``daemon`` is accepted and has no effect: workers never outlive the calling process, whatever it is.
 
     Args:
         fn: the function each worker runs, called as ``fn(i, *args)``; under ``spawn`` and ``forkserver`` it
-            and ``args`` are pickled, as :func:`mplaunch.parallel` pickles a call.
+            and ``args`` are pickled, as [`mplaunch.parallel()`][mplaunch.parallel] pickles a call.
         args: the arguments after the index, a tuple or list.
         nprocs: number of worker processes, an int >= 1.
         join: wait and return rank 0's value; ``False``: return a future at once.
         daemon: accepted for ``torch.multiprocessing.spawn``'s signature; ignored.
         start_method: ``"spawn"`` (default, as torch's), ``"fork"`` or ``"forkserver"``.
-        **options: other launch options of :func:`mplaunch.parallel` (those of
-            :class:`~mplaunch.LaunchOptions`: ``timeout``, ``grace_period``, ``backend``, ``max_restarts``...).
+        **options: other launch options of [`mplaunch.parallel()`][mplaunch.parallel] (those of
+            [`LaunchOptions`][mplaunch.LaunchOptions]: ``timeout``, ``grace_period``, ``backend``, ``max_restarts``...).
 
     Returns:
-        Rank 0's return value; with ``join=False``, a :class:`concurrent.futures.Future` of it.
+        Rank 0's return value; with ``join=False``, a ``concurrent.futures.Future`` of it.
 
     Raises:
         InvalidOptionError: ``fn`` is not callable, ``args`` is not a tuple or list, or an option is invalid.
-        BaseException: what calling a :func:`mplaunch.parallel` function raises (a rank's exception,
-            :class:`~mplaunch.WorkerExitedError`, :class:`~mplaunch.LaunchTimeoutError`,
-            :class:`~mplaunch.LaunchRefusedError`...).
+        BaseException: what calling a [`mplaunch.parallel()`][mplaunch.parallel] function raises (a rank's exception,
+            [`WorkerExitedError`][mplaunch.WorkerExitedError], [`LaunchTimeoutError`][mplaunch.LaunchTimeoutError],
+            [`LaunchRefusedError`][mplaunch.LaunchRefusedError]...).
 
     Example:
-        >>> def main(rank, world_size):  # doctest: +SKIP
-        ...     ddp_setup(rank, world_size)
-        >>> if __name__ == "__main__":  # doctest: +SKIP
-        ...     mplaunch.spawn(main, args=(2,), nprocs=2)
+        ```python title="Fragment: main() is a torch.multiprocessing.spawn target"
+        if __name__ == "__main__":
+            mplaunch.spawn(main, args=(world_size,), nprocs=world_size)  # mp.spawn
+        ```
     """
     if not callable(fn):
         raise InvalidOptionError(f"spawn(fn={fn!r}): fn must be a function, called as fn(i, *args).")

@@ -193,3 +193,27 @@ def fork_with(monkeypatch: pytest.MonkeyPatch, before: Callable[[list[int]], Non
     parent = os.getpid()
     monkeypatch.setattr(os, "fork", forking)
     return pids
+
+
+_STAND_IN_DRIVER = """
+static int initialised;
+int cuInit(unsigned int flags) { initialised = 1; return 0; }
+int cuDeviceGetCount(int *count) { if (!initialised) return 3; *count = 2; return 0; }
+"""
+
+
+def stand_in_cuda_driver(tmp_path: Path) -> Path:
+    """Build a ``libcuda.so.1`` with 2 devices that answers as the driver does (``cuDeviceGetCount``:
+    CUDA_ERROR_NOT_INITIALIZED until ``cuInit``) and return its folder, for ``LD_LIBRARY_PATH``; skip the
+    test without a C compiler."""
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in CUDA driver")
+    (tmp_path / "driver.c").write_text(_STAND_IN_DRIVER)
+    folder = tmp_path / "driver"
+    folder.mkdir()
+    command = [compiler, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(folder / "libcuda.so.1"), "driver.c"]
+    subprocess.run(command, cwd=tmp_path, check=True)
+    return folder

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Generator, Iterator
+from typing import Any
 
 from mplaunch import worker_info
 
@@ -98,3 +99,23 @@ def large_tensors(count: int) -> Iterator[object]:
 
     for index in range(count):
         yield torch.full((256 * 1024,), float(index))
+
+
+_kept: dict[str, object] = {}  # what calls leave in a rank, by name
+KEPT_WORKERS: Any = None  # Workers a rank forked after this was set inherits
+
+
+def keep(name: str, value: object) -> None:
+    _kept[name] = value
+
+
+def read_kept(name: str) -> object:
+    return _kept[name]
+
+
+def call_workers(workers: Any) -> Any:
+    return workers.run(rank_and_pid)
+
+
+def call_kept_workers() -> Any:
+    return KEPT_WORKERS.run(rank_and_pid)

@@ -151,6 +151,28 @@ def mutate(module: torch.nn.Linear, tensor: torch.Tensor) -> dict[str, float]:
     return {"weight": module.weight.sum().item(), "tensor": tensor.sum().item()}
 
 
+class _DrawsDataset(torch.utils.data.Dataset[list[float]]):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> list[float]:
+        import random
+
+        import numpy
+
+        return [random.random(), float(numpy.random.rand()), torch.rand(1).item()]
+
+
+def draws_and_loader_draws() -> list[float]:
+    """This rank's Python, NumPy and torch draws, then what its DataLoader's worker draws for two samples."""
+    import random
+
+    import numpy
+
+    loader = torch.utils.data.DataLoader(_DrawsDataset(), batch_size=None, num_workers=1)
+    return [random.random(), float(numpy.random.rand()), torch.rand(1).item(), *[x for s in loader for x in s]]
+
+
 def random_draws() -> dict[str, Any]:
     import random
 
@@ -222,6 +244,33 @@ def return_unpicklable() -> Any:
     import threading
 
     return {"lock": threading.Lock()}
+
+
+class Holder:
+    """An object whose attribute cannot be pickled (a lock, deep inside a result or an argument)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.weights = torch.ones(3)
+        self.logger = threading.Lock()
+
+
+def return_holder() -> dict[str, Any]:
+    return {"epochs": 3, "trainer": Holder()}
+
+
+def yield_holder() -> Any:
+    yield 1
+    yield [Holder()]
+
+
+def init_own_group() -> int:
+    """Initialise the default process group in the function, as code written for torchrun does."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return dist.get_rank()
 
 
 def return_open_file(path: str) -> Any:
@@ -715,6 +764,19 @@ def placement_seen() -> dict[str, Any]:
     }
 
 
+def import_and_warn() -> list[str]:
+    """Import ``fork_given_path`` (on env='s PYTHONPATH); whether a UserWarning is raised or only warned."""
+    import warnings
+
+    import fork_given_path  # type: ignore[import-not-found]
+
+    try:
+        warnings.warn("a warning", UserWarning, stacklevel=1)
+    except UserWarning:
+        return [fork_given_path.VALUE, "raised"]
+    return [fork_given_path.VALUE, "warned"]
+
+
 def touch(path: str) -> None:
     with open(path, "w"):
         pass
@@ -1106,6 +1168,7 @@ def seen(directory: str) -> dict[str, Any]:
         "env": os.environ.get("MPLAUNCH_PROBE"),
         "cpus": sorted(os.sched_getaffinity(0)),
         "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "draw": torch.rand(1).item(),
     }
 
 

@@ -18,7 +18,8 @@ import torch
 
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError
 from mplaunch._frames import warn_at_user
-from mplaunch._parent import policy
+from mplaunch._parent import devices, policy
+from mplaunch._platform import cuda
 from mplaunch._wire import pickling, start_objects
 from mplaunch._wire.importable import WorkerImports, rerun_main_file, script_source
 
@@ -32,33 +33,42 @@ _first_cuda_init: list[traceback.FrameSummary] | None = None
 
 
 def record_cuda_init() -> None:
-    """Remember where CUDA is first initialised in this process, so that a refused ``fork`` can say where.
+    """Remember where this process first initialises CUDA's driver, so that a refused ``fork`` can say where.
 
-    Opt-in, for the parent process (e.g. the first cell of a notebook). It wraps ``torch.cuda._lazy_init``,
-    which PyTorch calls before the first CUDA operation (a tensor or module moved to the GPU, most
-    ``torch.cuda.*`` calls), and keeps the call stack of the first successful initialisation: one stack
-    capture, once. Calling it again has no effect; once CUDA is initialised there is nothing left to record.
+    Opt-in, for the parent process (e.g. the first cell of a notebook). It wraps the two ways PyTorch runs
+    ``cuInit``: ``torch.cuda._lazy_init`` (before the first CUDA operation: a tensor or module on the GPU, most
+    ``torch.cuda.*`` calls) and ``torch._C._cuda_getDeviceCount`` (``torch.cuda.is_available()``; also
+    ``device_count()`` where NVML does not answer). It keeps the stack of the first call that leaves the driver
+    initialised: one capture, once. Calling it again has no effect.
 
     Example:
-        >>> import mplaunch
-        >>> mplaunch.record_cuda_init()
+        ```python title="first_cell.py"
+        import mplaunch
+        mplaunch.record_cuda_init()  # before anything touches CUDA
+        ```
     """
     if getattr(torch.cuda._lazy_init, "_mplaunch_recorder", False):
         return
-    original: Callable[[], None] = torch.cuda._lazy_init
+    torch.cuda._lazy_init = torch.cuda.random._lazy_init = _recording(torch.cuda._lazy_init)  # type: ignore[attr-defined]
+    if hasattr(torch._C, "_cuda_getDeviceCount"):  # a CUDA build
+        torch._C._cuda_getDeviceCount = _recording(torch._C._cuda_getDeviceCount)
 
-    def recording_lazy_init() -> None:
+
+def _recording(original: Callable[[], Any]) -> Callable[[], Any]:
+    """Return ``original`` wrapped to keep the stack of its first call that leaves the driver initialised."""
+
+    def recording() -> Any:
         global _first_cuda_init
-        if _first_cuda_init is not None or torch.cuda.is_initialized():
-            original()
-            return
+        if _first_cuda_init is not None or torch.cuda.is_initialized() or cuda.driver_initialised():
+            return original()
         stack = traceback.extract_stack()[:-1]
-        original()
-        _first_cuda_init = stack
+        result = original()
+        if torch.cuda.is_initialized() or cuda.driver_initialised():
+            _first_cuda_init = stack
+        return result
 
-    recording_lazy_init._mplaunch_recorder = True  # type: ignore[attr-defined]
-    torch.cuda._lazy_init = recording_lazy_init
-    torch.cuda.random._lazy_init = recording_lazy_init  # type: ignore[attr-defined]
+    recording._mplaunch_recorder = True  # type: ignore[attr-defined]
+    return recording
 
 
 def _where_cuda_was_initialised() -> str:
@@ -74,31 +84,17 @@ def _where_cuda_was_initialised() -> str:
 
 
 def check_cuda_fork(start_method: str) -> None:
-    """Refuse ``fork`` when CUDA is initialised here, or this process is torch's "bad fork" of one that had
-    initialised it (``is_initialized()`` is false there): a forked child cannot use CUDA."""
-    if start_method != "fork":
-        return
-    bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: False)
-    if bad_fork():
-        raise LaunchRefusedError(
-            "start_method='fork' cannot be used: this process was forked from a process that had initialised "
-            "CUDA, so neither it nor a worker forked from it can use CUDA (PyTorch would raise 'Cannot "
-            "re-initialize CUDA in forked subprocess'). Use start_method='spawn' or 'forkserver', or start this "
-            "process with spawn (e.g. multiprocessing.get_context('spawn'))."
-        )
-    if not torch.cuda.is_initialized():
+    """Refuse ``fork`` when a forked worker could not use CUDA (:func:`devices.fork_refusal`), saying why."""
+    refusal = devices.fork_refusal() if start_method == "fork" else None
+    if refusal is None:
         return
     message = (
-        "start_method='fork' cannot be used: CUDA is already initialised in this process, and a forked worker "
-        "cannot use CUDA (PyTorch would raise 'Cannot re-initialize CUDA in forked subprocess'). Use "
-        "start_method='spawn' or 'forkserver', or do not touch CUDA (tensors or models on the GPU, "
-        "torch.cuda.* calls other than is_available()/device_count()) before launching."
+        f"start_method='fork' cannot be used: {refusal[0]}, so a worker forked from it cannot use CUDA (PyTorch "
+        f"would raise 'Cannot re-initialize CUDA in forked subprocess'). Use start_method='spawn' or 'forkserver', "
+        f"{refusal[1]}."
     )
     if policy.is_interactive():
-        message += (
-            " In a notebook, restart the kernel and launch before any CUDA use, or use start_method='spawn', "
-            "which works with functions defined in cells."
-        )
+        message += " In a notebook, restart the kernel, or use start_method='spawn': it takes functions of cells."
     raise LaunchRefusedError(message + _where_cuda_was_initialised())
 
 
@@ -109,9 +105,10 @@ def check_not_bootstrapping(name: str = "the function") -> None:
 
 
 def _guard_message(where: str, name: str, line: str | None) -> str:
-    """Return the advice for a call at import time: the user's own call, moved under the guard."""
+    """Return the advice for a call at import time (``name``: a parallel function's, or ``mplaunch.Workers``)."""
+    called = name if name.startswith("mplaunch.") else f"the parallel function {name}"
     return (
-        f"{where} called the parallel function {name}() at import time. With start_method 'spawn' or "
+        f"{where} called {called}() at import time. With start_method 'spawn' or "
         "'forkserver' each worker runs your script again, so the call must be under "
         '`if __name__ == "__main__":`, e.g.\n\n'
         '    if __name__ == "__main__":\n'
@@ -154,20 +151,23 @@ def check_main_guard(start_method: str, frame: FrameType | None, name: str = "th
 
 
 def describe_unpicklable(
-    args: tuple[Any, ...], kwargs: dict[str, Any], imports: WorkerImports | None, function: Any = None
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    imports: WorkerImports | None,
+    function: Any = None,
+    by_value: bool = False,
 ) -> str:
-    """Name the first argument that cannot be pickled for workers that can import ``imports``, and why."""
-    for index, value in enumerate(args):
-        error = pickling.pickle_error(value, imports=imports, start_objects=True)
+    """Name the first argument (else the function) that cannot be pickled for workers that can import
+    ``imports``, the path to the part that cannot, and why."""
+    how: dict[str, Any] = {"imports": imports, "by_value": by_value, "start_objects": True}
+    named = [(f"positional argument {i}", _positional_name(function, i) or f"args[{i}]", v) for i, v in enumerate(args)]
+    named += [(f"keyword argument {name!r}", name, value) for name, value in kwargs.items()]
+    named.append(("the function", getattr(function, "__name__", "function"), function))
+    for what, root, value in named:
+        error = pickling.pickle_error(value, **how)
         if error is not None:
-            name = _positional_name(function, index)
-            named = f" {name!r}" if name else ""
-            return f"positional argument {index}{named} ({type(value).__qualname__}): {error}"
-    for name, value in kwargs.items():
-        error = pickling.pickle_error(value, imports=imports, start_objects=True)
-        if error is not None:
-            return f"keyword argument {name!r} ({type(value).__qualname__}): {error}"
-    return "the function or the captured global state"
+            return f"{what} ({pickling.unpicklable_part(value, root, **how)}): {error}"
+    return "the captured global state"
 
 
 def _positional_name(function: Any, index: int) -> str | None:

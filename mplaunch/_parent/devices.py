@@ -15,15 +15,34 @@ import torch
 from mplaunch._env import whole_number
 from mplaunch._errors import InvalidOptionError
 from mplaunch._parent.control import LaunchControl
-from mplaunch._platform import forks
+from mplaunch._platform import cuda, forks
 
 #: Seconds between checks for a stop request while a launch waits for devices.
 _POLL = 0.05
 
 
 def device_count() -> int:
-    """Count the CUDA devices this process sees, without initialising CUDA (tests replace this function)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Count the CUDA devices this process sees without initialising the driver: as ``torch.cuda.device_count()``
+    does through NVML, else in a throwaway process (torch would run ``cuInit`` here; tests replace this)."""
+    if torch.cuda.is_initialized() or torch.version.hip or not torch.cuda._is_compiled():
+        return torch.cuda.device_count()  # nothing left to spare, ROCm's own count, or a CPU build's 0
+    counted: int = getattr(torch.cuda, "_device_count_nvml", lambda: -1)()
+    return counted if counted >= 0 else cuda.driver_device_count(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def fork_refusal() -> tuple[str, str] | None:
+    """Say why a worker forked from this process could not use CUDA, and the fix; ``None`` when it could."""
+    if torch.cuda._is_in_bad_fork() and device_count() > 0:
+        why = "this process was forked from a process that had initialised CUDA"
+        return why, "or start this process with spawn (e.g. multiprocessing.get_context('spawn'))"
+    if torch.cuda.is_initialized():
+        return "CUDA is already initialised in this process", "or use no CUDA here before launching"
+    if cuda.driver_initialised():
+        return "the CUDA driver is initialised in this process (torch.cuda.is_available() runs cuInit)", (
+            "or leave the driver alone until the launch: set PYTORCH_NVML_BASED_CUDA_CHECK=1 before calling "
+            "torch.cuda.is_available(), or call torch.cuda.device_count() instead (it asks NVML)"
+        )
+    return None
 
 
 def visible_names(environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:

@@ -6,6 +6,7 @@ removes those of dead parents of this pid namespace."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -141,3 +142,37 @@ def space_hint(directory: str) -> str:
         f"It has {free:.0f} MiB free of {total:.0f} MiB; mplaunch needs room there for the arguments and results "
         "(e.g. docker run --shm-size=8g), or set MPLAUNCH_SHM_DIR to a larger directory."
     )
+
+
+@contextlib.contextmanager
+def log_dir_held(log_dir: str | None) -> Iterator[None]:
+    """Hold ``log_dir`` while a launch (or warm workers) writes there: an exclusive ``flock``, which refuses
+    any other holder, in this process or another. Forked children close their copy: it outlives no one."""
+    if log_dir is None:
+        yield
+        return
+    fd = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LaunchRefusedError(
+            f"log_dir={log_dir!r} is used by another launch that still runs (here or in another process): their "
+            "rank{N}.log, stacks and traces would mix. Give each launch at a time its own log_dir, e.g. "
+            "fn.options(log_dir=f'logs/{trial}').submit(...)."
+        ) from None
+    _log_dirs.add(fd)
+    try:
+        yield
+    finally:
+        _log_dirs.discard(fd)
+        os.close(fd)
+
+
+_log_dirs: set[int] = set()  # the descriptors of the log_dirs held
+
+
+@forks.in_child
+def _let_go_of_log_dirs() -> None:
+    while _log_dirs:
+        os.close(_log_dirs.pop())

@@ -37,10 +37,11 @@ def _forget_running() -> None:
 
 
 class LaunchFuture(Future[T]):
-    """The future of a submitted launch; :meth:`cancel` also stops a launch that is running.
+    """The future of a submitted launch; [`cancel()`][mplaunch.LaunchFuture.cancel] also stops a launch that is running.
 
     The future stays ``PENDING`` (as ``concurrent.futures`` counts states) until the launch has ended, so that
-    a stopped launch can still end ``CANCELLED``; :meth:`running` says whether its launch is under way.
+    a stopped launch can still end ``CANCELLED``; [`running()`][mplaunch.LaunchFuture.running] says whether its
+    launch is under way.
     """
 
     def __init__(self, control: LaunchControl) -> None:
@@ -53,7 +54,7 @@ class LaunchFuture(Future[T]):
     def stacks(self) -> dict[int, str]:
         """Return every running rank's Python stacks (all threads), by rank; the workers keep running.
 
-        Each worker writes them with :mod:`faulthandler` on a real-time signal (never SIGUSR1/SIGUSR2, which
+        Each worker writes them with ``faulthandler`` on a real-time signal (never SIGUSR1/SIGUSR2, which
         are the user's), also while it is blocked in C code or a collective. Takes at most about a second.
 
         Returns:
@@ -70,7 +71,7 @@ class LaunchFuture(Future[T]):
 
     @property
     def report(self) -> RunReport | None:
-        """The launch's :class:`~mplaunch.RunReport` once it has ended (each rank's exit, peak memory, CPU and
+        """The launch's [`RunReport`][mplaunch.RunReport] once it has ended (each rank's exit, peak memory, CPU and
         wall time), else ``None``."""
         return self._control.report
 
@@ -110,7 +111,7 @@ class LaunchFuture(Future[T]):
     def preempt(self) -> bool:
         """Preempt the launch, as one of ``preempt_signals`` preempts a call: every rank's ``mplaunch.preempted()``
         becomes true, the ranks get ``preempt_grace`` seconds to save and return, the rest are stopped, and ``result()``
-        raises :class:`~mplaunch.PreemptedError`. A second call ends the grace at once. Returns at once.
+        raises [`PreemptedError`][mplaunch.PreemptedError]. A second call ends the grace at once. Returns at once.
 
         A submitted launch runs in a thread, and Python runs signal handlers only in the main thread, so
         ``preempt_signals`` are not handled for it: call this from your own handler, e.g.
@@ -134,7 +135,8 @@ class LaunchFuture(Future[T]):
         waiting stops the launch (as it stops a call) before ``KeyboardInterrupt`` propagates.
 
         Raises:
-            concurrent.futures.CancelledError: the launch was stopped through :meth:`cancel`.
+            concurrent.futures.CancelledError: the launch was stopped through its
+                [`cancel()`][mplaunch.LaunchFuture.cancel].
             TimeoutError: ``timeout`` seconds passed first (``concurrent.futures.TimeoutError`` before 3.11).
             RuntimeError: the launch has not ended and this process was forked from the one that runs it.
         """
@@ -154,7 +156,7 @@ class LaunchFuture(Future[T]):
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait for the launch and return the exception the call would raise, or ``None``; Ctrl-C while
-        waiting stops the launch. Raises ``RuntimeError`` as :meth:`result` does."""
+        waiting stops the launch. Raises ``RuntimeError`` as [`result()`][mplaunch.LaunchFuture.result] does."""
         self._check_process()
         try:
             return super().exception(timeout)

@@ -12,6 +12,7 @@ from mplaunch._parent.checks import check_arguments, check_log_dir
 from mplaunch._parent.policy import resolve_backend
 from mplaunch._parent.store import rendezvous
 from mplaunch._platform.environ import environ_kept
+from mplaunch._state.snapshot import derived_seed, seed_all
 from mplaunch._worker.process_group import process_group
 from mplaunch._worker.rendezvous import follow_own_rendezvous
 
@@ -20,6 +21,8 @@ def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     """Run the function here as this process's rank of an outer launcher's job; return its value (a list with
     ``return_all``). With ``backend=``, an existing process group is reused."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.seed is not None:  # this process is the rank
+        seed_all(derived_seed(config.seed, int(os.environ.get("RANK", "0"))))
     with process_group(resolve_backend(config.backend, world_size), int(os.environ.get("LOCAL_RANK", "0"))):
         value = function._mplaunch_target(*args, **kwargs)
     return [value] if config.return_all else value

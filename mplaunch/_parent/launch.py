@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
-import torch
-
 from mplaunch._config import ParallelConfig, check_mode, refused_in
 from mplaunch._env import NodeSetup, node_setup, outer_launcher
 from mplaunch._errors import InvalidOptionError, LaunchRefusedError, set_attribute
@@ -24,7 +22,7 @@ from mplaunch._frames import named_original
 from mplaunch._output.pump import routed, worker_fds
 from mplaunch._parent import checks, devices, placement, policy, stacks
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.directory import launch_directory
+from mplaunch._parent.directory import launch_directory, log_dir_held
 from mplaunch._parent.limits import open_files_explained, short_socket_directory
 from mplaunch._parent.memfiles import Written, outcome_files, payload_written
 from mplaunch._parent.parent_signals import ignored_signals, parent_signals, sigchld_handled
@@ -36,8 +34,7 @@ from mplaunch._parent.stream import Stream
 from mplaunch._parent.terminal import terminal_kept
 from mplaunch._reports import RunReport
 from mplaunch._state.python import warn_not_carried
-from mplaunch._state.sharing import unshare_verdict
-from mplaunch._state.snapshot import ForkState, GlobalState
+from mplaunch._state.snapshot import ForkState, GlobalState, for_launch
 from mplaunch._wire import transport
 from mplaunch._wire.board import Board
 from mplaunch._wire.importable import WorkerImports, worker_imports
@@ -139,6 +136,7 @@ def _launch(request: CallRequest, control: LaunchControl) -> Generator[tuple[int
         plan = _Plan(request, control, names)
         plan.check()
         with launch_directory() as directory, contextlib.ExitStack() as held:
+            held.enter_context(log_dir_held(config.log_dir if plan.nodes is None else None))  # (nodes share one)
             spec = held.enter_context(plan.spec_written(directory))
             with preemption_notice(control, directory, config.preempt_signals, config.preempt_grace) as notice:
                 if plan.nodes is not None:
@@ -207,7 +205,6 @@ class _Plan:
                 self.start_method,
                 self.names,
                 nodes=nodes,
-                unshare=not self.forked or unshare_verdict((payload.args, payload.kwargs), keep_requested=True),
                 stacks=config.timeout is not None or config.stall_timeout is not None or self.control.stacks_wanted,
                 board=self.board is not None,
                 payload=written,
@@ -265,7 +262,6 @@ def launch_spec(
     names: list[str] | None,
     *,
     nodes: NodeSetup | None = None,
-    unshare: bool | None = True,
     stacks: bool = True,
     board: bool = False,
     payload: Written | None = None,
@@ -277,9 +273,11 @@ def launch_spec(
     multinode = nodes is not None
     world_size = nprocs * (nodes.nnodes if nodes else 1)
     backend = policy.resolve_backend(config.backend, nprocs, None if names is None else len(names))
-    if backend == "nccl" and not torch.cuda.is_available():
+    if backend == "nccl" and not devices.device_count():
         raise LaunchRefusedError("backend='nccl' needs CUDA devices and this machine has none: use 'gloo'.")
     threads_kept = "OMP_NUM_THREADS" not in os.environ and num_threads >= wanted_threads
+    placements = placement.plan(config, nprocs, names, multinode=multinode, threads_kept=threads_kept)
+    placement.check_fork_env(placements, start_method)
     return LaunchSpec(
         directory=directory,
         nprocs=nprocs,
@@ -294,15 +292,15 @@ def launch_spec(
         log_dir=config.log_dir,
         grace_period=config.grace_period,
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
-        unshare=unshare,
         ignored_signals=ignored_signals(),
-        placements=placement.plan(config, nprocs, names, multinode=multinode, threads_kept=threads_kept),
+        placements=placements,
         env_function=placement.env_function(config, start_method) if multinode else None,
         post_mortem=checks.post_mortem_terminal(config.post_mortem),
         # a cost only some launches need: a plain call without a timeout never asks for stacks
         stacks=stacks,
         board=board,
         max_restarts=config.max_restarts,
+        seed=config.seed,
         # how long a node other than rank 0's waits for rank 0's result
         result_wait=config.timeout if config.timeout is not None else config.rdzv_timeout,
         payload_fd=None if payload is None else payload.fd,
@@ -346,8 +344,9 @@ def check_console_ranks(config: ParallelConfig, world_size: int, whose: str) -> 
 
 
 def captured_state(forked: bool, state: GlobalState | None = None) -> ForkState | GlobalState:
-    """Capture the parent's state for the ranks (``state``: already captured); warn of what a spawn loses."""
-    found = state or (ForkState.capture() if forked else GlobalState.capture())
+    """Capture the parent's state for the ranks (``state``: already captured, by :func:`for_launch` too); warn
+    of what a spawn loses."""
+    found = state or (for_launch(ForkState.capture()) if forked else for_launch(GlobalState.capture()))
     if isinstance(found, GlobalState) and found.python is not None and not forked:
         warn_not_carried(found.python)
     return found

@@ -44,6 +44,24 @@ def plan(
     return tuple(placements)
 
 
+#: Python variables that take effect in a rank after it started (mplaunch applies the first two there).
+_AFTER_START = ("PYTHONPATH", "PYTHONWARNINGS", "PYTHONBREAKPOINT", "PYTHONASYNCIODEBUG")
+
+
+def check_fork_env(placements: tuple[RankPlacement, ...] | None, start_method: str) -> None:
+    """Refuse an ``env=`` variable that Python reads only as it starts (``PYTHONHASHSEED``...) for a forked rank."""
+    if start_method != "fork":
+        return
+    for rank, placement in enumerate(placements or ()):
+        for name, value in placement.environ.items():
+            if name.startswith("PYTHON") and name not in _AFTER_START and os.environ.get(name) != value:
+                raise InvalidOptionError(
+                    f"env sets {name}={value!r} (rank {rank}), which Python reads only as it starts, and a 'fork' "
+                    "rank is a copy of this process, started already: use start_method='spawn' or 'forkserver', "
+                    "or set it before this process starts."
+                )
+
+
 def env_function(config: ParallelConfig, start_method: str) -> Callable[[int], Mapping[str, str]] | None:
     """Return ``env=``'s function for multi-node workers to call; refuse one spawn/forkserver cannot pickle."""
     if not callable(config.env):

@@ -9,14 +9,13 @@ import multiprocessing
 import os
 import sys
 
-import torch
-
 from mplaunch._env import whole_number
 from mplaunch._frames import warn_at_user
+from mplaunch._parent import devices as device_pool
 from mplaunch._platform import openmp
 from mplaunch._platform.cpus import usable_cpu_count
 
-_warned = False
+_warned = _said_spawn = False
 
 
 def is_interactive() -> bool:
@@ -28,19 +27,26 @@ def is_interactive() -> bool:
 
 
 def default_start_method() -> str:
-    """Return ``fork`` in an interactive session where it exists and CUDA is not initialised, else ``spawn``."""
-    if is_interactive() and "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized():
-        return "fork"
-    return "spawn"
+    """Return ``fork`` in an interactive session where it exists and forked workers could use CUDA, else
+    ``spawn`` (said once when it is for CUDA)."""
+    global _said_spawn
+    if not is_interactive() or "fork" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    refusal = device_pool.fork_refusal()
+    if refusal is not None and not _said_spawn:
+        _said_spawn = True
+        warn_at_user(
+            f"mplaunch: workers start with spawn here, not fork: {refusal[0]}, so forked ones could not use CUDA.",
+            RuntimeWarning,
+        )
+    return "fork" if refusal is None else "spawn"
 
 
 def resolve_nprocs(nprocs: int | str) -> int:
     """Turn ``"auto"`` into the visible CUDA devices (without initialising CUDA), else the usable CPU cores."""
     if isinstance(nprocs, int):
         return nprocs
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return usable_cpu_count()
+    return device_pool.device_count() or usable_cpu_count()
 
 
 def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None) -> str | None:
@@ -49,7 +55,7 @@ def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None
         return backend
     if devices is not None:
         return "nccl" if devices >= nprocs else "gloo"
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
+    return "nccl" if device_pool.device_count() >= nprocs else "gloo"
 
 
 def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int:

@@ -1,6 +1,6 @@
 """The only code that starts processes: a launch's workers (forked here where pidfds exist, else through
 ``torch.multiprocessing``), the fork server, the launch-directory reaper. While workers start, the parent holds
-a ``__main__`` spawn can describe, one hash seed for spawn workers, the signals of ``HELD``, and a lock."""
+a ``__main__`` spawn can describe, a spawn rank's variables, the signals of ``HELD``, and a lock."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from mplaunch._platform import forks
 from mplaunch._platform.environ import environ_kept
 from mplaunch._wire.inherited import MAKING
 from mplaunch._wire.records import Payload
-from mplaunch._wire.spec import WorkerSpec
+from mplaunch._wire.spec import LaunchSpec, WorkerSpec
+from mplaunch._worker.apply_placement import environment
 from mplaunch._worker.entry import run
 
 #: Held while a launch starts its workers: a fork from another thread would inherit the write end of a sentinel
@@ -61,17 +62,18 @@ def start_workers(
     """Start one worker per spec, rank 0 first, each running ``target(rank, specs[rank], payload,
     *rank_args[rank])``, and hand each to ``started`` as soon as it runs (before anything can reap it)."""
     spec = specs[0].launch
-    context = mp.get_context(spec.start_method)
+    method = _exec_method(spec)
+    context = mp.get_context(method)
     rank = 0
     try:
-        if spec.start_method == "spawn" or (spec.start_method == "forkserver" and not _forkserver_running()):
-            check_exec_environment(os.environ, spec.start_method)  # else the worker "exits with code 255"
+        if method == "spawn" or (method == "forkserver" and not _forkserver_running()):
+            check_exec_environment(os.environ, method)  # else the worker "exits with code 255"
         with main_prepared():
-            if spec.start_method == "forkserver":
+            if method == "forkserver":
                 context.set_forkserver_preload(preload)
                 short_socket_directory()
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
-            kind = _ForkProcess if spec.start_method == "fork" else context.Process  # type: ignore[attr-defined]
+            kind = _ForkProcess if method == "fork" else context.Process  # type: ignore[attr-defined]
             processes = [
                 kind(
                     target=target,
@@ -81,21 +83,22 @@ def start_workers(
                 )
                 for rank in range(spec.nprocs)
             ]
-            with _STARTING, MAKING, signals_held(), spawn_hash_seed(spec.start_method), daemonic_allowed():
-                if spec.start_method == "fork" and _pidfds_work():
+            with _STARTING, MAKING, signals_held(), daemonic_allowed():
+                if method == "fork" and _pidfds_work():
                     rank, failure = _fork_all(processes, started)
                     if failure is not None:
                         raise failure  # (rank: the first that did not start, for the message)
                     return
                 for rank, process in enumerate(processes):  # noqa: B007 - the rank that failed is reported
-                    process.start()
+                    with spawn_environ(method, environment(specs[rank], rank)):
+                        process.start()
                     # the launch reaps it, not another thread's start or active_children() (they reap this list)
                     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
                     started(process)
     except (OSError, EOFError) as error:
-        if spec.start_method == "forkserver":
+        if method == "forkserver":
             _forget_dead_forkserver()
-        refused = start_refused(error, spec.start_method, rank, spec.nprocs)
+        refused = start_refused(error, method, rank, spec.nprocs)
         if refused is None:
             raise
         traceback.clear_frames(error.__traceback__)  # multiprocessing's half-made Popen: its finalizer closes its pipes
@@ -301,15 +304,27 @@ def _hash_seed() -> str:
     return str(int.from_bytes(os.urandom(4), "little") or 1)
 
 
+def _exec_method(spec: LaunchSpec) -> str:
+    """Return how the ranks start: as asked, but a fork server's ranks with ``env=`` as spawn's. They would fork
+    from the server, whose interpreter started, and imported the script, with this process's environment then."""
+    changes = [placement.environ for placement in spec.placements or ()]
+    if spec.start_method == "forkserver" and any(os.environ.get(k) != v for env in changes for k, v in env.items()):
+        return "spawn"
+    return spec.start_method
+
+
 @contextlib.contextmanager
-def spawn_hash_seed(start_method: str) -> Iterator[None]:
-    """Give spawn workers one ``PYTHONHASHSEED`` (unless the user set one), so all ranks of all launches hash
-    strings alike; it is in this process's environment (which exec passes on) only while workers start."""
-    if start_method != "spawn" or os.environ.get("PYTHONHASHSEED") not in (None, "", "random"):
+def spawn_environ(start_method: str, variables: dict[str, str]) -> Iterator[None]:
+    """Put a spawn rank's ``variables`` (``env=``, ``CUDA_VISIBLE_DEVICES``) and one ``PYTHONHASHSEED`` for all
+    ranks of all launches (unless set) in this process's environment, which exec passes on, while it starts: its
+    interpreter and the script's imports see them."""
+    if start_method != "spawn":
         yield
         return
     with environ_kept():
-        os.environ["PYTHONHASHSEED"] = _hash_seed()
+        if os.environ.get("PYTHONHASHSEED") in (None, "", "random"):
+            os.environ["PYTHONHASHSEED"] = _hash_seed()
+        os.environ.update(variables)
         yield
 
 

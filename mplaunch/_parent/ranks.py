@@ -6,7 +6,6 @@ CPython's ``concurrent.futures.process`` (one loop on result readers and sentine
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
 import os
@@ -35,7 +34,6 @@ from mplaunch._reports import RankReport
 from mplaunch._wire import transport
 from mplaunch._wire.board import BEAT, STACKS_SIGNAL, Board
 from mplaunch._wire.inherited import InheritedFd
-from mplaunch._wire.mappings import holds_shared_mappings
 from mplaunch._wire.records import (
     CALL,
     CANCEL,
@@ -100,19 +98,16 @@ class Ranks:
         spec, nprocs = self.spec, self.spec.nprocs
         self.conns = [ours for ours, _ in conns]
         try:
-            with stdin_for_forks(spec.start_method) as stdin, _unshare_pipe(spec) as pipe:
-                attempt = dataclasses.replace(self.attempt, unshare_pipe=pipe) if pipe else self.attempt
+            with stdin_for_forks(spec.start_method) as stdin:
                 # (one outcome file per rank, not the table: a fork server passes at most 256 fds a worker)
                 specs = [
-                    WorkerSpec(spec, attempt, None if self.outcome_fds is None else self.outcome_fds[rank])
+                    WorkerSpec(spec, self.attempt, None if self.outcome_fds is None else self.outcome_fds[rank])
                     for rank in range(nprocs)
                 ]
                 # (under fork: what each rank takes as its stdin, and what the parent made for each)
                 forked = prepare_forks(specs[0], stdin) if spec.start_method == "fork" else [None] * nprocs
                 rank_args = [(forked[rank], conns[rank][1] if conns else None) for rank in range(nprocs)]
                 start_workers(specs, payload, preload, self._started, target=target, rank_args=rank_args)
-                if pipe is not None:
-                    _answer_unshare(pipe, nprocs)
         finally:
             for _, theirs in conns:
                 theirs.close()
@@ -175,7 +170,7 @@ class Ranks:
     def _load(self, rank: int) -> Outcome | None:
         """Read the outcome ``rank`` left: from its memory file (mapped), or the launch directory (unlinked)."""
         if self.outcome_fds is not None:
-            found: Outcome | None = transport.load_fd(self.outcome_fds[rank].fd, private=False, missing_ok=True)
+            found: Outcome | None = transport.load_fd(self.outcome_fds[rank].fd, result=True, missing_ok=True)
         else:
             found = transport.load(self.spec.directory, outcome_name(rank), private=False, remove=True, missing_ok=True)
         return found
@@ -530,27 +525,6 @@ def board_for(directory: str, nprocs: int, wanted: bool) -> Iterator[Board | Non
     finally:
         if board is not None:
             board.close()
-
-
-@contextlib.contextmanager
-def _unshare_pipe(spec: LaunchSpec) -> Iterator[tuple[int, int] | None]:
-    """Yield the pipe on which forked ranks learn whether to unshare their arguments, or ``None``; close it after
-    (a rank whose parent failed to answer reads its end and looks)."""
-    if spec.start_method != "fork" or spec.unshare is not None:
-        yield None
-        return
-    pipe = os.pipe()
-    try:
-        yield pipe
-    finally:
-        for fd in pipe:
-            os.close(fd)
-
-
-def _answer_unshare(pipe: tuple[int, int], nprocs: int) -> None:
-    """Tell forked ranks whether to unshare their arguments: whether we hold a result mplaunch mapped shared.
-    Not ``/proc/self/maps``: it also lists the user's ``share_memory_()`` (kept shared) and our board and flag."""
-    os.write(pipe[1], (b"1" if holds_shared_mappings() else b"0") * nprocs)
 
 
 def _stopped() -> None:

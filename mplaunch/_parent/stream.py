@@ -21,9 +21,9 @@ class Stream(Generic[T]):
     """An iterator (and async iterator) over the values that rank 0 yields, as they are yielded; with
     ``return_all=True``, over ``(rank, value)`` pairs from every rank.
 
-    A failure in a rank is raised by the iteration after the values that came before it, as the worker's
-    exception itself (as a call raises it). Breaking out of the loop and garbage collection leave the ranks'
-    generators unfinished: :meth:`close` (also at the end of a ``with`` block) interrupts them. ``async for``
+    A failure in a rank is raised by the iteration after the values that came before it, as the worker's exception
+    itself (as a call raises it). Breaking out of the loop and garbage collection leave the ranks' generators
+    unfinished: [`close()`][mplaunch.Stream.close] (also at the end of a ``with`` block) interrupts them. ``async for``
     reads the values in a thread, so the event loop keeps running.
 
     Attributes:

@@ -27,7 +27,7 @@ from mplaunch._errors import LaunchRefusedError, raised_by_design
 from mplaunch._frames import warn_at_user
 from mplaunch._parent import checks, devices, futures, policy
 from mplaunch._parent.control import LaunchControl
-from mplaunch._parent.directory import launch_directory, space_hint
+from mplaunch._parent.directory import launch_directory, log_dir_held, space_hint
 from mplaunch._parent.launch import captured_state, check_console_ranks, drained, launch_spec, new_ranks
 from mplaunch._parent.memfiles import payload_written
 from mplaunch._parent.outcomes import RankState, Stopped
@@ -48,27 +48,28 @@ from mplaunch._worker.serve import serve
 
 
 class Workers:
-    """``nprocs`` ranks started once and kept: each :meth:`run` runs a function on every rank of them.
+    """``nprocs`` ranks started once and kept: each [`run()`][mplaunch.Workers.run] runs a function on every
+    rank.
 
     The ranks see torchrun's environment, as a launch's do; with ``backend`` set, the process group is
     initialised once, when they start, and kept. What a rank keeps between calls persists: its module
     globals (``global model``), the objects they hold, a CUDA context, the process group. A function
     defined after the ranks started (a re-run notebook cell) reaches them by value.
 
-    Closing (:meth:`close`, the end of a ``with`` block), garbage collection, the interpreter's exit (also a
-    notebook kernel's shutdown or restart) and the death of this process end the ranks and remove what they
+    Closing ([`close()`][mplaunch.Workers.close], the end of a ``with`` block), garbage collection, the interpreter's
+    exit (also a notebook kernel's shutdown or restart) and the death of this process end the ranks and remove what they
     used (processes, shared memory, descriptors).
 
     Args:
-        return_all: :meth:`run` returns every rank's value, in a list ordered by rank.
-        **options: the launch options of :func:`~mplaunch.parallel`. Those that place the ranks (``nprocs``,
+        return_all: [`run()`][mplaunch.Workers.run] returns every rank's value, in a list ordered by rank.
+        **options: the launch options of [`parallel()`][mplaunch.parallel]. Those that place the ranks (``nprocs``,
             ``start_method``, ``backend``, ``devices``, ``cpu_binding``, ``env``, output, ``log_dir``) apply when they
             start; ``timeout``, ``stall_timeout``, ``preempt_signals`` and ``preempt_grace`` apply to each call;
             ``rdzv_timeout`` bounds the ranks' start, apart from the first call's ``timeout``. ``max_restarts``,
             ``restart_on``, ``restart_delay`` and ``nnodes`` > 1 are refused (see the options reference's table).
 
     Attributes:
-        last_report: the :class:`~mplaunch.RunReport` of the last call that ended, else ``None``: each rank's
+        last_report: the [`RunReport`][mplaunch.RunReport] of the last call that ended, else ``None``: each rank's
             peak memory, and the CPU and wall time the call took.
 
     Raises:
@@ -76,9 +77,11 @@ class Workers:
         LaunchRefusedError: a check before starting failed (main guard, CUDA before fork).
 
     Example:
-        >>> with mplaunch.Workers(nprocs=2, backend="gloo") as workers:  # doctest: +SKIP
-        ...     workers.run(load_model, "resnet18")
-        ...     loss = workers.run(train_epoch, lr=0.1)
+        ```python title="Fragment: load_model() and train_epoch() are yours"
+        with mplaunch.Workers(nprocs=2, backend="gloo") as workers:
+            workers.run(load_model, "resnet18")  # each rank keeps the model
+            loss = workers.run(train_epoch, lr=0.1)
+        ```
     """
 
     last_report: RunReport | None = None
@@ -87,12 +90,12 @@ class Workers:
         __tracebackhide__ = True  # noqa: F841
         self.config = config = make_config(return_all=return_all, **options)
         check_mode(config, "Workers(...)")
-        checks.check_not_bootstrapping("Workers")
+        checks.check_not_bootstrapping("mplaunch.Workers")
         checks.check_log_dir(config.log_dir)
         devices.check_request(config.devices)
         self.start_method = config.start_method or policy.default_start_method()
         checks.check_cuda_fork(self.start_method)
-        checks.check_main_guard(self.start_method, sys._getframe(1), "Workers")
+        checks.check_main_guard(self.start_method, sys._getframe(1), "mplaunch.Workers")
         if isinstance(config.nprocs, int) or config.devices is None:
             self.nprocs = policy.resolve_nprocs(config.nprocs)  # "auto" as a launch counts
         else:  # "auto" with devices: their number
@@ -114,8 +117,8 @@ class Workers:
         """Run ``function(*args, **kwargs)`` on every rank and return rank 0's value.
 
         ``function`` may be a plain function or a decorated one (its plain function runs). A generator function returns
-        at once a :class:`~mplaunch.Stream` of the values rank 0 yields, as they are yielded. One call runs at a time: a
-        call from another thread waits; a call from the thread that left a stream unfinished closes that stream first.
+        at once a [`Stream`][mplaunch.Stream] of the values rank 0 yields, as they are yielded. One call runs at a time:
+        a call from another thread waits; a call from the thread that left a stream unfinished closes that stream first.
 
         Ctrl-C stops the call in every rank (``KeyboardInterrupt`` at the line it runs) and keeps the ranks.
         A rank that does not stop within ``grace_period`` seconds is stopped with the others, and the next
@@ -131,9 +134,9 @@ class Workers:
             LaunchRefusedError: the function or an argument cannot be sent to the ranks.
             LaunchTimeoutError: the call ran past ``timeout`` seconds; it was interrupted, and the error carries each
                 rank's stacks. Or the ranks did not finish starting within ``rdzv_timeout`` seconds; they were stopped.
-            StallError: a rank that called :func:`~mplaunch.heartbeat` in the call stopped calling it for
+            StallError: a rank that called [`heartbeat()`][mplaunch.heartbeat] in the call stopped calling it for
                 ``stall_timeout`` seconds; the call was interrupted.
-            PreemptedError: one of ``preempt_signals`` came during the call (see :func:`~mplaunch.parallel`).
+            PreemptedError: one of ``preempt_signals`` came during the call (see [`parallel()`][mplaunch.parallel]).
             KeyboardInterrupt: Ctrl-C; the call was interrupted.
             RuntimeError: the workers are closed, or this process was forked from the one that made them.
             TypeError: ``function`` is not callable, or the arguments do not fit its signature (checked
@@ -151,21 +154,21 @@ class Workers:
             raise error.with_traceback(None) from error.__cause__
 
     def submit(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.LaunchFuture[Any]:
-        """Run the call in the background; return a :class:`concurrent.futures.Future` of what :meth:`run`
-        returns or raises. ``cancel()`` interrupts the call (not the ranks); ``report`` is its
-        :class:`~mplaunch.RunReport` once it has ended.
+        """Run the call in the background; return a ``concurrent.futures.Future`` of what
+        [`run()`][mplaunch.Workers.run] returns or raises. ``cancel()`` interrupts the call (not the ranks); ``report``
+        is its [`RunReport`][mplaunch.RunReport] once it has ended.
 
         For a generator function, the future is of its return value, and its ``items`` attribute iterates
-        over the values yielded (as :meth:`run`'s stream), as they arrive.
+        over the values yielded (as [`run()`][mplaunch.Workers.run]'s stream), as they arrive.
 
         Returns:
             The future.
 
         Raises:
             RuntimeError: this process was forked from the one that made these workers.
-            TypeError: as for :meth:`run`.
+            TypeError: as for [`run()`][mplaunch.Workers.run].
         """
-        self._held.check_process()
+        self._held.check_process(self)
         call, config = self._checked(function, args, kwargs)
         check_mode(config, "submit()", "Workers.submit()")
         control = LaunchControl(stoppable=True)
@@ -197,6 +200,12 @@ class Workers:
         state = "closed" if self._held.closed else f"pids {self.pids}"
         return f"<mplaunch.Workers nprocs={self.nprocs} start_method={self.start_method!r}, {state}>"
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{self!r} cannot be sent to another process, its own ranks included: call it only in the process "
+            f"that made it (pid {self._held.pid}), not from a function it runs"
+        )
+
     def _checked(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Call, ParallelConfig]:
         """Return the call of the plain function, its arguments checked, and its options (a decorated
         function's own merged in, see :func:`~mplaunch._config.call_config`, which refuses those that differ)."""
@@ -216,7 +225,7 @@ class Workers:
     def _busy(self) -> Held:
         """Close this thread's unfinished stream; return the call lock (see :meth:`run`)."""
         held = self._held
-        held.check_process()  # before the lock: a thread of the owner may have held it at the fork
+        held.check_process(self)  # before the lock: a thread of the owner may have held it at the fork
         stream = None if held.stream is None else held.stream()
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)
@@ -240,6 +249,7 @@ class Workers:
                 RuntimeWarning,
             )
             team = held.team = Team(self.config, self.nprocs, self.start_method)
+            team.state_lost = True
         number = next(self._numbers)
         fork = self.start_method == "fork"
         imports = None if fork else worker_imports()
@@ -249,7 +259,7 @@ class Workers:
         except OSError as error:
             raise LaunchRefusedError(f"cannot write the call's arguments: {error}. {space_hint(directory)}") from error
         except Exception as error:
-            culprit = checks.describe_unpicklable(call.args, call.kwargs, imports, call.function)
+            culprit = checks.describe_unpicklable(call.args, call.kwargs, imports, call.function, by_value=fork)
             raise LaunchRefusedError(
                 f"cannot send the call to the ranks: {culprit}. Pass picklable values, or create the object "
                 "inside the function."
@@ -271,6 +281,11 @@ class Workers:
                 states = yield from ranks.call(
                     number, control, config.timeout, config.stall_timeout, config.rdzv_timeout, config.return_all
                 )
+        except BaseException as error:
+            if team.state_lost and hasattr(error, "add_note"):  # its first failure: maybe of what is gone
+                error.add_note(_LOST)
+            team.state_lost = False
+            raise
         finally:
             report = RunReport((), time.monotonic() - started)
             if os.getpid() == ranks.pid and not team.closed:  # (closed by another thread, or at exit)
@@ -312,9 +327,11 @@ class Team:
     def __init__(self, config: ParallelConfig, nprocs: int, start_method: str) -> None:
         self.pid = os.getpid()  # the owner: in a process forked from it, the team is a copy that acts on nothing
         self.closed = False
+        self.state_lost = False  # started again in place of ranks that died: what earlier calls left is gone
         with contextlib.ExitStack() as stack:  # (all of it closed if the start fails)
             names = stack.enter_context(devices.held(config.devices, LaunchControl()))
             directory = stack.enter_context(launch_directory())
+            stack.enter_context(log_dir_held(config.log_dir))
             call = Payload(None, (), {}, captured_state(start_method == "fork"))  # type: ignore[arg-type]
             written = None
             if start_method != "fork":
@@ -366,6 +383,8 @@ class Team:
             self._stack.close()
 
 
+_LOST = "mplaunch.Workers: the ranks were started again before this call (some had died or were stopped), so what \
+earlier calls left in them (globals, models, the process group) is gone: run those calls again first."
 _CALL_FILES = (("call", "."), ("item", "-"), ("result", "-"))  # call{N}., item{N}-, result{N}-
 
 
@@ -415,9 +434,10 @@ class Held:
         if team is not None:
             team.close()  # in a process forked from the owner, a copy: it leaves the owner's ranks alone
 
-    def check_process(self) -> None:
-        """Raise ``RuntimeError`` in a process forked from the one that made these workers."""
-        forks.check_owner(self.pid, "these mplaunch.Workers", "Make new Workers in this process.")
+    def check_process(self, workers: Workers) -> None:
+        """Raise ``RuntimeError`` naming ``workers`` in a process forked from the one that made them (their rank)."""
+        advice = "Call them there; in one of their ranks, call the function itself."
+        forks.check_owner(self.pid, f"{workers!r} and their ranks", advice)
 
     def __enter__(self) -> None:
         self.lock.acquire()

@@ -1,5 +1,4 @@
-"""Giving a worker private copies of the shared memory in its arguments (``unshare``), and deciding in the
-parent whether forked workers need to look."""
+"""Giving a process private copies of the torch shared memory in an object (``unshare``)."""
 
 from __future__ import annotations
 
@@ -7,14 +6,11 @@ import collections
 import contextlib
 import functools
 import itertools
-import sys
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
-
-from mplaunch._wire.mappings import in_shared_mapping, make_private
 
 T = TypeVar("T")
 
@@ -34,7 +30,6 @@ _OPAQUE = (
     types.CoroutineType,
     types.TracebackType,
 )
-_BIG = 10_000  # elements: arguments this large are not walked in every forked worker without a reason
 
 
 def _inside(obj: Any) -> Iterable[Any]:
@@ -51,7 +46,7 @@ def _inside(obj: Any) -> Iterable[Any]:
         return [*([] if grad is None else [grad]), *vars(obj).values()]
     if isinstance(obj, functools.partial):
         return [obj.func, *obj.args, *obj.keywords.values()]
-    if isinstance(obj, _OPAQUE) or _is_array(obj):
+    if isinstance(obj, _OPAQUE):
         return ()
     try:
         attributes = vars(obj)
@@ -68,36 +63,15 @@ def _inside(obj: Any) -> Iterable[Any]:
     return found
 
 
-def _is_array(obj: Any) -> bool:
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(obj, numpy.ndarray)
-
-
 def _plain(tensor: torch.Tensor) -> bool:
     """Return whether ``tensor`` is dense, unquantized and on the CPU: one storage, which can be re-pointed."""
     return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
 
 
-def _address(obj: Any) -> int:
-    """Return where a plain tensor's storage or an array's memory starts."""
-    if isinstance(obj, torch.Tensor):
-        return int(obj.untyped_storage().data_ptr())
-    return int(obj.__array_interface__["data"][0])
-
-
 def _shared(obj: Any, keep_requested: bool = False) -> bool:
-    """Return whether a forked process would share ``obj``'s memory: torch's shared memory (unless
-    ``keep_requested``) or a result mapped shared by the transport."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "cpu":
-            return False
-        if _torch_shared(obj):
-            return not keep_requested
-        if not _plain(obj):
-            return False
-    elif not _is_array(obj):
-        return False
-    return in_shared_mapping(_address(obj))
+    """Return whether a forked process would share ``obj``'s memory: a CPU tensor in torch's shared memory,
+    unless ``keep_requested``."""
+    return isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not keep_requested and _torch_shared(obj)
 
 
 def _torch_shared(tensor: torch.Tensor) -> bool:
@@ -110,8 +84,8 @@ def _torch_shared(tensor: torch.Tensor) -> bool:
         return False
 
 
-def _walk(obj: Any, budget: float = float("inf")) -> Iterator[Any]:
-    """Yield every tensor and array reachable from ``obj``, each once; raise :class:`_TooLarge` past ``budget``."""
+def _walk(obj: Any) -> Iterator[torch.Tensor]:
+    """Yield every tensor reachable from ``obj``, each once."""
     seen: set[int] = set()
     pending = [obj]
     while pending:
@@ -120,65 +94,29 @@ def _walk(obj: Any, budget: float = float("inf")) -> Iterator[Any]:
             continue
         seen.add(id(item))
         try:
-            found = isinstance(item, torch.Tensor) or _is_array(item)
-            size = len(item) if isinstance(item, _SIZED) else None
-            if size is not None and size + 1 > budget:
-                raise _TooLarge  # counted before the pass over its items (~10 ms per 10**6 of them)
             inside = list(_inside(item))
-        except _TooLarge:
-            raise
         except Exception:  # noqa: BLE001 - an object that cannot be looked into (a dead weakref.proxy, a
             continue  # property that raises) holds nothing the walk could reach anyway
-        if found:
+        if isinstance(item, torch.Tensor):
             yield item
-        budget -= (len(inside) if size is None else size) + 1
-        if budget < 0:
-            raise _TooLarge
         pending.extend(inside)
-
-
-_SIZED = (list, tuple, set, frozenset, collections.deque, dict, types.MappingProxyType)
-
-
-class _TooLarge(Exception):
-    """The walk went past its budget."""
-
-
-def unshare_verdict(obj: Any, keep_requested: bool = False) -> bool | None:
-    """Return whether forked workers must :func:`unshare` ``obj``; ``None`` when it is too large to walk here,
-    and the answer is :func:`mplaunch._wire.mappings.holds_shared_mappings` (asked while workers start).
-
-    A walk touches every element's reference count, which copies their pages in a forked worker (30 ms for
-    10**6 ints), so a worker walks only arguments known or likely to hold shared memory.
-    """
-    try:
-        return any(_shared(found, keep_requested) for found in _walk(obj, _BIG))
-    except _TooLarge:
-        return None
 
 
 def unshare(obj: T, *, keep_requested: bool = False) -> T:
     """Make the shared memory in ``obj`` private to the calling process, in place, and return ``obj``.
 
-    Runs in a forked worker, on its arguments, before its other threads use them: a tensor in shared memory
-    (``Tensor.is_shared()``, e.g. after ``Module.share_memory()`` in the parent, which ``fork`` keeps
-    shared) is re-pointed to a private copy of its storage, made once per storage, so that views and every
-    reference to the same tensor (a module's parameter and the list given to an optimizer) stay what they
-    were to each other; a tensor or NumPy array of an earlier launch's result (mapped shared by mplaunch)
-    gets its whole mapping turned private in place. An in-place update in one worker is then seen neither by
-    the others nor by the parent. Other tensors are left alone (a forked worker's memory is copy-on-write
-    already). It looks inside lists, tuples, sets, deques, dicts, partials, tensors' gradients and the
-    attributes of any object (modules, dataclasses, your own classes), each object once (cycles are fine),
-    not into functions, classes or modules, nor into an object that raises when looked into; containers of
-    plain values are passed over in one pass in C. Costs one copy of each shared storage. NumPy arrays that
-    view torch's shared memory (``tensor.numpy()``) stay shared. The idea, and the need for it with
-    ``nn.Module``, come from Lightning Fabric's launcher.
+    For a forked process, before its other threads use ``obj``: a tensor in torch's shared memory
+    (``Tensor.is_shared()``, e.g. after ``Module.share_memory()``, which ``fork`` keeps shared) is re-pointed to a
+    private copy of its storage, made once per storage, so views and every reference to the same tensor (a
+    module's parameter and an optimizer's list) still alias each other. Other tensors are copy-on-write in a
+    forked process already (mplaunch's results too). It looks inside containers, partials, tensors' gradients
+    and any object's attributes, each object once, not into functions, classes or modules. NumPy arrays that
+    view torch's shared memory stay shared. The idea comes from Lightning Fabric's launcher.
 
     Args:
-        obj: arguments of a worker's function: tensors, modules, or collections and objects holding them.
-        keep_requested: leave torch's shared memory shared (what ``share_memory_()`` or
-            ``Module.share_memory()`` asked for, as hogwild training needs); only what mplaunch mapped shared
-            (an earlier launch's result) is made private. A worker's arguments are treated so.
+        obj: tensors, modules, or collections and objects holding them.
+        keep_requested: leave torch's shared memory shared (as hogwild training needs): nothing is changed
+            (kept for code written for mplaunch 0.3, whose results were mapped shared).
 
     Returns:
         ``obj`` itself, holding no shared memory any more.
@@ -191,16 +129,13 @@ def unshare(obj: T, *, keep_requested: bool = False) -> T:
         for found in list(_walk(obj)):
             if not _shared(found, keep_requested):
                 continue
-            if (not isinstance(found, torch.Tensor) or _plain(found)) and make_private(_address(found)):
+            if not _plain(found):  # sparse or quantized: a copy of its own
+                found.data = found.data.clone()
                 continue
-            if isinstance(found, torch.Tensor):  # in torch's shared memory
-                if not _plain(found):  # sparse or quantized: a copy of its own
-                    found.data = found.data.clone()
-                    continue
-                storage = found.untyped_storage()
-                private = copies.get(storage.data_ptr())
-                if private is None:
-                    private = copies[storage.data_ptr()] = storage.clone()
-                view = torch.empty(0, dtype=found.dtype)
-                found.data = view.set_(private, found.storage_offset(), found.size(), found.stride())
+            storage = found.untyped_storage()
+            private = copies.get(storage.data_ptr())
+            if private is None:
+                private = copies[storage.data_ptr()] = storage.clone()
+            view = torch.empty(0, dtype=found.dtype)
+            found.data = view.set_(private, found.storage_offset(), found.size(), found.stride())
     return obj

@@ -6,20 +6,23 @@ Python's ``random`` in the child.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import pickle
 import random
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from mplaunch._platform import forks
 from mplaunch._state.python import PythonState
 
 _HOOKS: list[tuple[Callable[[], Any], Callable[[Any], None]]] = []
 
 
 def register_state(capture: Callable[[], Any], restore: Callable[[Any], None]) -> None:
-    """Add a piece of your own global state to every :class:`GlobalState` captured from now on.
+    """Add a piece of your own global state to every [`GlobalState`][mplaunch.GlobalState] captured from now on.
 
     ``capture()`` runs in the parent at each launch; ``restore(value)`` runs in every worker before your
     function, with the captured ``value``. Both must be picklable (module-level functions are) under
@@ -30,15 +33,17 @@ def register_state(capture: Callable[[], Any], restore: Callable[[Any], None]) -
         restore: ``(value) -> None``, called in each worker.
 
     Example:
-        >>> import mylib  # doctest: +SKIP
-        >>> register_state(mylib.get_mode, mylib.set_mode)  # doctest: +SKIP
+        ```python title="Fragment: mylib stands for a library with a global mode"
+        import mylib
+        register_state(mylib.get_mode, mylib.set_mode)
+        ```
     """
     if (capture, restore) not in _HOOKS:
         _HOOKS.append((capture, restore))
 
 
 def unregister_state(capture: Callable[[], Any], restore: Callable[[Any], None]) -> None:
-    """Remove a pair added by :func:`register_state`; a pair that is not registered is ignored."""
+    """Remove a pair added by [`register_state()`][mplaunch.register_state]; a pair not registered is ignored."""
     if (capture, restore) in _HOOKS:
         _HOOKS.remove((capture, restore))
 
@@ -57,7 +62,8 @@ class GlobalState:
     the RNG states of Python's ``random``, NumPy's global generator (when ``numpy.random`` is imported), torch's
     CPU generator, every CUDA device's generator when CUDA is already initialised (capturing never creates a
     CUDA context), the warning filters, the ``logging`` configuration (loggers and their console, file and null
-    handlers), the umask and the resource limits, and whatever was added with :func:`register_state`. It does
+    handlers), the umask and the resource limits, and whatever was added with
+    [`register_state()`][mplaunch.register_state]. It does
     not cover thread counts (set per worker by the launcher), other libraries' state, or generators you created.
 
     Capturing costs about a hundred microseconds (the torch CPU RNG state is 5 KiB; each configured logger adds
@@ -65,8 +71,10 @@ class GlobalState:
     already matches (as after ``fork``).
 
     Example:
-        >>> state = GlobalState.capture()   # in the parent
-        >>> state.restore()                 # in a worker
+        ```python title="Fragment: what a launch does"
+        state = GlobalState.capture()  # in the parent
+        state.restore()                # in each worker
+        ```
     """
 
     deterministic: bool
@@ -83,6 +91,7 @@ class GlobalState:
     cuda_rng: tuple[torch.Tensor, ...] | None
     extra: tuple[tuple[Callable[[Any], None], Any], ...]
     python: PythonState | None
+    reseed: int | None = None  # what every rank seeds its generators with instead, see for_launch
 
     @classmethod
     def capture(cls, *, python: bool = True) -> GlobalState:
@@ -145,6 +154,8 @@ class GlobalState:
                 torch.cuda.set_rng_state(state, device)
         for restore, value in self.extra:
             restore(value)
+        if self.reseed is not None:
+            seed_all(self.reseed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +165,7 @@ class ForkState:
 
     python_rng: Any
     extra: tuple[tuple[Callable[[Any], None], Any], ...]
+    reseed: int | None = None
 
     @classmethod
     def capture(cls) -> ForkState:
@@ -165,3 +177,59 @@ class ForkState:
         random.setstate(self.python_rng)
         for restore, value in self.extra:
             restore(value)
+        if self.reseed is not None:
+            seed_all(self.reseed)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator (if imported) and torch's (CUDA lazily) with ``seed``."""
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    torch.manual_seed(seed)
+
+
+def derived_seed(*parts: object) -> int:
+    """Return a 64-bit seed made of ``parts`` (e.g. a seed and a rank), the same in every process."""
+    return int.from_bytes(hashlib.blake2b(pickle.dumps(parts), digest_size=8).digest(), "little")
+
+
+State = TypeVar("State", GlobalState, ForkState)
+_left: list[Any] = [None, 0]  # the generators as the last launch left them, and launches started from them since
+_counting = forks.new_lock()
+
+
+def for_launch(state: State) -> State:
+    """Return ``state`` for a launch's ranks; if the parent's generators are as the last launch left them (not
+    seeded, set or drawn from since), with a ``reseed`` made of them and the count of launches from them."""
+    with _counting:
+        now = _generators()
+        if now == _left[0]:
+            _left[1] += 1
+            return dataclasses.replace(state, reseed=derived_seed(now, _left[1]))
+        _mark()
+        _left[:] = [_generators(), 0]
+        return state
+
+
+def _generators() -> bytes:
+    """Return the parent's random states (Python, NumPy's global, torch's CPU and initialised CUDA)."""
+    numpy = sys.modules["numpy"].random.get_state() if "numpy.random" in sys.modules else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return pickle.dumps((random.getstate(), numpy, [t.numpy().tobytes() for t in (torch.get_rng_state(), *cuda)]))
+
+
+def _mark() -> None:
+    """Flip a bit no draw reads in each MT19937 state, so that a re-seeding to the state it had is seen: the next
+    twist reads only the first word's top bit, and that word was output already (Matsumoto & Nishimura 1998)."""
+    version, words, gauss = random.getstate()
+    random.setstate((version, (words[0] ^ 1, *words[1:]), gauss))
+    if "numpy.random" in sys.modules:
+        name, keys, *rest = sys.modules["numpy"].random.get_state()
+        keys = keys.copy()
+        keys[0] ^= 1
+        sys.modules["numpy"].random.set_state((name, keys, *rest))
+    state = torch.get_rng_state()
+    if state.numel() == 5056:  # CPUGeneratorImplState: the first word at byte 24
+        state[24] ^= 1
+        torch.set_rng_state(state)

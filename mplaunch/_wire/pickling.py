@@ -220,6 +220,35 @@ def pickle_error(
     return None
 
 
+def unpicklable_part(obj: object, path: str, seen: frozenset[int] = frozenset(), **how: Any) -> str:
+    """Return ``path: type`` of the innermost part of ``obj`` (named ``path``) that cannot be pickled (``how``:
+    :func:`pickle_error`'s options), e.g. ``result['model'].logger: _thread.lock``; 50 levels at most."""
+    seen |= {id(obj)}
+    for name, part in _parts(obj) if len(seen) < 50 else ():
+        if id(part) not in seen and pickle_error(part, **how) is not None:
+            return unpicklable_part(part, path + name, seen, **how)
+    return f"{path}: {type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _parts(obj: object) -> list[tuple[str, Any]]:
+    """Name what pickling ``obj`` pickles: items, attributes, a function's globals and closure."""
+    if isinstance(obj, dict):
+        return [(f"[{key!r}]", value) for key, value in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{index}]", value) for index, value in enumerate(obj)]
+    if isinstance(obj, types.FunctionType):
+        names = [name for name in obj.__code__.co_names if name in obj.__globals__]
+        cells = zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=False)
+        return [(f".__globals__[{name!r}]", obj.__globals__[name]) for name in names] + [
+            (f"'s closure variable {name}", cell.cell_contents) for name, cell in cells
+        ]
+    kind = type(obj)
+    if kind.__reduce_ex__ is not object.__reduce_ex__ or kind.__reduce__ is not object.__reduce__:
+        return []  # pickled its own way: the object itself is the part
+    state = getattr(obj, "__dict__", None)
+    return [(f".{name}", value) for name, value in state.items()] if isinstance(state, dict) else []
+
+
 class Reader:
     """Map the storages of one object being unpickled (found by :func:`_rebuild_storage` in ``_reading``)."""
 
@@ -227,7 +256,7 @@ class Reader:
         self, fd: int, how: str, offsets: dict[int, int] | None = None, start_objects: Sequence[Any] = ()
     ) -> None:
         self._fd = fd
-        self._how = how  # "private", "shared" (mapped) or "copy" (read)
+        self._how = how  # "private" (mapped copy-on-write) or "copy" (read)
         self._offsets = offsets or {}
         self._storages: dict[int, torch.UntypedStorage] = {}
         self.start_objects = start_objects
@@ -253,7 +282,7 @@ class Reader:
     def _piece(self, offset: int, nbytes: int) -> Any:
         if self._how == "copy":
             return read_file(self._fd, offset, nbytes)
-        return map_file(self._fd, offset, nbytes, private=self._how == "private")
+        return map_file(self._fd, offset, nbytes)
 
     def buffers(self, extents: list[tuple[int, int]]) -> list[memoryview]:
         return [memoryview(self._piece(offset, nbytes)).cast("B") for offset, nbytes in extents]

@@ -50,7 +50,6 @@ class LaunchSpec:
     log_dir: str | None = None
     grace_period: float = 5.0  # seconds before SIGKILL; a worker's own children get part of it
     mp_start_method: str | None = None  # the parent's multiprocessing default, if it set one
-    unshare: bool | None = True  # see unshare_verdict; None: the parent says on the attempt's unshare_pipe
     ignored_signals: frozenset[int] = frozenset()  # the stop signals the caller ignores (never SIGTERM)
     placements: tuple[RankPlacement, ...] | None = None
     env_function: Callable[[int], Any] | None = None  # env='s function of the global rank (multi-node)
@@ -58,6 +57,7 @@ class LaunchSpec:
     stacks: bool = True  # each rank installs its stacks dump handler
     board: bool = True
     max_restarts: int = 0  # TORCHELASTIC_MAX_RESTARTS
+    seed: int | None = None  # each rank seeds its generators with (seed, rank)
     result_wait: float = 600.0  # seconds a non-rank-0 node waits for rank 0's result in the store
     payload_fd: InheritedFd | None = None  # None: inherited (fork), or in the directory
     start_objects: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
@@ -72,8 +72,6 @@ class AttemptSpec:
     agent_store: bool = True  # the parent hosts the store (torchrun's agent store)
     restart_count: int = 0
     output_fds: tuple[RankFds, ...] | None = None  # per local rank; None: fd 1 and 2 are kept
-    # (read, write): once all forked workers started, the parent writes a byte each (b"1": unshare the arguments)
-    unshare_pipe: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 Storages and out-of-band buffers of 64 KiB or more go at page-aligned offsets apart from the pickle: into a
 memory file the worker inherited (:func:`dump_fd`: data, pickle, then a trailer; no ``/dev/shm`` limit), else
 into ``name.bin`` and ``name.pkl`` in the launch directory (:func:`dump`). A payload is mapped copy-on-write by
-every worker; a result is mapped shared (the pickle's pages cut off) or read and unlinked. A mapped storage is
+every worker; a result is mapped copy-on-write (the pickle's pages cut off), so it stays the caller's own after
+the caller forks (a write copies the page), or read and unlinked. A mapped storage is
 an ordinary CPU storage (``torch.frombuffer``: not ``is_shared()``, so DataLoader queues, ``share_memory_()``
 and ``torch.save`` work). Nothing flows through a pipe, so no size can deadlock a join.
 """
@@ -194,9 +195,9 @@ def load(
                     os.unlink(leftover)
 
 
-def load_fd(fd: int, *, private: bool, missing_ok: bool = False, start_objects: Sequence[Any] = ()) -> Any:
-    """Read what :func:`dump_fd` wrote into ``fd``: mapped copy-on-write (a payload) or shared (a result,
-    whose pickle's pages are then cut off the file); otherwise as :func:`load`."""
+def load_fd(fd: int, *, result: bool, missing_ok: bool = False, start_objects: Sequence[Any] = ()) -> Any:
+    """Read what :func:`dump_fd` wrote into ``fd``, mapped copy-on-write; a ``result``'s header and pickle
+    pages are then cut off the file (a payload's file is read by every worker); otherwise as :func:`load`."""
     size = os.fstat(fd).st_size
     trailer = os.pread(fd, _TRAILER.size, size - _TRAILER.size) if size >= _TRAILER.size else b""
     start, magic = _TRAILER.unpack(trailer) if len(trailer) == _TRAILER.size else (0, 0)
@@ -204,16 +205,15 @@ def load_fd(fd: int, *, private: bool, missing_ok: bool = False, start_objects: 
         if missing_ok:
             return None
         raise FileNotFoundError("the memory file holds no complete object")
-    how = "private" if private else "shared"
     if size - start <= INLINE_BYTES:  # a small pickle is read: a mapping would need one more descriptor
         read = os.pread(fd, size - start, start)
         if magic == _MAGIC_PLAIN:  # a rank's scalar or None: the standard unpickler alone reads it
             value = pickle.loads(memoryview(read)[len(_PLAIN_HEADER) : -_TRAILER.size])
         else:
-            value = _read(read, 0, fd, how, start_objects)
+            value = _read(read, 0, fd, "private", start_objects)
     else:
         with mmap.mmap(fd, size - start, offset=start, access=mmap.ACCESS_READ) as view:
-            value = _read(view, 0, fd, how, start_objects)
-    if not private:
+            value = _read(view, 0, fd, "private", start_objects)
+    if result:
         os.ftruncate(fd, start)  # the header and pickle: only the data is kept
     return value

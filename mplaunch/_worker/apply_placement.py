@@ -11,6 +11,7 @@ import ctypes
 import functools
 import os
 import platform
+import sys
 from typing import Any
 
 from mplaunch._env import check_extra_env, whole_number
@@ -31,9 +32,10 @@ def environment(spec: WorkerSpec, local_rank: int) -> dict[str, str]:
     return extra
 
 
-def apply(spec: WorkerSpec, local_rank: int, rank: int, *, environ_made: bool = False) -> None:
-    """Set this rank's placement variables (unless ``environ_made``: the parent did) and pin its CPUs and node;
-    raise ``InvalidOptionError`` when ``env=``'s function (called here in multi-node launches) returns a bad one."""
+def apply(spec: WorkerSpec, local_rank: int, rank: int, *, environ_made: bool = False) -> dict[str, str]:
+    """Set this rank's placement variables (unless ``environ_made``: the parent did), put ``PYTHONPATH``'s
+    entries on ``sys.path`` (after the script's directory, as Python does) and pin its CPUs and node; return
+    the variables. Raise ``InvalidOptionError`` when ``env=``'s function (multi-node) returns a bad one."""
     global _env_threads
     placement = spec.launch.placements[local_rank] if spec.launch.placements is not None else None
     extra = environment(spec, local_rank)
@@ -47,10 +49,13 @@ def apply(spec: WorkerSpec, local_rank: int, rank: int, *, environ_made: bool = 
     if not environ_made:
         set_changed(extra)
     _env_threads = threads_in(extra)
+    # a spawned interpreter had them, until multiprocessing gave it the parent's sys.path
+    sys.path[1:1] = [entry for entry in extra.get("PYTHONPATH", "").split(os.pathsep) if entry not in ("", *sys.path)]
     if placement is not None and placement.cpus:
         os.sched_setaffinity(0, placement.cpus)
         if placement.numa_node is not None:
             prefer_node(placement.numa_node)
+    return extra
 
 
 def set_changed(variables: dict[str, str]) -> None:

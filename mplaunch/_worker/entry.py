@@ -8,12 +8,13 @@ import inspect
 import os
 import signal
 import time
+import warnings
 from collections.abc import Generator, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 from mplaunch._platform.csignal import pthread_sigmask
-from mplaunch._state.sharing import unshare
+from mplaunch._state.snapshot import derived_seed, seed_all
 from mplaunch._wire import flags, transport
 from mplaunch._wire.inherited import close_quietly
 from mplaunch._wire.records import ITEM, PAYLOAD, Outcome, Payload, Raised, Returned, item_name
@@ -21,7 +22,7 @@ from mplaunch._wire.spec import WorkerSpec
 from mplaunch._worker import apply_placement as placement
 from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.heartbeat import watch
-from mplaunch._worker.outcome import decide, finish
+from mplaunch._worker.outcome import decide, finish, unsendable
 from mplaunch._worker.process_group import process_group
 from mplaunch._worker.setup import Forked, Interrupted, Terminated, set_threads, set_up
 from mplaunch._worker.state import state
@@ -34,12 +35,9 @@ def execute(
     try:
         payload = restore(rank, local_rank, spec, payload)
         function = getattr(payload.function, "_mplaunch_target", payload.function)
-        args, kwargs = payload.args, payload.kwargs
-        if spec.launch.start_method == "fork" and _must_unshare(spec):  # what mplaunch mapped is made private
-            args, kwargs = unshare((args, kwargs), keep_requested=True)  # what share_memory_() asked stays shared
         with process_group(spec.launch.backend, local_rank):
             try:
-                value = function(*args, **kwargs)
+                value = function(*payload.args, **payload.kwargs)
                 if conn is not None and inspect.isgenerator(value):
                     value = stream_values(value, rank, rank in spec.launch.reporting_ranks, spec, conn, 0)
             except BaseException as error:  # when: before the process group's teardown makes peers fail too
@@ -58,11 +56,15 @@ def execute(
 
 def restore(rank: int, local_rank: int, spec: WorkerSpec, payload: Payload | None) -> Payload:
     """Apply the rank's placement, then restore the parent's state from ``payload`` (else read here)."""
-    placement.apply(spec, local_rank, rank, environ_made=state.environ_made)  # before anything reads them
+    variables = placement.apply(spec, local_rank, rank, environ_made=state.environ_made)  # before anything reads them
     set_threads(placement.thread_count(spec, local_rank))
     if payload is None:
         payload = read_payload(spec)
     payload.state.restore()
+    if "PYTHONWARNINGS" in variables:  # over the parent's filters, as Python puts them over its defaults
+        getattr(warnings, "_processoptions", lambda options: None)(variables["PYTHONWARNINGS"].split(","))
+    if spec.launch.seed is not None:
+        seed_all(derived_seed(spec.launch.seed, rank))
     return payload
 
 
@@ -74,22 +76,10 @@ def read_payload(spec: WorkerSpec) -> Payload:
         )
         return payload
     try:
-        payload = transport.load_fd(spec.launch.payload_fd.fd, private=True, start_objects=spec.launch.start_objects)
+        payload = transport.load_fd(spec.launch.payload_fd.fd, result=False, start_objects=spec.launch.start_objects)
         return payload
     finally:
         close_quietly(spec.launch.payload_fd.fd)  # the mappings keep what they need
-
-
-def _must_unshare(spec: WorkerSpec) -> bool:
-    """Return whether a forked worker must unshare its arguments: the parent's answer on ``unshare_pipe``."""
-    if spec.attempt.unshare_pipe is None:
-        return spec.launch.unshare is not False
-    read_end, write_end = spec.attempt.unshare_pipe
-    try:
-        os.close(write_end)  # the worker's copy: if the parent dies, the read ends
-        return os.read(read_end, 1) != b"0"
-    finally:
-        os.close(read_end)
 
 
 def run(
@@ -120,7 +110,11 @@ def stream_values(
             except StopIteration as stop:
                 return stop.value
             if reporting:
-                transport.dump(item, spec.launch.directory, item_name(number, rank, index))
+                try:
+                    transport.dump(item, spec.launch.directory, item_name(number, rank, index))
+                except Exception as error:  # noqa: BLE001 - reported as an unsendable result is
+                    what = f"the value #{index} that rank {rank} yielded"
+                    raise unsendable(what, "value", item, error, rank, True) from error
                 with whole_messages():
                     conn.send((ITEM, number, index))
                 index += 1

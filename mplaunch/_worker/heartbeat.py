@@ -41,15 +41,17 @@ def heartbeat() -> None:
 
     With the ``stall_timeout`` option, a rank that has called ``heartbeat()`` once and then not again for
     ``stall_timeout`` seconds is stalled: the launch collects every rank's stacks, stops the workers and
-    raises :class:`~mplaunch.StallError` (or restarts, with ``max_restarts``). A rank that never calls it is
+    raises [`StallError`][mplaunch.StallError] (or restarts, with ``max_restarts``). A rank that never calls it is
     not watched. One store into memory shared with the parent, no system call: about 0.1 µs. Outside a
     launch (in the parent, in ``fn.debug()``, under another launcher, in a process a rank forked) it does
     nothing.
 
     Example:
-        >>> for batch in loader:  # doctest: +SKIP
-        ...     train_step(batch)
-        ...     mplaunch.heartbeat()
+        ```python title="Fragment: the loop of a function decorated with stall_timeout"
+        for batch in loader:
+            train_step(batch)
+            mplaunch.heartbeat()
+        ```
     """
     slots = _slots
     if slots is not None:

@@ -16,6 +16,7 @@ from typing import NoReturn
 from mplaunch._errors import RemoteError
 from mplaunch._platform.csignal import pthread_sigmask
 from mplaunch._wire import transport
+from mplaunch._wire.pickling import unpicklable_part
 from mplaunch._wire.records import Outcome, Raised, Returned, Signalled, outcome_name
 from mplaunch._wire.spec import WorkerSpec
 from mplaunch._worker.children import stop_children
@@ -78,27 +79,36 @@ def write_outcome(spec: WorkerSpec, rank: int, outcome: Outcome, name: str | Non
             transport.remove(spec.launch.directory, name)
         if not isinstance(outcome, Returned):
             raise
-        kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
         if not isinstance(error, Exception):  # SystemExit, KeyboardInterrupt...: an exit, reported as one
             replacement = Raised.of(error)
+            kind = f"{type(outcome.value).__module__}.{type(outcome.value).__qualname__}"
             message = f"{replacement.message} while its result (type {kind}) was pickled"
             replacement = dataclasses.replace(replacement, message=message)
         else:
-            how, advice = "pickled", ""
-            if isinstance(error, OSError) and in_directory:
-                how = "written to the launch directory"
-                advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR."
-            elif isinstance(error, OSError):
-                how = "written to shared memory"
-            message = (
-                f"the result of rank {rank} (type {kind}) could not be {how} to send it to the parent: "
-                f"{type(error).__name__}: {error}.{advice}"
-            )
-            failure = RemoteError(message, rank, os.getpid(), kind)
-            failure.__cause__ = error
-            replacement = Raised.of(failure)
+            found = unsendable(f"the result of rank {rank}", "result", outcome.value, error, rank, in_directory)
+            replacement = Raised.of(found)
         _dump_outcome(spec, name, replacement)
         return replacement
+
+
+def unsendable(what: str, root: str, value: object, error: Exception, rank: int, in_directory: bool) -> RemoteError:
+    """Return the RemoteError of ``value`` (``what``, its path's ``root``), whose writing raised ``error``."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    how, advice, where = "pickled", "", ""
+    if isinstance(error, OSError) and in_directory:
+        how = "written to the launch directory"
+        advice = " Make room there (e.g. docker run --shm-size=8g) or set MPLAUNCH_SHM_DIR."
+    elif isinstance(error, OSError):
+        how = "written to shared memory"
+    else:
+        where = f" ({unpicklable_part(value, root)})"
+    message = (
+        f"{what} (type {kind}) could not be {how} to send it to the parent{where}: "
+        f"{type(error).__name__}: {error}.{advice}"
+    )
+    failure = RemoteError(message, rank, os.getpid(), kind)
+    failure.__cause__ = error
+    return failure
 
 
 def _exit_code(outcome: Outcome | None) -> int:

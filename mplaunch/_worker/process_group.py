@@ -30,10 +30,29 @@ def process_group(backend: str | None, local_rank: int) -> Iterator[None]:
     dist.init_process_group(backend)
     try:
         yield
+    except ValueError as error:
+        clear = clash(error, backend)
+        if clear is None:
+            raise
+        raise clear from error
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.excepthook = hook
+
+
+def clash(error: BaseException, backend: str | None) -> ValueError | None:
+    """For the function's own ``init_process_group`` over the group ``backend=`` made, return a ``ValueError``
+    that says so and names the two ways out (caused by ``error``); else ``None``."""
+    if backend is None or not isinstance(error, ValueError) or "default process group twice" not in str(error):
+        return None
+    clear = ValueError(
+        f"backend={backend!r} made mplaunch initialise the default process group before the function, which "
+        f"initialised it again ({error}). Either leave out backend= and keep the function's init_process_group, "
+        "or keep backend= and remove that call: the group is ready when the function starts."
+    )
+    clear.__cause__ = error
+    return clear
 
 
 _INHERITED: list[Any] = []  # torch.distributed's state copied from the parent at fork: kept, never destroyed

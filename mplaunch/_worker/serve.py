@@ -37,7 +37,7 @@ from mplaunch._worker import entry
 from mplaunch._worker.debugger import post_mortem
 from mplaunch._worker.heartbeat import watch
 from mplaunch._worker.outcome import finish, stops_held, write_outcome
-from mplaunch._worker.process_group import process_group
+from mplaunch._worker.process_group import clash, process_group
 from mplaunch._worker.setup import Forked, set_up
 from mplaunch._worker.state import state
 
@@ -126,7 +126,7 @@ def _serve_call(
         if spec.launch.post_mortem:
             post_mortem(error, spec, rank)
         with stops_held():
-            outcome = Raised.of(error, when=raised_at)
+            outcome = Raised.of(clash(error, spec.launch.backend) or error, when=raised_at)
         del error
     if os.getpid() != state.pid:  # a process the function forked, returning: not the worker
         os._exit(0 if isinstance(outcome, Returned) else 1)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -18,7 +19,9 @@ from mplaunch import (
     LaunchTimeoutError,
     RemoteError,
     RemoteTraceback,
+    Stream,
     WorkerExitedError,
+    Workers,
     parallel,
 )
 from tests import workers
@@ -154,7 +157,7 @@ def test_unpicklable_argument_is_refused_before_launching(start_method: str, mon
         start(process)
 
     monkeypatch.setattr(BaseProcess, "start", record)
-    with pytest.raises(LaunchRefusedError, match=r"positional argument 1 \(lock\)"):
+    with pytest.raises(LaunchRefusedError, match=r"positional argument 1 \(args\[1\]: _thread\.lock\)"):
         launch(workers.identity, start_method)(1, threading.Lock())
     assert started == []  # no worker was started
 
@@ -182,7 +185,91 @@ def test_an_exception_whose_str_raises_still_arrives() -> None:
 def test_nccl_without_cuda_is_refused_before_launching() -> None:
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.device_count():  # (is_available() would initialise the driver: fork refused after it)
         pytest.skip("this machine has CUDA")
     with pytest.raises(LaunchRefusedError, match="backend='nccl' needs CUDA"):
         parallel(nprocs=2, start_method="fork", backend="nccl")(workers.sleep)(0)
+
+
+# --- errors that say where (issue 37) -------------------------------------------------------------------------
+
+
+def test_what_cannot_be_sent_is_named_by_its_path_returned_or_yielded() -> None:
+    """An unpicklable result named only its top type (``builtins.dict``), and a yielded one raised a bare
+    TypeError. Both raise RemoteError now, naming the path to the part that cannot be pickled; also from warm
+    workers, whose values travel through the launch directory."""
+    one = parallel(nprocs=1, start_method="fork", timeout=TIMEOUT)
+    with pytest.raises(RemoteError, match=r"\(result\['trainer'\]\.logger: _thread\.lock\): TypeError") as caught:
+        one(workers.return_holder)()
+    assert caught.value.rank == 0
+    with pytest.raises(RemoteError, match=r"the value #1 that rank 0 yielded .*\(value\[0\]\.logger: _thread\.lock\)"):
+        list(cast(Stream[Any], one(workers.yield_holder)()))
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT) as warm:
+        with pytest.raises(RemoteError, match=r"\(result\['trainer'\]\.logger: _thread\.lock\)"):
+            warm.run(workers.return_holder)
+        with pytest.raises(RemoteError, match=r"\(value\[0\]\.logger: _thread\.lock\)"):
+            list(warm.run(workers.yield_holder))
+
+
+def test_an_argument_that_cannot_be_sent_is_named_by_its_path() -> None:
+    spawned = parallel(nprocs=1, start_method="spawn", timeout=TIMEOUT)(workers.identity)
+    with pytest.raises(LaunchRefusedError, match=r"positional argument 0 \(args\[0\]\['trainer'\]\.logger: _thread"):
+        spawned({"trainer": workers.Holder()})
+    with pytest.raises(LaunchRefusedError, match=r"keyword argument 'model' \(model\.logger: _thread\.lock\)"):
+        spawned(model=workers.Holder())
+    held = workers.Holder()
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT) as warm:  # a closure, sent by value
+        with pytest.raises(LaunchRefusedError, match=r"the function \(<lambda>'s closure variable held\.logger"):
+            warm.run(lambda: held.weights)
+
+
+def test_backend_and_the_functions_own_init_process_group_name_the_clash() -> None:
+    """backend='gloo' and the function's own init_process_group raised torch's bare 'trying to initialize the
+    default process group twice!'. The error now says which two did it and the two ways out."""
+    clash = r"backend='gloo' made mplaunch initialise the default process group .* Either leave out backend="
+    with pytest.raises(ValueError, match=clash):
+        parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, backend="gloo")(workers.init_own_group)()
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, backend="gloo") as warm:
+        with pytest.raises(ValueError, match=clash):
+            warm.run(workers.init_own_group)
+    assert parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(workers.init_own_group)() == 0  # no backend=
+
+
+def test_a_warm_failure_after_the_ranks_were_started_again_says_their_state_is_gone() -> None:
+    """The call after a rank died ran on new ranks and failed with NameError, after a warning easy to miss
+    (a notebook). The first failure on the new ranks now carries a note that what earlier calls left is gone."""
+    from tests import warm_workers
+
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT) as warm:
+        warm.run(warm_workers.keep, "model", "weights")
+        assert warm.run(warm_workers.read_kept, "model") == "weights"
+        with pytest.raises(WorkerExitedError):
+            warm.run(warm_workers.exit_in_rank, 0, 3)
+        with pytest.warns(RuntimeWarning, match="all ranks were started again"), pytest.raises(KeyError) as caught:
+            warm.run(warm_workers.read_kept, "model")
+        if sys.version_info >= (3, 11):  # (add_note)
+            assert "what earlier calls left in them (globals, models, the process group) is gone" in str(
+                caught.value.__notes__
+            )
+        with pytest.raises(KeyError) as again:  # a later failure is its own
+            warm.run(warm_workers.read_kept, "model")
+        assert not any("is gone" in note for note in getattr(again.value, "__notes__", []))
+
+
+def test_workers_are_not_called_from_a_process_that_has_only_a_copy_of_them() -> None:
+    """A call on Workers from inside one of their own ranks: passed in, it is refused naming them; reached in
+    a rank forked with a copy of them (started again after a death), it raises naming them."""
+    from tests import warm_workers
+
+    with Workers(nprocs=1, start_method="fork", timeout=TIMEOUT) as warm:
+        with pytest.raises(LaunchRefusedError, match=r"<mplaunch\.Workers nprocs=1 .* cannot be sent to another"):
+            warm.run(warm_workers.call_workers, warm)
+        warm_workers.KEPT_WORKERS = warm
+        try:
+            with pytest.raises(WorkerExitedError):
+                warm.run(warm_workers.exit_in_rank, 0, 3)
+            copy = r"<mplaunch\.Workers nprocs=1 .* and their ranks belong to process"
+            with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match=copy):
+                warm.run(warm_workers.call_kept_workers)
+        finally:
+            warm_workers.KEPT_WORKERS = None

@@ -6,12 +6,10 @@ import multiprocessing
 import os
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-import mplaunch
 from mplaunch import StartMethod, parallel
 from tests import workers
 
@@ -89,31 +87,6 @@ def test_a_process_the_function_forks_never_replaces_the_result(start_method: St
     results = launch(workers.fork_and_fall_through)(30.0)
     assert [kind for kind, _ in results] == ["parent", "parent"]
     assert time.monotonic() - start < 20  # the call did not wait for the children's 30 s
-
-
-@pytest.mark.parametrize("shared", [False, True], ids=["no-shared-memory", "shared-memory"])
-def test_large_fork_arguments_are_walked_only_when_the_parent_says_so(
-    shared: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Issue 10: a list of 10**6 ints was walked in every fork worker (every page it lives on copied). Now
-    the parent answers, once the workers have started, whether it holds a result mapped shared; the workers
-    walk their arguments only then (the answer is forced here: this test process's own results vary)."""
-    from mplaunch._parent import ranks
-    from mplaunch._worker import entry
-
-    walks = tmp_path / "walks"
-    real = mplaunch.unshare
-
-    def recorded(obj: object, *, keep_requested: bool = False) -> object:
-        with open(walks, "a") as file:
-            file.write(f"{os.getpid()}\n")
-        return real(obj, keep_requested=keep_requested)
-
-    monkeypatch.setattr(entry, "unshare", recorded)  # inherited by the forked workers
-    monkeypatch.setattr(ranks, "holds_shared_mappings", lambda: shared)
-    run = parallel(nprocs=2, start_method="fork", return_all=True, timeout=TIMEOUT)(len)
-    assert run(list(range(10**6))) == [10**6, 10**6]
-    assert len(walks.read_text().split()) == 2 if shared else not walks.exists()
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

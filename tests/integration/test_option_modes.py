@@ -159,8 +159,11 @@ def _check_not_restarted(outcome: Outcome, mode: str) -> None:
 
 def _check_delay(outcome: Outcome, mode: str) -> None:
     _check_restarted(outcome, mode)
-    starts = [float(line.split()[0]) for line in (outcome.directory / "starts-0").read_text().splitlines()]
-    assert starts[1] - starts[0] >= 0.5, starts
+    # A rank may be stopped before it notes its first start (its peer failed first): compare across ranks.
+    lines = [line.split() for path in outcome.directory.glob("starts-*") for line in path.read_text().splitlines()]
+    failed = max(float(stamp) for stamp, attempt in lines if attempt == "0")
+    again = min(float(stamp) for stamp, attempt in lines if attempt == "1")
+    assert again - failed >= 0.5, lines
 
 
 def _check_devices(outcome: Outcome, mode: str) -> None:
@@ -189,6 +192,16 @@ def _check_start_bound(outcome: Outcome, mode: str) -> None:
         _raised(LaunchTimeoutError, "did not finish starting within rdzv_timeout=0.05 s")(outcome, mode)
     else:
         _seen(outcome)
+
+
+def _check_seed(outcome: Outcome, mode: str) -> None:
+    """Rank 0 drew from torch seeded with (seed, rank 0), as ``seed_all`` seeds it."""
+    import torch
+
+    from mplaunch._state.snapshot import derived_seed
+
+    expected = torch.rand(1, generator=torch.Generator().manual_seed(derived_seed(7, 0))).item()
+    assert _seen(outcome)["draw"] == expected, outcome.value
 
 
 PROBES: dict[str, Probe] = {
@@ -236,6 +249,7 @@ PROBES: dict[str, Probe] = {
     ),
     "restart_delay": Probe(0.5, _check_delay, workers.fail_once, lambda d: (str(d), "value"), {"max_restarts": 1}),
     "post_mortem": Probe(True, _check_post_mortem),
+    "seed": Probe(7, _check_seed),
 }
 NAMES = [field.name for field in dataclasses.fields(ParallelConfig)]
 

@@ -294,3 +294,35 @@ def test_workers_write_to_the_callers_sys_stdout_object() -> None:
         parallel(nprocs=2, start_method="fork", timeout=60)(_echo_everywhere)()
     lines = buffer.getvalue().splitlines()
     assert sorted(lines) == sorted(["print line", "os.write line", "echo line"] * 2)
+
+
+def test_launches_at_the_same_time_cannot_share_a_log_dir(tmp_path: Path) -> None:
+    """Issue 37: two submit() launches with one log_dir overwrote and interleaved each other's rank{N}.log (and
+    would their stacks files and NCCL traces). A launch or Workers now holds its log_dir while it runs, and
+    another that names it is refused with the fix; a child the caller forked meanwhile does not keep it held."""
+    from mplaunch import LaunchRefusedError, Workers
+    from tests import warm_workers
+
+    logs, started, release = str(tmp_path / "logs"), str(tmp_path / "started"), str(tmp_path / "release")
+    waiting = parallel(nprocs=1, start_method="fork", timeout=60, log_dir=logs)(warm_workers.wait_for)
+    first = waiting.submit(release, started)
+    while not os.path.exists(started):
+        time.sleep(0.01)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - a child of the caller (a DataLoader worker, say) that outlives the launch
+        time.sleep(30)
+        os._exit(0)
+    try:
+        with pytest.raises(LaunchRefusedError, match=r"log_dir=.* is used by another launch that still runs"):
+            parallel(nprocs=1, start_method="fork", timeout=60, log_dir=logs)(print)("second")
+        with pytest.raises(LaunchRefusedError, match="its own log_dir"):
+            Workers(nprocs=1, start_method="fork", timeout=60, log_dir=logs)
+        open(release, "w").close()
+        assert first.result(60) == "seen"
+        parallel(nprocs=1, start_method="fork", timeout=60, log_dir=logs)(print)("third")
+        assert (tmp_path / "logs" / "rank0.log").read_text() == "third\n"
+    finally:
+        open(release, "w").close()
+        first.result(60)
+        os.kill(child, 9)
+        os.waitpid(child, 0)

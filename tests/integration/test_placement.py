@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -127,6 +128,79 @@ def test_env_reaches_each_rank_and_leaves_the_parent_alone(start_method: StartMe
         {"PLACEMENT_R": "r1"},
     ]
     assert not any(name.startswith("PLACEMENT_") for name in os.environ)
+
+
+ENV_IN_TIME = """
+    import json, os, sys, warnings
+    import reads_at_import
+    from mplaunch import parallel
+
+    def seen():
+        import on_given_path
+        try:
+            warnings.warn("a warning", UserWarning)
+            warned = "warned"
+        except UserWarning:
+            warned = "raised"
+        rank = int(os.environ["RANK"])
+        return [reads_at_import.VALUE, hash("mplaunch"), on_given_path.VALUE, warned, rank]
+
+    if __name__ == "__main__":
+        extra = sys.argv[1]
+        for method in sys.argv[2:]:
+            env = lambda rank: {
+                "ENV_IN_TIME": f"rank {rank}",
+                "PYTHONHASHSEED": str(rank + 1),
+                "PYTHONPATH": extra,
+                "PYTHONWARNINGS": "error::UserWarning",
+            }
+            print(json.dumps(parallel(nprocs=2, start_method=method, env=env, return_all=True, timeout=120)(seen)()))
+"""
+
+
+def test_env_is_in_place_before_a_spawned_ranks_interpreter_starts(tmp_path: Path) -> None:
+    """Issue 37: env= was applied after the rank's interpreter had started and imported the script's modules:
+    a module reading os.environ at import, PYTHONHASHSEED, PYTHONPATH and PYTHONWARNINGS saw the parent's
+    values (forkserver ranks: the fork server's). Now spawn ranks are started with them, forkserver ranks
+    with env= are started as spawn ones (the server's interpreter cannot take them), and PYTHONPATH and
+    PYTHONWARNINGS survive multiprocessing's sys.path and mplaunch's warning filters."""
+    import subprocess
+    import sys
+
+    (tmp_path / "reads_at_import.py").write_text("import os\nVALUE = os.environ.get('ENV_IN_TIME')\n")
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "on_given_path.py").write_text("VALUE = 'found'\n")
+    script = write_script(tmp_path, ENV_IN_TIME)
+    done = run_script(script, str(extra), "spawn", "forkserver", timeout=300)
+    assert done.returncode == 0, done.stderr
+    hashes = [
+        int(
+            subprocess.run(
+                [sys.executable, "-c", "print(hash('mplaunch'))"],
+                env={"PYTHONHASHSEED": seed},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for seed in ("1", "2")
+    ]
+    for line in done.stdout.splitlines()[-2:]:
+        assert json.loads(line) == [[f"rank {r}", hashes[r], "found", "raised", r] for r in (0, 1)]
+
+
+def test_under_fork_env_takes_what_can_change_and_refuses_what_cannot(tmp_path: Path) -> None:
+    """A forked rank is a copy of this process: PYTHONPATH (entries added to sys.path) and PYTHONWARNINGS
+    (filters over the parent's) take effect; PYTHONHASHSEED, read only as Python starts, is refused, not ignored."""
+    (tmp_path / "fork_given_path.py").write_text("VALUE = 'found'\n")
+    env = {"PYTHONPATH": str(tmp_path), "PYTHONWARNINGS": "error::UserWarning"}
+    assert parallel(nprocs=1, start_method="fork", timeout=60, env=env)(workers.import_and_warn)() == [
+        "found",
+        "raised",
+    ]
+    with pytest.raises(InvalidOptionError, match=r"env sets PYTHONHASHSEED='1' \(rank 0\), which Python reads only"):
+        parallel(nprocs=1, start_method="fork", timeout=60, env={"PYTHONHASHSEED": "1"})(workers.touch)("x")
 
 
 def test_env_function_returning_a_reserved_variable_is_refused_before_any_worker(tmp_path: Path) -> None:

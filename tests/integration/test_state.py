@@ -26,6 +26,17 @@ def parent_draws() -> dict[str, Any]:
         state.restore()
 
 
+def _next_three() -> list[float]:
+    """The parent's next Python, NumPy and torch numbers, drawn without changing its state."""
+    from mplaunch import GlobalState
+
+    state = GlobalState.capture()
+    try:
+        return [random.random(), float(numpy.random.rand()), torch.rand(1).item()]
+    finally:
+        state.restore()
+
+
 @pytest.fixture
 def seeded_parent() -> object:
     from mplaunch import GlobalState
@@ -51,6 +62,48 @@ def test_workers_draw_exactly_what_the_parent_would(seeded_parent: None, start_m
         assert result["matmul"] == "medium"
         assert result["dtype"] == torch.float32
     assert torch.get_float32_matmul_precision() == "medium"
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_calls_in_a_row_draw_anew_unless_the_parent_seeds_again(seeded_parent: None, start_method: StartMethod) -> None:
+    """Issue 37: every call restored the parent's captured random state, so two calls in a row drew the same
+    numbers (DataLoader workers' seeds with them). A call from the state the previous call started from now
+    draws anew; the ranks of one call still draw alike; seeding again, to the same seed, starts over; and the
+    parent itself draws what it would have."""
+    expected = _next_three()
+    run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT)
+    draws = run(workers.draws_and_loader_draws)
+    first, second = draws(), draws()
+    assert first[0] == first[1] and second[0] == second[1]  # the ranks start alike
+    assert not set(first[0]) & set(second[0])  # the second call repeats none of the first's numbers
+    assert first[0][:3] == expected
+    assert _next_three() == expected  # the parent's own next numbers are unchanged
+    if start_method == "fork":  # (the parent decides it: one start method is enough, the fastest)
+        random.seed(1234)
+        numpy.random.seed(1234)
+        torch.manual_seed(1234)
+        assert draws() == first  # seeded again: the first call's numbers
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_seed_gives_each_rank_its_own_numbers_the_same_at_every_call(
+    seeded_parent: None, start_method: StartMethod
+) -> None:
+    """seed=: each rank seeds Python, NumPy and torch with (seed, rank); its DataLoader workers differ per rank."""
+    from mplaunch._state.snapshot import derived_seed
+
+    run = parallel(nprocs=2, start_method=start_method, return_all=True, timeout=TIMEOUT, seed=7)
+    first = run(workers.draws_and_loader_draws)()
+    random.random(), torch.rand(1)  # the parent draws meanwhile: it does not matter
+    if start_method == "fork":  # (the numbers are (seed, rank)'s, checked below: one start method is enough)
+        assert run(workers.draws_and_loader_draws)() == first
+    assert not set(first[0]) & set(first[1])  # the ranks differ, and so do their DataLoader workers
+    for rank in (0, 1):
+        own = derived_seed(7, rank)
+        assert first[rank][0] == random.Random(own).random()
+        assert first[rank][2] == torch.rand(1, generator=torch.Generator().manual_seed(own)).item()
+    other = parallel(nprocs=1, start_method="fork", timeout=TIMEOUT, seed=8)(workers.draws_and_loader_draws)
+    assert other() != first[0]
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
@@ -133,3 +186,17 @@ def test_spawned_arguments_are_mapped_not_copied(start_method: StartMethod) -> N
     baseline = anonymous(torch.ones(1024))
     # read through a private mapping of the parent's copy: no private 128 MiB copy was made
     assert anonymous(torch.ones(128 * 2**20 // 4)) - baseline < 32 * 2**20
+
+
+def test_seed_applies_to_a_call_that_runs_in_process_as_its_rank(
+    seeded_parent: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under an outer launcher (torchrun) the function runs in this process, which is the rank: seed= seeds it
+    with (seed, RANK) as a launched rank would be; so does fn.debug() as rank 0."""
+    from mplaunch._state.snapshot import derived_seed
+
+    draw = parallel(nprocs=2, seed=7)(workers.draws_and_loader_draws)
+    assert draw.debug()[0] == random.Random(derived_seed(7, 0)).random()
+    monkeypatch.setenv("MPLAUNCH_IN_PROCESS", "1")
+    monkeypatch.setenv("RANK", "1")
+    assert draw()[0] == random.Random(derived_seed(7, 1)).random()

@@ -95,14 +95,14 @@ def test_all_is_sorted_and_complete() -> None:
 
 
 def test_backend_is_validated_and_auto_resolves_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mplaunch._parent import devices
     from mplaunch._parent.policy import resolve_backend
 
     with pytest.raises(InvalidOptionError, match="backend='nccll'.*'gloo'"):
         parallel(backend="nccll")
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr(devices, "device_count", lambda: 0)
     assert resolve_backend("auto", 2) == "gloo"
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr(devices, "device_count", lambda: 2)
     assert resolve_backend("auto", 2) == "nccl"
     assert resolve_backend("auto", 3) == "gloo"
     assert resolve_backend("gloo", 2) == "gloo"

@@ -26,13 +26,12 @@ def test_cuda_initialised_refuses_fork_only(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_cuda_probe_is_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Probing (is_available, device_count) does not initialise CUDA, so fork stays allowed. On a machine without
+    """Counting devices (``device_count()``) does not initialise CUDA, so fork stays allowed. On a machine without
     CUDA nothing initialises, so CUDA's initialisation is replaced by one that succeeds and is seen by the check
-    (tests/integration/test_cuda.py probes the real one)."""
+    (tests/gpu probes the real one; ``is_available()``, which initialises the driver: test_cuda_probes.py)."""
     initialised: list[bool] = []
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: initialised.append(True))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(initialised))
-    torch.cuda.is_available()
     torch.cuda.device_count()
     assert not initialised
     checks.check_cuda_fork("fork")
@@ -54,7 +53,9 @@ def test_default_start_method(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(policy, "is_interactive", lambda: True)
     assert policy.default_start_method() == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert policy.default_start_method() == "spawn"
+    monkeypatch.setattr(policy, "_said_spawn", False)
+    with pytest.warns(RuntimeWarning, match="spawn here, not fork: CUDA is already initialised"):
+        assert policy.default_start_method() == "spawn"
 
 
 def test_main_importability(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,6 +125,22 @@ def test_missing_guard_is_found_in_the_users_script(
     assert 'if __name__ == "__main__":\n        value = fit(3)\n' in message  # the user's own call, moved
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_missing_guard_names_workers_as_what_was_called(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, start_method: str
+) -> None:
+    """Warm workers made at import time are refused before any rank starts, and the message names
+    ``mplaunch.Workers()``, not a parallel function of that name."""
+    script = f"import mplaunch\nworkers = mplaunch.Workers(nprocs=1, start_method={start_method!r})\n"
+    with pytest.raises(LaunchRefusedError) as caught:
+        _run_main(monkeypatch, tmp_path, script)
+    message = str(caught.value)
+    assert "Your script script.py (line 2) called mplaunch.Workers() at import time" in message, message
+    assert "parallel function" not in message
+    moved = f"workers = mplaunch.Workers(nprocs=1, start_method={start_method!r})"
+    assert f'if __name__ == "__main__":\n        {moved}\n' in message  # the user's own line, moved
+
+
 @pytest.mark.parametrize("runner", [False, True], ids=["python script.py", "pdb/runpy"])
 def test_a_guarded_call_is_never_refused_because_of_a_runners_frame(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, runner: bool
@@ -141,17 +158,17 @@ def test_describe_unpicklable_names_the_argument() -> None:
     import threading
 
     text = checks.describe_unpicklable((1, threading.Lock()), {}, None)
-    assert text.startswith("positional argument 1 (lock)")
+    assert text.startswith("positional argument 1 (args[1]: _thread.lock)"), text
 
     def train(steps: int, lock: object, *rest: object) -> None: ...
 
     text = checks.describe_unpicklable((1, threading.Lock()), {}, None, train)
-    assert text.startswith("positional argument 1 'lock' (lock)"), text  # its name, where the signature has one
+    assert text.startswith("positional argument 1 (lock: _thread.lock)"), text  # its name, where the signature has one
     text = checks.describe_unpicklable((1, 2, threading.Lock()), {}, None, train)
-    assert text.startswith("positional argument 2 (lock)"), text  # *rest
+    assert text.startswith("positional argument 2 (args[2]: _thread.lock)"), text  # *rest
     with open(__file__) as file:
         text = checks.describe_unpicklable((), {"f": file}, None)
-    assert text.startswith("keyword argument 'f' (TextIOWrapper)")
+    assert text.startswith("keyword argument 'f' (f: _io.TextIOWrapper)"), text
     assert "pass or return its path (or its data) and open it where it is used" in text
 
 
@@ -180,18 +197,21 @@ def _initialise_cuda_here() -> None:
 def test_refused_fork_says_where_cuda_was_first_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
     import mplaunch
 
+    initialised: list[bool] = []
     monkeypatch.setattr(checks, "_first_cuda_init", None)
-    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # a CUDA build's successful initialisation
+    monkeypatch.delattr(
+        torch._C, "_cuda_getDeviceCount", raising=False
+    )  # (recorded too: tests/unit/test_cuda_probes.py)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: initialised.append(True))  # a successful initialisation
     monkeypatch.setattr(torch.cuda.random, "_lazy_init", torch.cuda._lazy_init)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(initialised))
+    torch.cuda._lazy_init()
     with pytest.raises(LaunchRefusedError, match="call mplaunch.record_cuda_init"):
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
         checks.check_cuda_fork("fork")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    initialised.clear()
     mplaunch.record_cuda_init()
     mplaunch.record_cuda_init()  # twice is once
     _initialise_cuda_here()
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(LaunchRefusedError) as caught:
         checks.check_cuda_fork("fork")
     assert "CUDA was first initialised here" in str(caught.value)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import mmap
-import os
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -141,55 +138,6 @@ def test_bytes_and_long_lists_are_not_walked_element_by_element(monkeypatch: pyt
     assert len(visits) < 10, visits
 
 
-def test_a_results_mapping_is_made_private_in_place(tmp_path: Path) -> None:
-    """A result comes back mapped shared: in a forked process unshare() turns each mapping it reaches into a
-    private copy at the same address, so a tensor, its views and a NumPy array in it change only there."""
-    import os
-
-    import numpy as np
-
-    from mplaunch._wire import inherited, transport
-
-    fd = inherited.memory_file("result")
-    if fd is None:
-        pytest.skip("no memfd_create here")
-    transport.dump_fd({"t": torch.zeros(1 << 16), "a": np.zeros(1 << 16)}, fd)
-    result = transport.load_fd(fd, private=False)
-    os.close(fd)
-    tensor, array, view = result["t"], result["a"], result["t"][100:]
-    assert sharing._shared(tensor)
-    assert sharing._shared(array)
-    assert not tensor.is_shared()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        unshare((view, result))
-        tensor[100] = 5.0
-        array[0] = 6.0
-        ok = view[0].item() == 5.0 and not sharing._shared(tensor) and not sharing._shared(array)
-        os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    assert tensor.sum().item() == 0
-    assert array.sum() == 0  # the child's writes stayed in the child
-
-
-def test_large_fork_arguments_are_judged_by_the_workers_only_if_needed() -> None:
-    """Issue 10: walking a forked worker's arguments touches every element's reference count, which copies
-    their pages (30 ms per worker for a list of 10**6 ints). Small arguments are judged in the parent (it
-    costs microseconds), large ones are left to the parent's answer once the workers started (``None``: see
-    test_only_kept_results_make_forked_workers_look_into_large_arguments)."""
-    big: tuple[object, ...] = ([], {"values": list(range(10**5))})
-    assert sharing.unshare_verdict(big) is None  # large: up to what the process holds
-    many_small = ([list(range(100)) for _ in range(200)],)  # 20,000 objects in all: large too
-    assert sharing.unshare_verdict(many_small) is None
-    assert sharing.unshare_verdict(([torch.ones(2).share_memory_()], {"lr": 0.1})) is True  # small, shared
-    assert sharing.unshare_verdict(([torch.ones(2).share_memory_()], {}), keep_requested=True) is False
-    assert sharing.unshare_verdict(([torch.ones(2)], {"lr": 0.1})) is False  # a private tensor stays private
-    assert sharing.unshare_verdict(([object()], {})) is False
-    plain = ((b"x" * 2**22, [1, 2.5, "a", None], (range(3),)), {"lr": 0.1, "tags": {"x", "y"}})
-    assert sharing.unshare_verdict(plain) is False  # small and plain: nothing to walk in the workers
-
-
 class _OneSlot:
     __slots__ = "only"  # a string, not a tuple
 
@@ -259,41 +207,6 @@ def test_gradients_deques_partials_and_objects_that_cannot_be_looked_into() -> N
 
     dead = weakref.proxy(Gone())
     args = (model, collections.deque([held[0]]), functools.partial(print, held[1]), tagged, dead, _Broken(), _Lazy())
-    assert sharing.unshare_verdict(args) is True
     unshare(args)
     assert not model.weight.grad.is_shared()
     assert not any(t.is_shared() for t in held)
-    assert sharing.unshare_verdict((dead, _Broken(), _Lazy())) is False
-
-
-def test_only_kept_results_make_forked_workers_look_into_large_arguments(tmp_path: Path) -> None:
-    """A fork launch asks its workers to walk a large argument only when this process holds a result that
-    mplaunch mapped shared. Its own shared bookkeeping (the heartbeat board, the preemption flag) is no
-    reason: with them mapped in every launch, a list of 10**6 ints cost each worker a 30 ms walk (3.3x raw
-    torch.multiprocessing in the benchmark) before."""
-    from mplaunch._parent import ranks
-    from mplaunch._wire import flags, mappings
-    from mplaunch._wire.board import Board
-
-    board = Board(str(tmp_path), 2, create=True)
-    flag = flags.create(str(tmp_path))
-    read, write = os.pipe()
-    try:
-        before = mappings.holds_shared_mappings()
-        ranks._answer_unshare((read, write), 1)
-        assert os.read(read, 1) == (b"1" if before else b"0")
-        if not before:  # (no result of an earlier test alive in this process)
-            assert not mappings.holds_shared_mappings()
-        fd = os.memfd_create("result")
-        os.ftruncate(fd, mmap.PAGESIZE)
-        kept = mappings.map_file(fd, 0, mmap.PAGESIZE, private=False)  # a result the caller keeps
-        os.close(fd)
-        assert mappings.holds_shared_mappings()
-        ranks._answer_unshare((read, write), 1)
-        assert os.read(read, 1) == b"1"
-        del kept
-    finally:
-        os.close(read)
-        os.close(write)
-        flag.close()
-        del board

@@ -244,20 +244,55 @@ def test_a_real_call_warns_at_the_callers_line(test_logger: logging.Logger, monk
 
 
 def test_spawn_workers_get_one_hash_seed_unless_the_user_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mplaunch._parent.processes import spawn_hash_seed as _spawn_hash_seed
+    from mplaunch._parent.processes import spawn_environ
 
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     seeds = []
     for _ in range(2):
-        with _spawn_hash_seed("spawn"):
+        with spawn_environ("spawn", {}):
             seeds.append(os.environ["PYTHONHASHSEED"])
         assert "PYTHONHASHSEED" not in os.environ  # the parent's environment as found
     assert seeds[0] == seeds[1]
     assert 0 < int(seeds[0]) < 2**32  # the same for every launch of this process
-    with _spawn_hash_seed("fork"):
-        assert "PYTHONHASHSEED" not in os.environ  # fork: the parent's own hashing
+    with spawn_environ("fork", {"MPLAUNCH_TEST": "1"}):
+        assert "PYTHONHASHSEED" not in os.environ and "MPLAUNCH_TEST" not in os.environ  # fork: set in the rank
     for users in ("7", "random"):
         monkeypatch.setenv("PYTHONHASHSEED", users)
-        with _spawn_hash_seed("spawn"):
+        with spawn_environ("spawn", {}):
             assert os.environ["PYTHONHASHSEED"] == (users if users != "random" else seeds[0])
         assert os.environ["PYTHONHASHSEED"] == users
+    with spawn_environ("spawn", {"PYTHONHASHSEED": "3", "MPLAUNCH_TEST": "1"}):  # a rank's env= goes first
+        assert (os.environ["PYTHONHASHSEED"], os.environ["MPLAUNCH_TEST"]) == ("3", "1")
+    assert "MPLAUNCH_TEST" not in os.environ
+
+
+@pytest.mark.parametrize("drawn", [0, 1, 700], ids=["seeded", "drawn-once", "past-a-twist"])
+def test_a_launch_marks_the_generators_without_changing_their_numbers(restored_state: None, drawn: int) -> None:
+    """for_launch flips, in each generator it finds changed, a bit of its MT19937 state that no draw reads, so
+    that a launch from the state the previous one left is told from one after seeding again to the same seed
+    (issue 37). The parent's own numbers must not change: Python's, NumPy's legacy and torch's CPU generator
+    (whose state layout this checks), fresh from a seed or drawn from, for uniform and normal draws."""
+    from mplaunch._state import snapshot
+
+    def draws() -> list[float]:
+        state = GlobalState.capture()
+        try:
+            found = [random.random() for _ in range(700)] + [random.gauss(0, 1) for _ in range(3)]
+            found += [*numpy.random.rand(700), *numpy.random.randn(3)]
+            return found + torch.rand(700).tolist() + torch.randn(3).tolist() + torch.randperm(20).tolist()
+        finally:
+            state.restore()
+
+    random.seed(3)
+    numpy.random.seed(3)
+    torch.manual_seed(3)
+    for _ in range(drawn):
+        random.random(), numpy.random.rand(), torch.rand(1)
+    before, state = draws(), GlobalState.capture()
+    assert snapshot.for_launch(state) is state  # a new state: taken as it is, and marked
+    assert draws() == before
+    assert random.getstate() != state.python_rng and not torch.equal(torch.get_rng_state(), state.torch_rng)
+    again = snapshot.for_launch(state)  # nothing changed since: the ranks seed anew
+    assert again.reseed is not None and snapshot.for_launch(state).reseed not in (None, again.reseed)
+    torch.manual_seed(3)  # seeded again (to the same state, had nothing been drawn): taken as it is
+    assert snapshot.for_launch(state) is state

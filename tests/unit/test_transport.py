@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mplaunch._wire import inherited, mappings, pickling, transport
+from mplaunch._wire import inherited, pickling, transport
 
 
 def test_round_trip_keeps_values_dtypes_and_views(tmp_path: Path) -> None:
@@ -187,34 +187,63 @@ def test_a_result_read_from_a_file_is_the_readers_own_memory(tmp_path: Path) -> 
         assert str(tmp_path) not in maps.read()
     assert back["t"].sum().item() == 1 << 18 and back["a"].sum() == 1 << 15 and not list(tmp_path.iterdir())
     back["a"][0] = 5.0  # writable
-    assert not mappings.in_shared_mapping(back["t"].untyped_storage().data_ptr())
 
 
 def test_memory_file_round_trip_keeps_only_the_data() -> None:
-    """A result written to a memory file comes back mapped shared; the header and the pickle are cut off the
-    file once read, so what stays allocated is the data alone."""
+    """A result written to a memory file comes back mapped; the header and the pickle are cut off the file
+    once read, so what stays allocated is the data alone."""
     fd = _memory_file()
     try:
         base = torch.arange(1 << 18, dtype=torch.float32)
         value: dict[str, Any] = {"base": base, "view": base[5:9], "a": np.arange(1 << 15), "ints": list(range(10**5))}
         transport.dump_fd(value, fd)
-        back = transport.load_fd(fd, private=False)
+        back = transport.load_fd(fd, result=True)
         assert torch.equal(back["base"], base) and back["view"][0].item() == 5.0 and back["ints"] == value["ints"]
         assert np.array_equal(back["a"], value["a"])
         assert os.fstat(fd).st_size == (1 << 20) + (1 << 18)  # the two pieces, page-aligned: no pickle
-        assert mappings.in_shared_mapping(back["base"].untyped_storage().data_ptr())
     finally:
         os.close(fd)
     assert back["base"].sum().item() == base.sum().item()  # the mapping outlives the descriptor
+
+
+def test_a_result_mapped_from_a_memory_file_stays_private_after_a_fork() -> None:
+    """Issue 37: a result was mapped shared, so a process the caller forked later (its own os.fork(), a
+    DataLoader worker, a fork Pool) wrote into the caller's tensor and array. Mapped copy-on-write, the
+    child's write copies the page; the caller's own write is not seen by the child either."""
+    fd = _memory_file()
+    try:
+        transport.dump_fd({"t": torch.ones(1 << 16), "a": np.ones(1 << 14)}, fd)
+        back = transport.load_fd(fd, result=True)
+    finally:
+        os.close(fd)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: writes its copy, then waits for the parent's write and reports what it sees
+        code = 1
+        try:
+            back["t"].numpy().fill(0)
+            back["a"].fill(0)
+            os.close(write)
+            os.read(read, 1)
+            code = 0 if back["t"][0].item() == 0 and back["a"][0] == 0 else 2
+        finally:
+            os._exit(code)
+    os.close(read)
+    back["t"][0] = 5.0
+    os.write(write, b"x")
+    os.close(write)
+    assert os.waitpid(pid, 0)[1] == 0  # the child saw only its own writes
+    assert back["t"][1:].sum().item() == (1 << 16) - 1 and back["t"][0].item() == 5.0
+    assert back["a"].sum() == 1 << 14
 
 
 def test_memory_file_payloads_are_private_to_each_reader() -> None:
     fd = _memory_file()
     try:
         transport.dump_fd({"w": torch.zeros(1 << 18)}, fd)
-        first, second = transport.load_fd(fd, private=True), transport.load_fd(fd, private=True)
+        first, second = transport.load_fd(fd, result=False), transport.load_fd(fd, result=False)
         first["w"].add_(1)
-        assert second["w"].sum().item() == 0 and transport.load_fd(fd, private=True)["w"].sum().item() == 0
+        assert second["w"].sum().item() == 0 and transport.load_fd(fd, result=False)["w"].sum().item() == 0
     finally:
         os.close(fd)
 
@@ -223,13 +252,13 @@ def test_an_incomplete_memory_file_holds_no_object() -> None:
     """A worker killed while writing leaves no trailer: the reader finds nothing, as with a missing file."""
     fd = _memory_file()
     try:
-        assert transport.load_fd(fd, private=False, missing_ok=True) is None
+        assert transport.load_fd(fd, result=True, missing_ok=True) is None
         os.write(fd, b"x" * 100)
-        assert transport.load_fd(fd, private=False, missing_ok=True) is None
+        assert transport.load_fd(fd, result=True, missing_ok=True) is None
         with pytest.raises(FileNotFoundError):
-            transport.load_fd(fd, private=False)
+            transport.load_fd(fd, result=True)
         transport.dump_fd(7, fd)
-        assert transport.load_fd(fd, private=False) == 7
+        assert transport.load_fd(fd, result=True) == 7
     finally:
         os.close(fd)
 
@@ -242,13 +271,13 @@ def test_a_plain_record_written_by_the_standard_pickler_reads_back_whole() -> No
     try:
         for value in (None, True, 7, 2.5, 3 + 4j, "text", b"bytes", "x" * (1 << 17)):
             transport.dump_fd(value, fd, plain=True)
-            assert transport.load_fd(fd, private=True) == value
+            assert transport.load_fd(fd, result=False) == value
         transport.dump_fd({"t": torch.ones(1 << 15)}, fd)  # replaces the plain one: data first, then the pickle
-        assert transport.load_fd(fd, private=False)["t"].sum().item() == 1 << 15
+        assert transport.load_fd(fd, result=True)["t"].sum().item() == 1 << 15
         transport.dump_fd(None, fd, plain=True)
         assert os.fstat(fd).st_size < 1 << 10  # the data is gone with it
-        assert transport.load_fd(fd, private=False) is None and os.fstat(fd).st_size == 0  # read: nothing kept
-        assert transport.load_fd(fd, private=False, missing_ok=True) is None
+        assert transport.load_fd(fd, result=True) is None and os.fstat(fd).st_size == 0  # read: nothing kept
+        assert transport.load_fd(fd, result=True, missing_ok=True) is None
     finally:
         os.close(fd)
 
