@@ -46,8 +46,7 @@ _CONNECT_WAIT = 5.0  # seconds to reach the rendezvous store (c10d may try twice
 
 
 def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome) -> None:
-    """Publish rank 0's outcome in the store for the first worker of each other node, which waits up to
-    ``result_wait`` seconds, then records a :class:`~mplaunch.NodeLostError` for rank 0."""
+    """Publish rank 0's outcome for each other node's first worker, which waits ``result_wait`` s for it."""
     from datetime import timedelta
 
     from torch.distributed import DistStoreError, TCPStore  # type: ignore[attr-defined]

@@ -144,9 +144,14 @@ def test_a_malformed_slurm_host_list_is_refused_naming_the_variable(nodelist: st
     from mplaunch import InvalidOptionError
     from mplaunch._env import node_setup
 
-    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODELIST": "x"}
-    with pytest.raises(InvalidOptionError, match=r"SLURM_STEP_NODELIST=.* is not a SLURM host list.*MPLAUNCH_RDZV_END"):
+    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "x"}
+    with pytest.raises(
+        InvalidOptionError, match=r"SLURM_STEP_NODELIST \(else .* is not a SLURM host list.*MPLAUNCH_RDZV_EN"
+    ):
         node_setup(None, None, None, {**env, "SLURM_STEP_NODELIST": nodelist})
+    del env["SLURM_JOB_NODELIST"]  # no list at all: refused the same
+    with pytest.raises(InvalidOptionError, match=r"SLURM_STEP_NODELIST \(else SLURM_JOB_NODELIST\) '' is not"):
+        node_setup(None, None, None, env)
 
 
 def test_bad_in_process_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -269,7 +269,7 @@ def test_timeout_cuts_the_stores_connections() -> None:
     try:
         with watch.guarded():
             silent.reader.join(10)
-        assert silent.ended and watch.expired and watch.store_lost is None
+        assert silent.ended and watch.store_lost is None
         with pytest.raises(LaunchTimeoutError, match="within timeout=0.5 s"):
             watch.check_deadline()
     finally:

@@ -1,9 +1,6 @@
-"""Watching the other nodes of a multi-node launch: a lost node and ``timeout`` end this node's launch.
-Elastic's agent notices neither a vanished node nor a time limit. :class:`WatchedRendezvous` wraps its c10d
-handler (registered as backend ``mplaunch-c10d``) and, at each ``num_nodes_waiting``, raises out of the agent,
-which stops this node's workers: a node dropped for missed heartbeats, a silent store, a closed rendezvous,
-past ``timeout``. After a rank fails, :meth:`WatchedRendezvous.lost_peer` looks for a node that went silent.
-:meth:`NodeWatch.guarded` ends torch's calls on a silent store (they block for minutes) and at ``timeout``."""
+"""Watching the other nodes of a multi-node launch (elastic's agent notices neither a lost node nor a time limit):
+:class:`WatchedRendezvous` wraps c10d's handler and raises out of the agent at its ``num_nodes_waiting`` (a node
+dropped, a silent store, a closed rendezvous, ``timeout``); :meth:`NodeWatch.guarded` ends torch's blocked calls."""
 
 from __future__ import annotations
 
@@ -54,8 +51,7 @@ class NodeWatch:
     directory: str | None = None  # the launch directory: each round's variables go there (see :meth:`met`)
     max_restarts: int = 0  # rounds after the first: a node lost meanwhile may rejoin
     lost_node: NodeLostError | None = None  # the node lost in this round, once known
-    on_restart: Callable[[], None] | None = None  # called as a later round begins
-    expired: bool = False  # timeout expired while the launch ran
+    on_restart: Callable[[], None] = lambda: None  # called as a later round begins
     holder: Any = None  # c10d's rendezvous state holder, once the nodes met
 
     def __post_init__(self) -> None:
@@ -68,35 +64,27 @@ class NodeWatch:
 
     def check_deadline(self) -> None:
         """Raise :class:`LaunchTimeoutError` once ``timeout`` has expired."""
-        if self.expired or (self.deadline is not None and time.monotonic() >= self.deadline):
-            raise self.timeout_error()
-
-    def timeout_error(self) -> LaunchTimeoutError:
-        return LaunchTimeoutError(
-            f"the multi-node launch did not finish within timeout={self.timeout:g} s; this node's ranks were "
-            "still running and have been stopped (stacks are not collected on a multi-node launch). Raise "
-            "timeout, or look for a rank stuck in a collective.",
-            float(self.timeout or 0.0),
-            (),
-        )
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise LaunchTimeoutError(
+                f"the multi-node launch did not finish within timeout={self.timeout:g} s; this node's ranks were "
+                "still running and have been stopped (stacks are not collected on a multi-node launch). Raise "
+                "timeout, or look for a rank stuck in a collective.",
+                float(self.timeout or 0.0),
+                (),
+            )
 
     def met(self, round: int) -> None:
-        """Record this round's variables for the ranks: the round as ``TORCHELASTIC_RESTART_COUNT`` (the same on every
-        node, one that rejoined too) and, unless set here, gloo's and NCCL's interface: the one that reaches the
-        other nodes (gloo's default is the host name's address, loopback's on Debian; NCCL's, the first found)."""
-        interface = next(filter(None, (interface_towards(host) for _, (host, _) in sorted(self.peers.items()))), None)
-        variables = {"TORCHELASTIC_RESTART_COUNT": str(round)}
-        for name, value in (("GLOO_SOCKET_IFNAME", f"{interface}"), ("NCCL_SOCKET_IFNAME", f"={interface}")):
-            if interface is not None and name not in os.environ:  # NCCL's "=": this name exactly, not a prefix
-                variables[name] = value
+        """Write the round's number and, unless set, the interface reaching the other nodes for the ranks' gloo/NCCL."""
+        # gloo binds the host name's address by default (loopback on Debian), NCCL the first interface it finds
+        towards = next(filter(None, (interface_towards(host) for _, (host, _) in sorted(self.peers.items()))), "")
+        names = {"GLOO_SOCKET_IFNAME": towards, "NCCL_SOCKET_IFNAME": f"={towards}"}  # NCCL's "=": this name exactly
+        variables = {name: value for name, value in names.items() if towards and name not in os.environ}
         if self.directory is not None:
-            transport.dump(variables, self.directory, NODE_ROUND)
+            transport.dump({**variables, "TORCHELASTIC_RESTART_COUNT": str(round)}, self.directory, NODE_ROUND)
 
     @contextlib.contextmanager
     def guarded(self) -> Iterator[None]:
-        """While the block runs, shut this process's connections to the store (whatever torch was waiting for on
-        them then fails at once) once ``timeout`` expires, or once c10d has not heard from the store for
-        ``STORE_SILENCE`` s after the nodes met (it asks at each heartbeat: this host is cut off from the store)."""
+        """Shut this process's store connections at ``timeout`` or after ``STORE_SILENCE`` s of a silent store."""
         stop = threading.Event()
         guard = threading.Thread(target=self._guard, args=(stop,), name="mplaunch-store-guard", daemon=True)
         guard.start()
@@ -109,11 +97,11 @@ class NodeWatch:
     def _guard(self, stop: threading.Event) -> None:
         while not stop.wait(0.1):
             now = time.monotonic()
-            self.expired = self.deadline is not None and now >= self.deadline
+            expired = self.deadline is not None and now >= self.deadline
             synced = getattr(self.holder, "_last_sync_time", now)  # c10d's last answer from the store (torch's private)
             if self.joined and now - synced > STORE_SILENCE and self.store_lost is None:
                 self.store_lost = RendezvousError(f"it did not answer for {STORE_SILENCE} s")
-            if self.expired or self.store_lost is not None:
+            if expired or self.store_lost is not None:
                 shut_connections(int(self.endpoint.rpartition(":")[2]))
                 return
 
@@ -164,12 +152,9 @@ class WatchedRendezvous(RendezvousHandler):
         preemption = self._watch.preemption
         if self._round >= 0 and preemption is not None and preemption.noticed:
             raise notice.Preempted()  # a preempted launch is never restarted
-        if self._round >= 0 and self._watch.on_restart is not None:
+        if self._round >= 0:  # a later round: torch would keep round 0's MASTER_ADDR/PORT, which it publishes in
+            self._handler._bootstrap_store_info = None  # round 0's store only (a rejoined node waits for them forever)
             self._watch.on_restart()
-        if self._round >= 0 and hasattr(self._handler, "_bootstrap_store_info"):
-            # torch keeps the first round's MASTER_ADDR/MASTER_PORT and publishes them in that round's store only:
-            # a node that rejoins would wait for them forever. Made again: each round gets its own store server.
-            self._handler._bootstrap_store_info = None
         info: RendezvousInfo = self._handler.next_rendezvous()
         state = self._state()
         if state is not None:
@@ -237,8 +222,7 @@ class WatchedRendezvous(RendezvousHandler):
             notice.leave_barrier(self._store, len(self._participants) or self._watch.nnodes)
 
     def lost_peer(self) -> NodeLostError | None:
-        """Return the error for the first other node that neither marked its launch's end in the store nor sent
-        a heartbeat within ``PROBE_WAIT`` seconds, else ``None`` (a gone store is reported elsewhere)."""
+        """Return the error for the first other node that neither ended its launch nor beat within ``PROBE_WAIT`` s."""
         holder, state = getattr(self._handler, "_state_holder", None), self._state()
         if holder is None or state is None or self._store is None:
             return None
@@ -264,9 +248,8 @@ class WatchedRendezvous(RendezvousHandler):
         return self._lost(rank, node, f"it neither ended its launch nor sent a heartbeat for {PROBE_WAIT} s")
 
     def _lost(self, node_rank: int, node: Any, why: str = "") -> NodeLostError:
-        silence = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MAX_ATTEMPT
         host, pid = getattr(node, "addr", None), getattr(node, "pid", None)
-        why = why or f"it sent no rendezvous heartbeat to {self._watch.endpoint} for {silence} s"
+        why = why or f"it sent no rendezvous heartbeat to {self._watch.endpoint} for {STORE_SILENCE} s"
         return NodeLostError(
             f"node {node_rank} of {self._watch.nnodes} (host {host}, launching process pid {pid}) is gone or cut off: "
             f"{why}. Its launching process was killed or stopped, its host is down, or the network to it is. This "
