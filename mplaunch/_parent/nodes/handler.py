@@ -116,10 +116,9 @@ class NodeWatch:
             which = f"node {node_rank} of {self.nnodes} (host {host}, launching process pid {pid}), which hosts it,"
         return NodeLostError(
             f"the rendezvous store at {self.endpoint} stopped answering after the {self.nnodes} nodes met "
-            f"({type(error).__name__}: {error}): {which} is gone or cut off from this host. Its launching process "
-            "was killed or stopped, its launch ended, or the network between them is down (the store lives in the "
-            "launching process of the first node started at that endpoint, and ends with it). This node's workers "
-            "have been stopped.",
+            f"({type(error).__name__}: {error}): {which} is gone or cut off. Its launching process was killed or "
+            "stopped, its launch ended or the network to it is down (the store lives in the launching process of the "
+            "first node started at that endpoint, and ends with it). This node's workers have been stopped.",
             node_rank,
             host,
             pid,
