@@ -22,8 +22,7 @@ _POLL = 0.05
 
 
 def device_count() -> int:
-    """Count the CUDA devices this process sees without initialising the driver: as ``torch.cuda.device_count()``
-    does through NVML, else in a throwaway process (torch would run ``cuInit`` here; tests replace this)."""
+    """Count the CUDA devices seen here without running ``cuInit``: through NVML, else in a throwaway process."""
     if torch.cuda.is_initialized() or torch.version.hip or not torch.cuda._is_compiled():
         return torch.cuda.device_count()  # nothing left to spare, ROCm's own count, or a CPU build's 0
     counted: int = getattr(torch.cuda, "_device_count_nvml", lambda: -1)()
@@ -110,8 +109,7 @@ class DevicePool:
         return None if self._busy & set(request) else request
 
     def acquire(self, request: int | tuple[int, ...], control: LaunchControl | None = None) -> tuple[int, ...]:
-        """Wait until ``request`` (a count, or indices) can be granted, take its devices and return them; a
-        stop of ``control`` ends the wait (``LaunchStopped``)."""
+        """Wait until ``request`` (a count or indices) fits, take and return its devices; ``control`` may stop it."""
         check_request(request)
         count = device_count()
         ticket = _Ticket(request if isinstance(request, int) else tuple(request))
