@@ -50,21 +50,15 @@ def _files_short(margin: int = 16) -> bool:
     return soft != resource.RLIM_INFINITY and open_now is not None and soft - open_now < margin
 
 
-def process_limits() -> str:
-    """Describe the process limits here, e.g. ``pids.max=64 (63 in use), RLIMIT_NPROC=unlimited``."""
-    found = []
-    pids = pids_limit()
-    if pids is not None:
-        found.append(f"the cgroup's pids.max={pids[0]} ({pids[1]} in use)")
-    root = " (not enforced for root)" if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
-    found.append(f"RLIMIT_NPROC={_limit(resource.RLIMIT_NPROC)}{root}")
-    return ", ".join(found)
-
-
 def _process_text() -> str:
+    """Describe the process limits here (e.g. ``pids.max=64 (63 in use), RLIMIT_NPROC=unlimited``) and the fix."""
+    pids = pids_limit()
+    cgroup = "" if pids is None else f"the cgroup's pids.max={pids[0]} ({pids[1]} in use), "
+    root = " (not enforced for root)" if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
     return (
-        f"the process limit ({process_limits()}; every worker and each of its threads counts). Raise it "
-        "(docker run --pids-limit, Kubernetes podPidsLimit, systemd TasksMax, ulimit -u), or start fewer workers"
+        f"the process limit ({cgroup}RLIMIT_NPROC={_limit(resource.RLIMIT_NPROC)}{root}; every worker and each of "
+        "its threads counts). Raise it (docker run --pids-limit, Kubernetes podPidsLimit, systemd TasksMax, "
+        "ulimit -u), or start fewer workers"
     )
 
 
@@ -120,8 +114,8 @@ def _environment_text(problem: str, start_method: str) -> str:
 
 
 def short_socket_directory() -> None:
-    """Give multiprocessing a temporary directory in ``/tmp`` when ``TMPDIR`` is too long for the fork server's
-    socket, as CPython 3.13 does (3.10-3.12 fail: "AF_UNIX path too long")."""
+    """Give multiprocessing a shorter temporary directory when ``TMPDIR`` is too long for the fork server's socket,
+    as CPython 3.13 does (3.10-3.12 fail: "AF_UNIX path too long")."""
     config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
     if config.get("tempdir") is not None or len(os.fsencode(tempfile.gettempdir())) + _SOCKET_SUFFIX <= SUN_PATH_MAX:
         return

@@ -56,9 +56,8 @@ class Preemption:
         return self._mapping is not None
 
     def notify(self, signum: int | None, origin: int | None = None) -> None:
-        """Take a notice (``signum``: ``None`` from ``future.preempt()``); a second one forces the end.
-        ``origin``: the node that got a notice passed on; it never forces the end, as a node may hear of another's
-        signal before its own, which is then its first."""
+        """Take a notice (``signum``: ``None`` from ``future.preempt()``); a second own one forces the end. ``origin``:
+        the node that got a notice passed on (a node may hear of another's signal before its own, its first)."""
         if self.noticed:
             if origin is None:
                 self.forced = self._own
@@ -92,8 +91,7 @@ class Preemption:
         return max(0.0, self.noticed_at + self.grace - time.monotonic())
 
     def error(self, states: Mapping[int, RankState], nprocs: int, ranks: range | None = None) -> PreemptedError:
-        """Return the :class:`PreemptedError` for these rank states; ``ranks``: the launch's ranks here (default:
-        ``range(nprocs)``; one node's global ranks on a multi-node launch)."""
+        """Return the :class:`PreemptedError` for these rank states; ``ranks``: this node's (``range(nprocs)``)."""
         self.reported = True
         values = {rank: state.value for rank, state in sorted(states.items()) if isinstance(state, Returned)}
         ranks = range(nprocs) if ranks is None else ranks
@@ -174,8 +172,7 @@ def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterato
 def preemption_notice(
     control: LaunchControl, directory: str, signals: tuple[int, ...], grace: float
 ) -> Iterator[Preemption]:
-    """Yield a one-node launch's notice, with its flag in ``directory`` when it can be preempted (``signals``, or
-    submitted), the handlers of ``signals``, and ``control.preemption``."""
+    """Yield a one-node launch's notice, its flag in ``directory`` when it can be preempted, and ``signals`` handled."""
     preemption = Preemption(grace)
     try:
         if signals or control.fileno() is not None:

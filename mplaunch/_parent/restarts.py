@@ -34,8 +34,7 @@ def run_attempts(
     restart_on: RestartOn = None,
     restart_delay: float = 0.0,
 ) -> Generator[T, None, list[Any]]:
-    """Run ``attempt(restart_count)``, yielding what it yields, restarting it after accepted failures.
-    The exception that ends the launch gets ``earlier_attempts``: the earlier attempts' failures, oldest first."""
+    """Run ``attempt(restart_count)`` until it returns; the failure that ends it keeps the ``earlier_attempts``."""
     earlier: list[BaseException] = []
     restart = 0
     while True:
