@@ -22,6 +22,7 @@ from mplaunch._parent import devices, policy
 from mplaunch._platform import cuda
 from mplaunch._wire import pickling, start_objects
 from mplaunch._wire.importable import WorkerImports, rerun_main_file, script_source
+from mplaunch._worker.debugger import reads_a_terminal
 
 
 def main_is_importable() -> bool:
@@ -238,10 +239,7 @@ def post_mortem_terminal(post_mortem: bool) -> bool:
     """Tell whether workers may open the post-mortem debugger; without a terminal, point to ``fn.debug()``."""
     if not post_mortem:
         return False
-    try:
-        interactive = sys.stdin is not None and sys.stdin.isatty() and os.path.exists("/dev/tty")
-    except (AttributeError, ValueError, OSError):
-        interactive = False
+    interactive = reads_a_terminal() and os.path.exists("/dev/tty")
     if not interactive:
         warn_at_user(
             "post_mortem=True needs a terminal, and this process reads none (a notebook, or input from a pipe): "

@@ -125,7 +125,7 @@ def _rank_hook(rank: int, path: str) -> Callable[..., None]:
     """Return rank ``rank``'s ``sys.breakpointhook``, serialised by the lock file ``path``."""
 
     def hook(*args: object, **kwargs: object) -> None:
-        if not _reads_a_terminal():
+        if not reads_a_terminal():
             print(
                 f"mplaunch: breakpoint() in rank {rank} skipped: this rank has no terminal to read (a notebook, "
                 "or input from a pipe). Debug the function in this process with fn.debug(...), or run the "
@@ -170,7 +170,7 @@ def _forget_kernel_input() -> None:
         getpass.getpass = _no_input
 
 
-def _reads_a_terminal() -> bool:
+def reads_a_terminal() -> bool:
     """Return whether ``sys.stdin`` is a terminal."""
     try:
         return sys.stdin is not None and sys.stdin.isatty()
