@@ -225,8 +225,7 @@ def submit_stream(
 
 
 def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T], caller: Caller | None) -> None:
-    """Run the launch (warnings at ``caller``), close what it holds, then settle the future (so that whoever
-    ``result()`` wakes finds the launch's descriptors closed)."""
+    """Run the launch (warnings at ``caller``) and close what it holds, then settle the future ``result()`` awaits."""
     control = future._control
     error: BaseException | None = None
     stopped = False

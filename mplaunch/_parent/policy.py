@@ -53,9 +53,8 @@ def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None
     """Turn ``"auto"`` into ``"nccl"`` given ``nprocs`` devices (``devices``, else visible ones), else ``"gloo"``."""
     if backend != "auto":
         return backend
-    if devices is not None:
-        return "nccl" if devices >= nprocs else "gloo"
-    return "nccl" if device_pool.device_count() >= nprocs else "gloo"
+    count = device_pool.device_count() if devices is None else devices
+    return "nccl" if count >= nprocs else "gloo"
 
 
 def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int:

@@ -89,9 +89,7 @@ def planned_threads(spec: WorkerSpec, local_rank: int, env_threads: int | None) 
 @functools.lru_cache(maxsize=1)
 def _syscall() -> Any:
     number = _SYS_SET_MEMPOLICY.get(platform.machine())
-    if number is None:
-        return None
-    return functools.partial(ctypes.CDLL(None, use_errno=True).syscall, number)
+    return None if number is None else functools.partial(ctypes.CDLL(None, use_errno=True).syscall, number)
 
 
 def prefer_node(node: int) -> bool:
