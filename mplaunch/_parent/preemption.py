@@ -1,8 +1,7 @@
 """Preemption of a one-node launch: a signal in ``preempt_signals`` (or ``future.preempt()``) raises the flag of
 :mod:`mplaunch._wire.flags`; the ranks get ``preempt_grace`` seconds to save and return, then the rest are stopped
 and the call raises :class:`~mplaunch.PreemptedError`. The idea follows SLURM's ``--signal``, submitit's
-checkpointing and torchrun's ``--signals-to-handle``: the scheduler warns, the job saves, the scheduler requeues.
-"""
+checkpointing and torchrun's ``--signals-to-handle``: the scheduler warns, the job saves, the scheduler requeues."""
 
 from __future__ import annotations
 

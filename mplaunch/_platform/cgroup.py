@@ -2,8 +2,7 @@
 ``/proc/self/cgroup`` and ``/proc/self/mountinfo``; ``os.sched_getaffinity`` and psutil ignore them.
 
 A cgroup's limit bounds every cgroup below it, so the smallest along the process's cgroup path up to each
-mount's root applies (joblib/loky read only the fixed top-level paths, which miss nested cgroups).
-"""
+mount's root applies (joblib/loky read only the fixed top-level paths, which miss nested cgroups)."""
 
 from __future__ import annotations
 

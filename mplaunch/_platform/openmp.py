@@ -1,7 +1,6 @@
 """The OpenMP runtimes loaded in this process (found by threadpoolctl, which loads none), and freeing their
 thread pools before a fork: a forked child entering a parallel region waits forever for libgomp's pool
-threads, which ``fork`` did not copy. OpenMP 5.0's ``omp_pause_resource_all(omp_pause_hard)`` frees them.
-"""
+threads, which ``fork`` did not copy. OpenMP 5.0's ``omp_pause_resource_all(omp_pause_hard)`` frees them."""
 
 from __future__ import annotations
 

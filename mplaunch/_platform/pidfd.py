@@ -1,7 +1,6 @@
 """The wait status of a process someone else reaped (a caller's SIGCHLD handler looping ``os.waitpid(-1)``),
 which the kernel keeps for pidfd holders: Linux 6.15+ ``ioctl(PIDFD_GET_INFO)`` with ``PIDFD_INFO_EXIT``
-(``include/uapi/linux/pidfd.h``). Elsewhere ``None``: unknown.
-"""
+(``include/uapi/linux/pidfd.h``). Elsewhere ``None``: unknown."""
 
 from __future__ import annotations
 

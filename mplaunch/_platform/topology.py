@@ -1,6 +1,5 @@
 """CPU and NUMA facts read from sysfs under ``root`` (a fake tree in tests), and splitting the usable CPUs
-between ranks by core or NUMA node, as DeepSpeed's ``--bind_cores_to_rank`` and torchrun's ``--numa-binding`` do.
-"""
+between ranks by core or NUMA node, as DeepSpeed's ``--bind_cores_to_rank`` and torchrun's ``--numa-binding`` do."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """In a worker, before the function: apply the placement the parent chose (devices, CPUs, NUMA node, ``env=``).
 
 The NUMA policy is ``set_mempolicy(MPOL_PREFERRED)``, as ``numactl --preferred``; where the kernel or seccomp
-refuses it, first-touch placement applies, which the CPU binding makes local too.
-"""
+refuses it, first-touch placement applies, which the CPU binding makes local too."""
 
 from __future__ import annotations
 

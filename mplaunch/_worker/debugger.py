@@ -1,8 +1,7 @@
 """A debugger in a rank: ``breakpoint()`` one rank at a time, and ``post_mortem=True`` in the first failing rank.
 
 Post-mortem, the rank opens ``/dev/tty`` and makes its group the foreground while pdb runs (a background reader
-gets SIGTTIN; Ctrl-C reaches it). The first rank to create a marker file in the launch directory debugs.
-"""
+gets SIGTTIN; Ctrl-C reaches it). The first rank to create a marker file in the launch directory debugs."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The worker's side of watching a launch: stacks on request, the heartbeat, usage at exit, NCCL's flight recorder.
 
 :mod:`faulthandler` writes ``rank{N}.stacks`` from the signal handler, without the GIL, so a rank blocked in C
-dumps too. The file gets its final name once the handler is in place: before, the signal would kill the rank.
-"""
+dumps too. The file gets its final name once the handler is in place: before, the signal would kill the rank."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A rank that sets its own rendezvous gets it, as under ``torch.multiprocessing.spawn``.
 
 The parent hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``); ``mp.spawn`` code sets ``MASTER_PORT`` and
-expects rank 0 to host, else waits 30 minutes. On another port than the hosted one, the agent store is dropped.
-"""
+expects rank 0 to host, else waits 30 minutes. On another port than the hosted one, the agent store is dropped."""
 
 from __future__ import annotations
 
