@@ -18,8 +18,7 @@ from mplaunch._worker.rendezvous import follow_own_rendezvous
 
 
 def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
-    """Run the function here as this process's rank of an outer launcher's job; return its value (a list with
-    ``return_all``). With ``backend=``, an existing process group is reused."""
+    """Run the function here as this process's rank of an outer launcher's job (reusing its process group)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if config.seed is not None:  # this process is the rank
         seed_all(derived_seed(config.seed, int(os.environ.get("RANK", "0"))))

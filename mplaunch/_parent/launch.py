@@ -262,8 +262,7 @@ def launch_spec(
     board: bool = False,
     payload: Written | None = None,
 ) -> LaunchSpec:
-    """Build the spec of a launch or of warm workers (the one builder); ``payload``: where the call was written.
-    Raises ``InvalidOptionError`` (``env=``) and ``LaunchRefusedError`` (``cpu_binding``, nccl without CUDA)."""
+    """Build the spec of a launch or of warm workers (the one builder); ``payload``: where the call was written."""
     wanted_threads = policy.wanted_threads(nprocs)  # read once: the cgroup's CPU quota is four files
     num_threads = policy.worker_threads(nprocs, start_method, wanted_threads)
     multinode = nodes is not None

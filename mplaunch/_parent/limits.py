@@ -114,8 +114,7 @@ def _environment_text(problem: str, start_method: str) -> str:
 
 
 def short_socket_directory() -> None:
-    """Give multiprocessing a shorter temporary directory when ``TMPDIR`` is too long for the fork server's socket,
-    as CPython 3.13 does (3.10-3.12 fail: "AF_UNIX path too long")."""
+    """Give multiprocessing a shorter temporary directory when ``TMPDIR`` is too long for a socket, as CPython 3.13."""
     config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
     if config.get("tempdir") is not None or len(os.fsencode(tempfile.gettempdir())) + _SOCKET_SUFFIX <= SUN_PATH_MAX:
         return

@@ -19,8 +19,7 @@ from mplaunch._wire.spec import RankPlacement
 def plan(
     config: ParallelConfig, nprocs: int, names: list[str] | None, *, multinode: bool, threads_kept: bool
 ) -> tuple[RankPlacement, ...] | None:
-    """Return each local rank's :class:`RankPlacement`, or ``None`` when no option asks for one. With
-    ``multinode``, workers call ``env=``'s function; with ``threads_kept``, a rank may run a thread per CPU."""
+    """Return each local rank's :class:`RankPlacement`, or ``None`` when no option asks for one."""
     if names is None and config.cpu_binding is None and config.env is None:
         return None
     cuda = ",".join(names) if names is not None else None

@@ -27,8 +27,7 @@ def is_interactive() -> bool:
 
 
 def default_start_method() -> str:
-    """Return ``fork`` in an interactive session where it exists and forked workers could use CUDA, else
-    ``spawn`` (said once when it is for CUDA)."""
+    """Return ``fork`` in an interactive session where forked workers could use CUDA, else ``spawn`` (said once)."""
     global _said_spawn
     if not is_interactive() or "fork" not in multiprocessing.get_all_start_methods():
         return "spawn"

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
-from mplaunch._errors import InvalidOptionError, PreemptedError
+from mplaunch._errors import InvalidOptionError, PreemptedError, signal_name
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.outcomes import RankState, Stopped
 from mplaunch._wire import flags
@@ -24,8 +24,7 @@ from mplaunch._wire.records import Returned
 
 
 class Preemption:
-    """The preemption notice of one launch: a first :meth:`notify` raises the flag and starts the ``grace``
-    (seconds); a second one ends it. Safe from a signal handler and from another thread."""
+    """A launch's preemption notice: a first :meth:`notify` starts the ``grace`` (seconds), a second ends it."""
 
     def __init__(self, grace: float) -> None:
         self.grace = grace
@@ -96,10 +95,7 @@ class Preemption:
         ranks = range(nprocs) if ranks is None else ranks
         stopped = tuple(rank for rank in ranks if isinstance(states.get(rank), Stopped) or rank not in states)
         failures = tuple(state for _, state in sorted(states.items()) if isinstance(state, BaseException))
-        try:
-            what = "future.preempt()" if self.signum is None else signal.Signals(self.signum).name
-        except ValueError:
-            what = f"signal {self.signum}"
+        what = "future.preempt()" if self.signum is None else signal_name(-self.signum)
         if self.origin is not None:
             what = f"{what}, received by node {self.origin}"
         how = "a second notice ended the grace at once" if self.forced else f"preempt_grace={self.grace:g} s"

@@ -91,8 +91,7 @@ def _directories(mount_root: str, mount_point: str, path: str, root: str) -> lis
 
 
 def cpu_limit(root: str = "/") -> float | None:
-    """Return the CPUs this process's cgroups allow (e.g. ``1.5``), or ``None``; never raises, reads at every
-    call (``docker update --cpus``). ``root`` stands for ``/`` (tests pass a fake tree)."""
+    """Return the CPUs this process's cgroups allow (e.g. ``1.5``) or ``None``, read each call; ``root``: for tests."""
     cgroup = _read(os.path.join(root, "proc/self/cgroup"))
     if cgroup is None:
         return None
@@ -105,8 +104,7 @@ def cpu_limit(root: str = "/") -> float | None:
 
 
 def pids_limit(root: str = "/") -> tuple[int, int] | None:
-    """Return ``(pids.max, pids.current)`` of the cgroup on this process's path with the least room for new
-    tasks, or ``None`` where none sets a limit. Never raises; ``root`` as for :func:`cpu_limit`."""
+    """Return ``(pids.max, pids.current)`` of the cgroup on this process's path with the least room, or ``None``."""
     cgroup = _read(os.path.join(root, "proc/self/cgroup"))
     tightest: tuple[int, int] | None = None
     for directory, _ in _limit_directories(root, cgroup or "", "pids"):
@@ -121,8 +119,7 @@ def pids_limit(root: str = "/") -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=16)
 def _limit_directories(root: str, cgroup: str, controller: str) -> tuple[tuple[str, int], ...]:
-    """Return ``(directory, version)`` of every cgroup whose ``controller`` limit applies to ``cgroup``, deepest
-    first per hierarchy (cached: mounts do not move)."""
+    """Return ``(directory, version)`` of each cgroup whose ``controller`` limit applies, deepest first (cached)."""
     mountinfo = _read(os.path.join(root, "proc/self/mountinfo"))
     if mountinfo is None:
         return ()

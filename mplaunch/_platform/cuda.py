@@ -27,8 +27,7 @@ def driver_initialised() -> bool:
 
 @functools.lru_cache(maxsize=8)
 def driver_device_count(visible: str | None) -> int:
-    """Count the devices under ``CUDA_VISIBLE_DEVICES=visible`` (this process's) through the driver, in a
-    throwaway interpreter: ``cuInit`` runs there, never here. 0 without a driver."""
+    """Count the devices under ``CUDA_VISIBLE_DEVICES=visible`` in a throwaway interpreter (``cuInit`` runs there)."""
     try:
         done = subprocess.run([sys.executable, "-I", "-S", "-c", _COUNT], capture_output=True, text=True, timeout=120)
         return int(done.stdout.strip() or 0)

@@ -35,8 +35,7 @@ def replace_environ(wanted: Mapping[str, str]) -> None:
 
 
 def c_getenv(name: str) -> str | None:
-    """Return ``name``'s value in the C library's table, as C code (``breakpoint()``) reads it; ``os.putenv``
-    alone changes it behind ``os.environ``. Off Linux, ``os.environ``'s."""
+    """Return ``name``'s value in the C library's table (``os.putenv`` changes it alone), as C code reads it."""
     getenv = _c_getenv()
     if getenv is None:
         return os.environ.get(name)
@@ -58,8 +57,7 @@ def _c_getenv() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _c_environ() -> ctypes.c_void_p | None:
-    """Return the C library's ``environ`` pointer on Linux (glibc and musl accept a new table there, and copy
-    it on the next ``setenv``); else ``None``."""
+    """Return the C library's ``environ`` pointer on Linux (glibc and musl accept a new table there), else ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -27,8 +27,7 @@ def loaded_runtimes() -> list[Any]:
 
 
 def release_pools() -> bool:
-    """Free every loaded OpenMP runtime's pool before forking; False when one could not (the call is missing,
-    or another thread is in a parallel region), so a forked worker's parallel region could hang."""
+    """Free every loaded OpenMP runtime's pool before forking; False when one could not (a forked worker may hang)."""
     if not sys.platform.startswith("linux"):
         return True
     for library in loaded_runtimes():

@@ -14,8 +14,7 @@ _EXIT_CODE_OFFSET = 8 + 8 + 11 * 4  # after mask, cgroupid and eleven 32-bit ids
 
 
 def reaped_status(pidfd: int) -> int | None:
-    """Return the ``os.wait4`` status of the reaped process ``pidfd`` (opened before the reap) refers to, or
-    ``None``: not yet reaped, or the kernel cannot say. Never raises."""
+    """Return the ``os.wait4`` status of the reaped process of ``pidfd`` (opened before the reap), else ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     import fcntl

@@ -95,8 +95,7 @@ def split_cores(cpus: Iterable[int], nprocs: int, root: str = "/") -> list[tuple
 def split_numa(
     cpus: Iterable[int], nprocs: int, root: str = "/", preferred: Sequence[int | None] = ()
 ) -> list[tuple[int | None, tuple[int, ...]]]:
-    """Give each rank ``(node, cpus)``: ``preferred[rank]`` (its GPU's node) if usable, else nodes round-robin;
-    without NUMA information, ``(None, all cpus)``."""
+    """Give each rank ``(node, cpus)``: its GPU's node (``preferred``) if usable, else nodes round-robin."""
     allowed = set(cpus)
     usable = {node: tuple(c for c in node_cpus if c in allowed) for node, node_cpus in numa_nodes(root).items()}
     usable = {node: node_cpus for node, node_cpus in usable.items() if node_cpus}

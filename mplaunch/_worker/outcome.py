@@ -44,8 +44,7 @@ def decide(outcome: Outcome) -> Outcome:
 
 @contextlib.contextmanager
 def stops_held() -> Iterator[None]:
-    """Hold the stop signals while a warm rank pickles a call's error: one landing there would cut it short,
-    and the rank would go on serving calls. It is delivered when the block ends."""
+    """Hold the stop signals while a warm rank pickles a call's error: one landing there would cut it short."""
     held = pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -162,8 +161,7 @@ def exit_handlers(spec: WorkerSpec, code: int | None = None) -> None:
 
 
 def stop_own_children(grace_period: float) -> None:
-    """Stop the rank's children (the last ``atexit`` handler); leave if :func:`exit_handlers` asked. Does
-    nothing in a process the function forked."""
+    """Stop the rank's children (its last ``atexit`` handler; not in a fork); leave if :func:`exit_handlers` asked."""
     if os.getpid() == state.pid:
         stop_children(min(1.0, grace_period / 2), kill=True)
         state.children_stopped = True

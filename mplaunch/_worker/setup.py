@@ -106,8 +106,7 @@ def set_threads(num_threads: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Forked:
-    """What the parent makes for a rank just before forking it, as each page a forked rank writes is a copy;
-    ``None`` for ``environ`` or ``stdin``: the rank makes its own."""
+    """What the parent makes for a rank before forking it (a page a forked rank writes is copied); ``None``: its own."""
 
     environ: ForkEnviron | None  # the rank's whole environment
     stdin: TextIO | None  # its sys.stdin
