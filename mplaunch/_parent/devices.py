@@ -165,8 +165,7 @@ def held(request: int | tuple[int, ...] | None, control: LaunchControl | None = 
 
 
 def bus_ids(names: list[str]) -> list[str | None]:
-    """Return each named device's PCI bus id where NVML (``nvidia-ml-py``) tells, else ``None``. NVML indexes
-    by PCI bus, CUDA only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: only then are indices looked up."""
+    """Return each named device's PCI bus id from NVML, else ``None`` (an index only under ``PCI_BUS_ID`` order)."""
     try:
         import pynvml  # type: ignore[import-not-found]
 

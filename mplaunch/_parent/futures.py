@@ -1,8 +1,7 @@
-"""Launches that run in the background: ``fn.submit(...)`` returns a :class:`concurrent.futures.Future`.
-Each submitted launch runs in a daemon thread that starts the workers, waits for them and settles the future.
-:meth:`LaunchFuture.cancel` writes to a pipe the launch's loop waits on, then waits until the workers are gone.
-Running launches are stopped at exit (``atexit``, before ``multiprocessing`` joins the workers) and when an
-IPython cell is interrupted; if the process dies, ``PR_SET_PDEATHSIG`` ends the workers."""
+"""Launches that run in the background (``fn.submit(...)``), each in a daemon thread that settles its future.
+:meth:`LaunchFuture.cancel` wakes the launch's loop through a pipe, then waits until the workers are gone. Running
+launches are stopped at exit (``atexit``, before ``multiprocessing`` joins the workers) and after an interrupted
+IPython cell; if the process dies, ``PR_SET_PDEATHSIG`` ends the workers."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The parent's signals during a launch. SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 unwind the parent, which
 stops the workers with that signal, so a rank's own handler runs (as torchrun forwards them); SIGINT is Python's
 ``KeyboardInterrupt``. The caller's handlers are put back after. These signals wait while workers fork
-(:func:`signals_held`), and an ignored SIGCHLD is reset for the launch (:func:`exit_statuses_kept`) so every exit
-status can be read."""
+(:func:`signals_held`); an ignored SIGCHLD is reset for the launch (:func:`exit_statuses_kept`)."""
 
 from __future__ import annotations
 

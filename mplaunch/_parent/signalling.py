@@ -18,8 +18,7 @@ from mplaunch._platform.proctree import descendants, with_environment
 
 
 def signal_worker(process: BaseProcess, signum: int) -> None:
-    """Send ``signum`` to a worker's main thread (``tgkill``), else to the process: only a signal to the main thread
-    interrupts its blocking system call, so Python's handler runs at once (and stops what the worker started)."""
+    """Send ``signum`` to a worker's main thread (``tgkill``: that interrupts its blocking system call), else to it."""
     pid = process.pid
     if pid is None:
         return
@@ -42,8 +41,7 @@ def kill_leftovers(rank: int, master_port: int) -> None:
 
 
 def _kill_trees(roots: list[int]) -> None:
-    """SIGKILL ``roots`` and their descendants, frozen first top down (SIGSTOP: no more forks; a worker is a
-    subreaper, so orphans stay found) until ``/proc`` shows nothing new."""
+    """SIGKILL ``roots`` and their descendants, frozen first top down (SIGSTOP: no more forks) until none is new."""
     frozen: list[int] = []
     found = roots
     for _ in range(100):

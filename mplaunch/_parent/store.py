@@ -56,9 +56,8 @@ class Rendezvous:
 
 @contextlib.contextmanager
 def rendezvous(*, lazy: bool = True, resolve_within: float | None = None) -> Iterator[Rendezvous]:
-    """Yield the launch's :class:`Rendezvous`: the user's ``MASTER_PORT`` if set (a worker hosts the store, as
-    under ``torch.multiprocessing.spawn``), else a store hosted here, started on the first connection with
-    ``lazy``; a host name ``MASTER_ADDR`` must resolve within ``resolve_within`` seconds, and starts it now."""
+    """Yield the launch's :class:`Rendezvous`: the user's ``MASTER_PORT`` if set (a worker hosts the store, as under
+    ``mp.spawn``), else a store hosted here (``lazy``: from the first connection, unless ``MASTER_ADDR`` is a name)."""
     own_port = os.environ.get(OWN_PORT_VARIABLE)
     port = os.environ.get("MASTER_PORT")
     if port and port == own_port:  # inherited from the launch this process is a worker of: not the user's

@@ -16,8 +16,7 @@ _COUNT = (  # run in a throwaway interpreter
 
 
 def driver_initialised() -> bool:
-    """Tell whether ``cuInit`` succeeded in this process: a driver never loaded here was never initialised, and
-    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED before ``cuInit``."""
+    """Tell whether ``cuInit`` succeeded here (``cuDeviceGetCount`` fails before it), without loading the driver."""
     try:
         driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
