@@ -90,14 +90,13 @@ def _syscall() -> Any:
     return None if number is None else functools.partial(ctypes.CDLL(None, use_errno=True).syscall, number)
 
 
-def prefer_node(node: int) -> bool:
-    """Make this process prefer memory of NUMA node ``node``; return whether the kernel agreed."""
+def prefer_node(node: int) -> None:
+    """Make this process prefer memory of NUMA node ``node``, where the kernel agrees."""
     syscall = _syscall()
     if syscall is None:
-        return False
+        return
     bits = ctypes.sizeof(ctypes.c_ulong) * 8
     mask = (ctypes.c_ulong * (node // bits + 1))()
     mask[node // bits] = 1 << (node % bits)
     with contextlib.suppress(OSError):
-        return bool(syscall(_MPOL_PREFERRED, ctypes.byref(mask), ctypes.c_ulong(len(mask) * bits + 1)) == 0)
-    return False
+        syscall(_MPOL_PREFERRED, ctypes.byref(mask), ctypes.c_ulong(len(mask) * bits + 1))
