@@ -117,8 +117,7 @@ class Preemption:
 
 @contextlib.contextmanager
 def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterator[None]:
-    """Let ``signals`` notify ``preemption`` while the launch runs; put the handlers back after, and pass on
-    a signal noticed too late for any rank to see. Raises ``InvalidOptionError`` outside the main thread."""
+    """Let ``signals`` notify ``preemption`` while the launch runs; after, pass on one noticed too late for any rank."""
     if not signals:
         yield
         return

@@ -75,8 +75,7 @@ def pci_numa_node(bus_id: str, root: str = "/") -> int | None:
 
 
 def split_cores(cpus: Iterable[int], nprocs: int, root: str = "/") -> list[tuple[int, ...]]:
-    """Split the allowed ``cpus`` into ``nprocs`` disjoint sets of whole cores, the first ``cores % nprocs`` one
-    core larger (hardware threads, with fewer cores than ranks). ValueError: fewer CPUs than ``nprocs``."""
+    """Split ``cpus`` into ``nprocs`` disjoint sets of whole cores (else threads); ValueError: fewer CPUs than ranks."""
     allowed = sorted(set(cpus))
     if len(allowed) < nprocs:
         raise ValueError(f"{len(allowed)} CPU(s) for {nprocs} ranks")

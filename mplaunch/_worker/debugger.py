@@ -95,8 +95,7 @@ class _RankPdb(pdb.Pdb):
 
 
 def install_breakpoint_hook(spec: WorkerSpec, rank: int, plan: BreakpointPlan | None = None) -> None:
-    """Make ``breakpoint()`` open pdb on the terminal, one rank at a time (without one, say so and go on);
-    the user's hook is kept, a Jupyter kernel's is not. ``plan``: the parent's, else made here."""
+    """Make ``breakpoint()`` open pdb on the terminal, one rank at a time; a user's hook is kept, a kernel's is not."""
     plan = plan or breakpoint_plan(os.environ.get("PYTHONBREAKPOINT"))
     if plan.forget_input:
         _forget_kernel_input()

@@ -57,8 +57,7 @@ _INHERITED: list[Any] = []  # torch.distributed's state copied from the parent a
 
 
 def forget_inherited_groups() -> None:
-    """Drop the process groups a forked worker inherited: their threads did not survive the fork. The old
-    ``c10d._world`` is kept alive, not destroyed: that would close connections the parent still uses."""
+    """Drop the process groups a forked worker inherited (their threads did not survive the fork), never destroyed."""
     if not has_groups():
         return
     c10d = sys.modules["torch.distributed.distributed_c10d"]
