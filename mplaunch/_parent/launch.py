@@ -345,8 +345,7 @@ def captured_state(forked: bool, state: GlobalState | None = None) -> ForkState 
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
-    """Pick what to send as the function: the decorated object if a worker can import it by name, else (for a
-    ``fn.options(...)`` copy, which its name does not find) its importable original, else the plain function."""
+    """Pick the function to send: the decorated one if a worker can import it by name, else its original, else plain."""
     if imports is not None:
         if imports.can_import(function):
             return function
@@ -357,8 +356,7 @@ def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
-    """List the modules the fork server imports once, at its start (a process's first forkserver launch), so that
-    its workers do not: the function's module too where the server can import it by name."""
+    """List the modules the fork server imports once at its start, so its workers do not (the function's, if it can)."""
     modules = ["__main__", "torch", "mplaunch._worker.entry"]
     if "numpy" in sys.modules:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it

@@ -59,9 +59,7 @@ def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None
 def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
     """Return the user's ``OMP_NUM_THREADS`` when it is a number, else usable cores // nprocs (at least 1)."""
     user = whole_number(environ.get("OMP_NUM_THREADS", ""))
-    if user is not None:
-        return max(1, user)
-    return max(1, usable_cpu_count() // nprocs)
+    return max(1, user if user is not None else usable_cpu_count() // nprocs)
 
 
 def worker_threads(nprocs: int, start_method: str, wanted: int | None = None) -> int:

@@ -109,10 +109,9 @@ def show_failure(failure: BaseException, restart: int, max_restarts: int, delay:
 
 def describe_restart(failure: BaseException, restart: int, max_restarts: int) -> str:
     """Return the warning announcing restart ``restart`` (1-based) after ``failure``."""
-    if isinstance(failure, WorkerFailedError):
-        what = str(failure)
-    else:
-        what = f"rank {getattr(failure, 'rank', '?')} raised {type(failure).__qualname__}: {failure}"
+    what = str(failure)
+    if not isinstance(failure, WorkerFailedError):
+        what = f"rank {getattr(failure, 'rank', '?')} raised {type(failure).__qualname__}: {what}"
     return (
         f"mplaunch: attempt {restart} of {max_restarts + 1} failed ({what}); all workers were stopped and start "
         f"again (restart {restart} of max_restarts={max_restarts}, TORCHELASTIC_RESTART_COUNT={restart})."

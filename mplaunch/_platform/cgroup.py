@@ -93,11 +93,9 @@ def _directories(mount_root: str, mount_point: str, path: str, root: str) -> lis
 def cpu_limit(root: str = "/") -> float | None:
     """Return the CPUs this process's cgroups allow (e.g. ``1.5``) or ``None``, read each call; ``root``: for tests."""
     cgroup = _read(os.path.join(root, "proc/self/cgroup"))
-    if cgroup is None:
-        return None
     limits = [
         quota
-        for directory, version in _limit_directories(root, cgroup, "cpu")
+        for directory, version in _limit_directories(root, cgroup or "", "cpu")
         if (quota := _quota(directory, version)) is not None
     ]
     return min(limits) if limits else None

@@ -24,8 +24,7 @@ def environ_kept() -> Iterator[None]:
 
 
 def replace_environ(wanted: Mapping[str, str]) -> None:
-    """Make ``os.environ`` hold exactly ``wanted``, touching only the variables that differ: the others keep
-    what the C table holds for them (``os.putenv`` alone), and ``clear()`` would be quadratic."""
+    """Make ``os.environ`` exactly ``wanted``, touching only what differs (``clear()`` would be quadratic)."""
     environ = os.environ
     for name in [name for name in environ if name not in wanted]:
         del environ[name]
@@ -90,9 +89,8 @@ class ForkEnviron:
 def fork_environs(
     shared: Mapping[str, str | None], own: Sequence[Mapping[str, str | None]]
 ) -> list[ForkEnviron] | None:
-    """Return a :class:`ForkEnviron` per item of ``own``: this environment (the C table's, so ``os.putenv``
-    stays) with ``shared``'s changes, then the item's (``None`` removes); ``None`` where it cannot be done.
-    No other thread may change the environment meanwhile (Python's own changes hold the GIL)."""
+    """Return a :class:`ForkEnviron` per item of ``own``: the C table's environment with ``shared``'s changes, then
+    the item's (``None`` removes); ``None`` where it cannot be. No other thread may change the environment meanwhile."""
     c_environ = _c_environ()
     data = getattr(os.environ, "_data", None)
     if c_environ is None or not c_environ.value or type(os.environ) is not os._Environ or type(data) is not dict:

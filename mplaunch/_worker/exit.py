@@ -21,8 +21,7 @@ _last_logging: InheritedLogging | None = None
 
 
 def freeze_fork_server() -> None:
-    """Note the fork server's open files, then freeze every object: its workers then walk only their own
-    (a walk over an imported torch's ~170k objects costs tens of ms per worker and copies the server's pages)."""
+    """Note the fork server's open files, then freeze every object (speed: its workers then walk only their own)."""
     _SERVER_FILES[:] = _open_files(gc.get_objects())
     gc.freeze()
 
