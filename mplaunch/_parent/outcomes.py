@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
 import signal
@@ -99,10 +100,8 @@ def rebuild_exception(raised: Raised, rank: int) -> BaseException:
     header = f"rank {rank} (pid {pid})"
     error: BaseException | None = None
     if raised.exception is not None:
-        try:
+        with contextlib.suppress(BaseException):  # SystemExit from a __reduce__ too: sent as text instead
             error = pickle.loads(raised.exception)
-        except BaseException:  # noqa: BLE001 - SystemExit from a __reduce__ too: sent as text instead
-            error = None
     if raised.exit_code is not None or (error is not None and not isinstance(error, Exception)):
         code = raised.exit_code if raised.exit_code is not None else 1
         what = f"raised {raised.message} before returning, so it has no result (exit code {code})"
