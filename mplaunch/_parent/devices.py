@@ -47,10 +47,7 @@ def fork_refusal() -> tuple[str, str] | None:
 def visible_names(environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:
     """Return each visible device's name in this process's ``CUDA_VISIBLE_DEVICES`` (``"0"``, ... unset)."""
     count = device_count()
-    given = environ.get("CUDA_VISIBLE_DEVICES")
-    if given is None:
-        return [str(index) for index in range(count)]
-    entries = [entry.strip() for entry in given.split(",") if entry.strip()]
+    entries = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
     return entries[:count] + [str(index) for index in range(len(entries), count)]
 
 
