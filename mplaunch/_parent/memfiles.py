@@ -55,8 +55,7 @@ def payload_written(
     memory: bool,
     keep_shared: bool = False,
 ) -> Iterator[Written]:
-    """Write the call for workers that cannot inherit it (to a memory file with ``memory``) and yield where, with what
-    travels with each start instead (queues, locks; with ``keep_shared`` torch's shared storages)."""
+    """Write the call for workers that cannot inherit it; yield where, and the objects that travel with each start."""
     fd = memory_file("payload") if memory else None
     try:
         try:

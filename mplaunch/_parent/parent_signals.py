@@ -42,8 +42,7 @@ def ignored_signals() -> frozenset[int]:
 
 @contextlib.contextmanager
 def parent_signals() -> Iterator[None]:
-    """Let :data:`ENDING` signals unwind the launch, then end as the caller's disposition says (:func:`_end_as`);
-    ignored signals, handlers set outside Python, and all handlers off the main thread are left alone."""
+    """Let :data:`ENDING` signals unwind the launch, then end as the caller's disposition says (:func:`_end_as`)."""
     with exit_statuses_kept():
         if threading.current_thread() is not threading.main_thread():
             yield
@@ -136,9 +135,8 @@ def _libc_signal() -> Any:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold :data:`HELD` signals while workers fork or one is reaped (an interrupt between ``waitpid`` and the noting
-    of the exit code loses it), and deliver them after: blocked in this thread (a forked child inherits the mask),
-    noted by the main thread's handlers (Python may run one anywhere there, e.g. in logging's fork hook)."""
+    """Hold :data:`HELD` signals while workers fork or one is reaped (an interrupt there loses its exit code), then
+    deliver them: blocked in this thread (a forked child inherits the mask), noted by the main thread's handlers."""
     replaced: dict[int, Any] = {}
     main = threading.current_thread() is threading.main_thread()
     if main:

@@ -66,8 +66,7 @@ def _c_environ() -> ctypes.c_void_p | None:
 
 
 class ForkEnviron:
-    """A child's whole environment, made before the fork and installed with two assignments (the C table and
-    ``os.environ``'s data): ``setenv`` one by one costs a child 0.4 ms, copying the heap pages it writes."""
+    """A child's whole environment, made before the fork, installed with two assignments (``setenv`` copies pages)."""
 
     def __init__(self, table: Any, strings: tuple[Any, ...], data: dict[bytes, bytes]) -> None:
         self._table = table  # a NULL-terminated ctypes array of char* (as addresses)

@@ -32,8 +32,7 @@ def environment(spec: WorkerSpec, local_rank: int) -> dict[str, str]:
 
 
 def apply(spec: WorkerSpec, local_rank: int, rank: int, *, environ_made: bool = False) -> dict[str, str]:
-    """Set this rank's placement variables (unless ``environ_made``: the parent did), put ``PYTHONPATH``'s entries on
-    ``sys.path`` (after the script's directory, as Python does), pin its CPUs and node, and return the variables."""
+    """Set this rank's placement variables (unless ``environ_made``), add ``PYTHONPATH`` to ``sys.path``, pin CPUs."""
     global _env_threads
     placement = spec.launch.placements[local_rank] if spec.launch.placements is not None else None
     extra = environment(spec, local_rank)

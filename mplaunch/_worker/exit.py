@@ -48,8 +48,7 @@ def inherited_logging() -> InheritedLogging:
 
 
 def keep_inherited(logged: InheritedLogging | None = None) -> None:
-    """Freeze every object now, so :func:`close_files` never writes the parent's buffers again (nor the collector its
-    pages); ``logged``: the parent's record of logging, else read here."""
+    """Freeze every object (the collector keeps off the parent's pages, :func:`close_files` off its buffers)."""
     global _inherited_handlers, _inherited_buffering
     gc.freeze()
     logged = logged or inherited_logging()
