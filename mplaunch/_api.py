@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -147,26 +148,21 @@ class ParallelFunction(Generic[P, T]):
             future.done(), future.cancel()  # (False, True): cancel() stops it
             ```
         """
-        frame = user_frame()
         control = LaunchControl(stoppable=True)
         request = launch.CallRequest(self, args, kwargs, submitted=True)
         try:
-            control.in_process = not request.check(frame)
+            control.in_process = not request.check(user_frame())
         except Exception as error:  # noqa: BLE001 - a refusal is the future's outcome, as calling would raise it
             control.close()
             return futures.failed(error)
-        finally:
-            del frame
         name = getattr(self, "__qualname__", "launch")
         in_thread = futures.submit_stream if request.streams else futures.submit
         if control.in_process:  # already a rank: the function runs here, in the future's thread
             here = functools.partial(in_process.run_in_process, self, args, kwargs, self.config)
             return in_thread(lambda _: here(), control, name)
         control.queued = self.config.devices is not None  # until the launch holds its devices
-        try:
+        with contextlib.suppress(Exception):  # a failure: captured again in the launch, whose error the future gets
             control.state = for_launch(GlobalState.capture())
-        except Exception:  # noqa: BLE001 - captured again in the launch, where the error reaches the future
-            control.state = None
         start: Callable[[launch.CallRequest, LaunchControl], Any] = (
             launch.launch_stream if request.streams else launch.launch
         )
@@ -194,9 +190,8 @@ class ParallelFunction(Generic[P, T]):
         return ParallelFunction(self.__wrapped__, replace_options(self.config, overrides))
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        """Pickle by reference (module and qualified name); by value (the plain function and options) if its name
-        does not find it, or if it belongs to ``__main__`` and the pickler sends ``__main__``'s functions by value
-        (cloudpickle, as submitit, loky, Ray and dask use, to a fresh interpreter without this ``__main__``)."""
+        """Pickle by name; by value where the name does not find it, or for ``__main__`` to a pickler that sends
+        ``__main__`` by value (cloudpickle's, as submitit, loky, Ray and dask use: a fresh interpreter)."""
         module = getattr(self, "__module__", "")
         by_value = module == "__main__" and _main_by_value(sys._getframe(1))
         if resolve(module, getattr(self, "__qualname__", "")) is self and not by_value:
@@ -212,8 +207,7 @@ class ParallelFunction(Generic[P, T]):
 
 
 class BoundParallelMethod:
-    """A decorated method bound to an instance (``trainer.fit``), passed first as a bound method passes it; other
-    attributes (``config``, ``last_report``...) are the decorated function's."""
+    """A decorated method bound to an instance (``trainer.fit``), passed first; other attributes are the function's."""
 
     def __init__(self, function: ParallelFunction[..., Any], instance: object) -> None:
         self.__func__ = function
@@ -339,8 +333,7 @@ def parallel(
 
 
 def _main_by_value(frame: types.FrameType | None) -> bool:
-    """Return whether the pickler calling ``__reduce__`` (a frame's ``self`` with a ``dump``) is a cloudpickle or
-    dill one other than mplaunch's, whose workers rerun ``__main__`` and find the function by name."""
+    """Return whether the pickler calling ``__reduce__`` is cloudpickle's or dill's (not mplaunch's own)."""
     for _ in range(8):
         if frame is None:
             return False

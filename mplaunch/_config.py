@@ -9,7 +9,7 @@ import os
 import signal
 import string
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypedDict, TypeGuard
+from typing import Any, Literal, TypedDict, TypeGuard, get_args
 
 from mplaunch._env import check_extra_env
 from mplaunch._errors import InvalidOptionError
@@ -17,8 +17,6 @@ from mplaunch._recovery_options import RestartOn, check_restart_on, check_signal
 
 #: The fields a ``prefix_output`` template may use.
 PREFIX_FIELDS = ("rank", "local_rank", "node_rank", "pid")
-#: The prefix of ``prefix_output=True``.
-DEFAULT_PREFIX = "[rank {rank}] "
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 
@@ -213,16 +211,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_nprocs(self.nprocs)
         _check_start_method(self.start_method)
-        if not isinstance(self.return_all, bool):
-            raise InvalidOptionError(f"return_all={self.return_all!r} is not valid: pass True or False.")
+        for name in ("return_all", "post_mortem"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidOptionError(f"{name}={getattr(self, name)!r} is not valid: pass True or False.")
         _check_prefix(self.prefix_output)
         if self.cpu_binding not in (None, "cores", "numa"):
             raise InvalidOptionError(
                 f"cpu_binding={self.cpu_binding!r} is not valid: pass 'cores' (each rank on its own cores), "
                 "'numa' (each rank on one NUMA node), or None."
             )
-        if not isinstance(self.post_mortem, bool):
-            raise InvalidOptionError(f"post_mortem={self.post_mortem!r} is not valid: pass True or False.")
         _check_seconds("timeout", self.timeout, "> 0, or None for no limit", optional=True)
         _check_seconds("stall_timeout", self.stall_timeout, "> 0, or None to watch no rank", optional=True)
         _check_seconds("grace_period", self.grace_period, ">= 0", allow_zero=True)
@@ -295,8 +292,7 @@ def check_mode(config: ParallelConfig, mode: str, what: str | None = None) -> No
 
 
 def call_config(own: ParallelConfig, workers: ParallelConfig, name: str) -> ParallelConfig:
-    """Return the options of a call of ``name`` on warm workers: theirs, with the function's own of PER_CALL;
-    InvalidOptionError where the function sets an option of the ranks' start to another value."""
+    """Return the options of a call of ``name`` on warm workers: theirs, with its own of PER_CALL (else refused)."""
     overrides = {}
     for field in dataclasses.fields(ParallelConfig):
         value, theirs = getattr(own, field.name), getattr(workers, field.name)
@@ -345,8 +341,7 @@ def _check_nprocs(nprocs: object) -> None:
 def _check_start_method(start_method: object) -> None:
     available = multiprocessing.get_all_start_methods()
     if start_method is not None and start_method not in available:
-        known = ("fork", "spawn", "forkserver")
-        what = "is not available on this platform" if start_method in known else "is no start method"
+        what = "is not available on this platform" if start_method in get_args(StartMethod) else "is no start method"
         raise InvalidOptionError(
             f"start_method={start_method!r} {what}: use one of "
             f"{', '.join(repr(m) for m in available)}, or None to let mplaunch choose."
@@ -374,13 +369,11 @@ def _check_ranks(console_ranks: Iterable[int]) -> frozenset[int]:
         f"console_ranks={console_ranks!r} is not valid: pass the ranks whose output should reach the console as "
         "a collection of whole numbers >= 0 (e.g. console_ranks=[0]), or None for every rank."
     )
-    if isinstance(console_ranks, (str, bytes)):
-        raise InvalidOptionError(message)
     try:
         ranks = frozenset(console_ranks)
     except TypeError:
         raise InvalidOptionError(message) from None
-    if not all(_is_whole(r, 0) for r in ranks):
+    if isinstance(console_ranks, (str, bytes)) or not all(_is_whole(r, 0) for r in ranks):
         raise InvalidOptionError(message)
     return ranks
 

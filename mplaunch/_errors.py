@@ -1,7 +1,5 @@
-"""The exceptions mplaunch raises: each subclasses :class:`MplaunchError` and the builtin that fits (the tree is
-drawn in docs/reference/exceptions.md). A worker's exception is re-raised in the parent as itself, with the
-remote traceback as ``__cause__``, as CPython's ``concurrent.futures.process`` does (``_ExceptionWithTraceback``).
-"""
+"""The exceptions mplaunch raises, each also the builtin that fits; a worker's is re-raised as itself, the remote
+traceback as ``__cause__`` (as CPython's ``concurrent.futures.process`` does)."""
 
 from __future__ import annotations
 
@@ -187,9 +185,6 @@ class PreemptedError(MplaunchError):
         self.stopped: tuple[int, ...] = tuple(stopped)
         self.failures: tuple[BaseException, ...] = tuple(failures)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.args[0], self.signum, self.values, self.stopped, self.failures))
-
 
 class NodeLostError(MplaunchError, RuntimeError):
     """Another node of a multi-node launch is gone: its launching process stopped sending the rendezvous's
@@ -218,16 +213,12 @@ class RemoteTraceback(Exception):
     """The formatted traceback of a worker, attached as ``__cause__`` of the exception re-raised in the parent."""
 
     def __init__(self, tb: str) -> None:
-        super().__init__(tb)
+        super().__init__(tb)  # str() is the traceback
         self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
 
 
 def raised_by_design(error: BaseException) -> bool:
-    """Return whether mplaunch raises ``error`` by design (its own, a worker's, Ctrl-C), so its frames can go;
-    anything else is a bug of mplaunch and keeps its full traceback."""
+    """Return whether mplaunch raises ``error`` by design (its own, a worker's, Ctrl-C): else a bug, traceback kept."""
     return isinstance(error, (MplaunchError, KeyboardInterrupt)) or isinstance(error.__cause__, RemoteTraceback)
 
 

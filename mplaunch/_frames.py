@@ -1,7 +1,5 @@
-"""Find the first frame outside mplaunch (where a warning points, where a worker's traceback starts), and find
-an object by module and qualified name. A frame is ours when its globals' ``__name__`` is ``mplaunch`` or a
-submodule: that survives file moves, and a user's file next to mplaunch's is not mistaken for it.
-"""
+"""Find the first frame outside mplaunch (by its globals' ``__name__``: survives file moves), and find an object
+by module and qualified name."""
 
 from __future__ import annotations
 
@@ -92,13 +90,9 @@ def resolve(module: str, qualname: str) -> Any:
 
 def named_original(function: Any) -> Any:
     """Return the decorated function that a copy's name finds (``fn.options()``) if it wraps the same function."""
-    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str):
-        return None
-    found = resolve(module, qualname)
+    found = resolve(str(getattr(function, "__module__", "")), str(getattr(function, "__qualname__", "")))
     plain = getattr(function, "__wrapped__", None)
-    if found is None or found is function or plain is None or getattr(found, "__wrapped__", None) is not plain:
+    if found is function or plain is None or getattr(found, "__wrapped__", None) is not plain:
         return None
-    if not hasattr(found, "_mplaunch_target"):
-        return None  # another wrapper of the same function (functools.wraps), not a decorated one
-    return found
+    # another wrapper of the same function (functools.wraps) is not a decorated one
+    return found if hasattr(found, "_mplaunch_target") else None

@@ -101,6 +101,15 @@ def large_tensors(count: int) -> Iterator[object]:
         yield torch.full((256 * 1024,), float(index))
 
 
+calls: list[object] = []
+
+
+def record(tag: object) -> list[object]:
+    """Note ``tag`` in this rank's list of calls; return the list so far."""
+    calls.append(tag)
+    return list(calls)
+
+
 _kept: dict[str, object] = {}  # what calls leave in a rank, by name
 KEPT_WORKERS: Any = None  # Workers a rank forked after this was set inherits
 
@@ -119,3 +128,31 @@ def call_workers(workers: Any) -> Any:
 
 def call_kept_workers() -> Any:
     return KEPT_WORKERS.run(rank_and_pid)
+
+
+def _note(marks: str, what: str) -> None:
+    with open(os.path.join(marks, f"{what}{worker_info().rank}"), "w") as file:
+        file.write(str(os.getpid()))
+
+
+def hold_with_clean_up(marks: str, stuck: bool = False) -> None:
+    """Note in ``marks`` that the call started, and then its ``finally`` block and an exit handler when the rank
+    is stopped; ``stuck``: the ``finally`` block never ends."""
+    for _ in stream_with_clean_up(marks, stuck):
+        pass
+
+
+def stream_with_clean_up(marks: str, stuck: bool = False) -> Iterator[int]:
+    """As :func:`hold_with_clean_up`, yielding the rank every 50 ms."""
+    import atexit
+
+    atexit.register(_note, marks, "atexit")
+    _note(marks, "started")
+    try:
+        while True:
+            yield worker_info().rank
+            time.sleep(0.05)
+    finally:
+        _note(marks, "finally")
+        while stuck:
+            time.sleep(0.05)

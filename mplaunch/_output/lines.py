@@ -1,8 +1,5 @@
-r"""Writing several ranks' text to one stream in whole lines, each started by its rank's prefix.
-
-A stream (two on one terminal share a :class:`Line`) has at most one open line, of one writer: another writer's
-text ends it first. A ``\\r`` starts a line too, so a redrawn progress bar keeps its prefix.
-"""
+r"""Several ranks' text on one stream in whole lines, each prefixed: at most one open line, of one writer, per
+stream (two on one terminal share a :class:`Line`); a ``\\r`` starts a line, so a progress bar keeps its prefix."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-r"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread.
-
-It writes whole, prefixed lines to the ``sys.stdout``/``stderr`` current at launch (a Jupyter cell shows them)
-and to ``log_dir/rank{N}.log``. Another rank's text waits at most :data:`HOLD` seconds for an open line to end.
-"""
+r"""The parent's side of per-rank output: one pipe per rank and stream, drained by one thread into whole, prefixed
+lines on the ``sys.stdout``/``stderr`` current at launch (a Jupyter cell shows them) and ``log_dir/rank{N}.log``."""
 
 from __future__ import annotations
 
@@ -17,11 +14,11 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from mplaunch._errors import LaunchRefusedError
 from mplaunch._output.lines import Sink, consoles, flush
-from mplaunch._output.rank_streams import RANK_MARK
+from mplaunch._output.rank_streams import RANK_MARK, on_fd
 from mplaunch._wire.inherited import InheritedFd
 from mplaunch._wire.spec import RankFds
 
@@ -40,14 +37,7 @@ def should_route(prefix: bool | str, console_ranks: frozenset[int] | None, log_d
     """Return whether output goes through the parent: an option asks, or ``sys.stdout``/``stderr`` is not fd 1/2."""
     if prefix or console_ranks is not None or log_dir is not None:
         return True
-    return not (_is_fd(sys.stdout, 1) and _is_fd(sys.stderr, 2))
-
-
-def _is_fd(stream: Any, fd: int) -> bool:
-    try:
-        return bool(stream.fileno() == fd)
-    except (AttributeError, OSError, ValueError):
-        return False
+    return not (on_fd(sys.stdout, 1) and on_fd(sys.stderr, 2))
 
 
 class _Source:
@@ -64,9 +54,7 @@ class _Source:
 
 
 class Pump:
-    """Pipes for one node's ranks and the thread that drains them; a rank of ``None`` is announced (multi-node).
-
-    ``prefix``: ``True`` or a template of ``rank``, ``local_rank``, ``node_rank``, ``pid``; a ``restart`` appends."""
+    """Pipes for one node's ranks and the thread that drains them; a rank of ``None`` is announced (multi-node)."""
 
     def __init__(
         self,
@@ -319,15 +307,6 @@ def _announced(text: bytes) -> tuple[int, int | None, int]:
     return fields[0], fields[1] if len(fields) > 1 else None, fields[2] if len(fields) > 2 else 0
 
 
-def own_fds(nprocs: int) -> tuple[RankFds, ...] | None:
-    """Return the caller's fd 1 and 2 for every rank (not the fork server's), ``None`` if one is closed."""
-    try:
-        os.fstat(1), os.fstat(2)
-    except OSError:
-        return None
-    return (RankFds(InheritedFd(1), InheritedFd(2), routed=False),) * nprocs
-
-
 @contextlib.contextmanager
 def routed(ranks: list[int | None], spec: LaunchSpec, restart: int = 0) -> Iterator[Pump | None]:
     """Yield a :class:`Pump` for the attempt if output is routed, else ``None``; close it on exit."""
@@ -342,7 +321,13 @@ def routed(ranks: list[int | None], spec: LaunchSpec, restart: int = 0) -> Itera
 
 
 def worker_fds(pump: Pump | None, start_method: str, nprocs: int) -> tuple[RankFds, ...] | None:
-    """Return the workers' fd table: the pump's pipes, the caller's fd 1 and 2 under forkserver, else ``None``."""
+    """Return the workers' fd table: the pump's pipes, the caller's open fd 1 and 2 under forkserver, else ``None``."""
     if pump is not None:
         return tuple(pump.fds)
-    return own_fds(nprocs) if start_method == "forkserver" else None
+    if start_method != "forkserver":
+        return None
+    try:
+        os.fstat(1), os.fstat(2)
+    except OSError:
+        return None
+    return (RankFds(InheritedFd(1), InheritedFd(2), routed=False),) * nprocs

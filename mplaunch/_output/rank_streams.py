@@ -1,8 +1,5 @@
-"""Per-rank output in a worker: the parent's descriptors in place of fd 1 and 2, and the terminal as stdin.
-
-The parent's pair per rank is a pair of pipes it drains or the caller's own fd 1 and 2 (not the fork server's).
-As the descriptors change, everything is caught: Python streams, logging handlers, C code, child processes.
-"""
+"""Per-rank output in a worker: the parent's pipes (or the caller's own fd 1 and 2) in place of fd 1 and 2, so
+that everything is caught (Python streams, logging, C code, children); and the terminal as stdin."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import TextIO
+from typing import Any, TextIO
 
 from mplaunch._env import whole_number
 from mplaunch._wire.spec import RankFds
@@ -41,6 +38,14 @@ def take_fds(table: tuple[RankFds, ...] | None, local_rank: int, rank: int) -> N
         _streams_on_fds()
 
 
+def on_fd(stream: Any, fd: int) -> bool:
+    """Return whether ``stream`` is open over descriptor ``fd``."""
+    try:
+        return not getattr(stream, "closed", False) and bool(stream.fileno() == fd)
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def _close(*fds: int) -> None:
     for fd in fds:
         if fd > 2:
@@ -49,11 +54,10 @@ def _close(*fds: int) -> None:
 
 
 def _streams_on_fds() -> None:
-    """Make ``sys.stdout``/``stderr`` line-buffered over fd 1/2, so a rank killed later loses no printed line;
-    another stream (ipykernel's ``OutStream``) is replaced, and logging handlers holding it are repointed."""
+    """Make ``sys.stdout``/``stderr`` line-buffered over fd 1/2 (a rank killed later loses no printed line)."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
-        if _writes_to(old, fd):
+        if isinstance(old, io.TextIOWrapper) and on_fd(old, fd):
             with contextlib.suppress(Exception):
                 old.reconfigure(line_buffering=True)
             continue
@@ -62,16 +66,6 @@ def _streams_on_fds() -> None:
         if getattr(sys, f"__{name}__") is old:
             setattr(sys, f"__{name}__", new)
         _repoint_handlers(old, new)
-
-
-def _writes_to(stream: TextIO | None, fd: int) -> bool:
-    """Return whether ``stream`` is a plain text stream over descriptor ``fd``."""
-    if not isinstance(stream, io.TextIOWrapper):
-        return False
-    try:
-        return stream.fileno() == fd
-    except (OSError, ValueError):
-        return False
 
 
 def _repoint_handlers(old: object, new: TextIO) -> None:
@@ -86,8 +80,7 @@ _HELD: list[TextIO] = []  # a forked worker's inherited sys.stdin, from hold_std
 
 
 def hold_stdin() -> None:
-    """Hide a forked worker's ``sys.stdin`` from multiprocessing's start-up, for :func:`terminal_stdin`: it
-    would open ``/dev/null`` in its place (some 50 page copies), often replaced again later."""
+    """Hide a forked worker's ``sys.stdin`` from multiprocessing, which would open ``/dev/null`` (50 page copies)."""
     if sys.stdin is not None:
         _HELD.append(sys.stdin)
         sys.stdin = None
@@ -118,8 +111,7 @@ def stdin_for_forks(start_method: str) -> Iterator[TextIO | None]:
 
 
 def terminal_stdin(prepared: TextIO | None = None) -> None:
-    """Make a worker's ``sys.stdin`` the caller's terminal where there is one (a pipe stays the caller's);
-    ``prepared``: a :func:`stdin_stream` the parent made before the fork, else one is made here."""
+    """Make a worker's ``sys.stdin`` the caller's terminal, if any (``prepared``: one the parent made for forks)."""
     if _HELD:
         inherited = _HELD.pop()
         with contextlib.suppress(OSError, ValueError, AttributeError):
@@ -128,14 +120,7 @@ def terminal_stdin(prepared: TextIO | None = None) -> None:
             sys.stdin = prepared if prepared is not None else stdin_stream()
         return
     with contextlib.suppress(OSError, ValueError):
-        if os.isatty(0) and not _reads_fd0(sys.stdin):
+        if os.isatty(0) and not on_fd(sys.stdin, 0):
             sys.stdin, prepared = prepared if prepared is not None else stdin_stream(), None
     if prepared is not None:  # not taken (the caller's sys.stdin is None): its descriptor is let go
         prepared.close()
-
-
-def _reads_fd0(stream: object) -> bool:
-    try:
-        return not stream.closed and stream.fileno() == 0  # type: ignore[attr-defined]
-    except (AttributeError, OSError, ValueError):
-        return False

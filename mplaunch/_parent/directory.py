@@ -93,6 +93,9 @@ def _start_reaper(root: str) -> None:
 @contextlib.contextmanager
 def launch_directory() -> Iterator[str]:
     """Create this launch's directory, yield its path, and remove it after, in this process only (not a child's)."""
+    while (fd := os.open(os.devnull, os.O_RDWR)) <= 2:  # a closed fd 0-2 (a daemon's) gets /dev/null: a descriptor
+        pass  # the launch made there would be a spawned rank's stdin, stdout or stderr, replaced as it starts
+    os.close(fd)
     root = shm_root()
     maker = os.getpid()
     try:

@@ -1,14 +1,12 @@
-"""Launches that run in the background: ``fn.submit(...)`` returns a :class:`concurrent.futures.Future`.
-Each submitted launch runs in a daemon thread that starts the workers, waits for them and settles the future.
-:meth:`LaunchFuture.cancel` writes to a pipe the launch's loop waits on, then waits until the workers are gone.
-Running launches are stopped at exit (``atexit``, before ``multiprocessing`` joins the workers) and when an
-IPython cell is interrupted; if the process dies, ``PR_SET_PDEATHSIG`` ends the workers."""
+"""Launches that run in the background (``fn.submit(...)``), each in a daemon thread that settles its future.
+:meth:`LaunchFuture.cancel` wakes the launch's loop through a pipe, then waits until the workers are gone. Running
+launches are stopped at exit (``atexit``, before ``multiprocessing`` joins the workers) and by Ctrl-C while
+waiting for one (a notebook cell's interrupt); if the process dies, ``PR_SET_PDEATHSIG`` ends the workers."""
 
 from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -220,13 +218,12 @@ def submit_stream(
             items.end()
 
     future = submit(run, control, name)
-    future.items = items  # type: ignore[attr-defined]
+    future.items, items.cancel = items, future.cancel  # type: ignore[attr-defined]
     return future
 
 
 def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T], caller: Caller | None) -> None:
-    """Run the launch (warnings at ``caller``), close what it holds, then settle the future (so that whoever
-    ``result()`` wakes finds the launch's descriptors closed)."""
+    """Run the launch (warnings at ``caller``) and close what it holds, then settle the future ``result()`` awaits."""
     control = future._control
     error: BaseException | None = None
     stopped = False
@@ -259,12 +256,6 @@ def stop_all() -> None:
         future.cancel()
 
 
-def _after_cell(result: Any) -> None:
-    """Stop the running launches after an interrupted IPython cell (a ``post_run_cell`` hook)."""
-    if isinstance(getattr(result, "error_in_exec", None), KeyboardInterrupt):
-        stop_all()
-
-
 def _install_hooks() -> None:
     """Install, once per process, the hooks that stop running launches."""
     global _hooks_installed
@@ -273,6 +264,3 @@ def _install_hooks() -> None:
             return
         _hooks_installed = True
     atexit.register(stop_all)  # after multiprocessing's own exit handler, so it runs first (last in, first out)
-    ipython = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    if ipython is not None:
-        ipython.events.register("post_run_cell", _after_cell)

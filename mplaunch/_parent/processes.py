@@ -10,6 +10,7 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.popen_fork
 import multiprocessing.process
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
@@ -59,8 +60,7 @@ def start_workers(
     target: Callable[..., None] = run,
     rank_args: Sequence[tuple[Any, ...]] = (),
 ) -> None:
-    """Start one worker per spec, rank 0 first, each running ``target(rank, specs[rank], payload,
-    *rank_args[rank])``, and hand each to ``started`` as soon as it runs (before anything can reap it)."""
+    """Start one worker per spec, rank 0 first, running ``target``; hand each to ``started`` before it can be reaped."""
     spec = specs[0].launch
     method = _exec_method(spec)
     context = mp.get_context(method)
@@ -73,6 +73,8 @@ def start_workers(
                 context.set_forkserver_preload(preload)
                 short_socket_directory()
                 multiprocessing.forkserver.ensure_running()  # before signals are blocked: it must not inherit that
+            if method != "fork":  # before signals are blocked: its start unblocks SIGINT and SIGTERM
+                multiprocessing.resource_tracker.ensure_running()  # (bpo-33613), which ranks would then not hold
             kind = _ForkProcess if method == "fork" else context.Process  # type: ignore[attr-defined]
             processes = [
                 kind(
@@ -106,10 +108,8 @@ def start_workers(
 
 
 def _fork_all(processes: list[BaseProcess], started: Callable[[BaseProcess], None]) -> tuple[int, OSError | None]:
-    """Fork each process in turn, then hand each to ``started``; return how many started and the error that
-    stopped the rest (that worker killed and reaped), else ``None``. Unlike multiprocessing: no pipes, finalizer
-    or reaping of earlier children; a pidfd opens right after each fork, before a SIGCHLD handler can reap it,
-    other bookkeeping after the last fork (speed: each page written between forks is copied once per worker)."""
+    """Fork each process, a pidfd right after each (before a SIGCHLD handler can reap it), the rest after the last
+    fork (each page written between forks is copied per worker); return how many started and the error, if any."""
     multiprocessing.util._flush_std_streams()  # type: ignore[attr-defined] # once: nothing is written between
     parent = os.pidfd_open(os.getpid())
     forked: list[BaseProcess] = []
@@ -260,8 +260,7 @@ def _forget_dead_forkserver() -> None:
 
 @contextlib.contextmanager
 def daemonic_allowed() -> Iterator[None]:
-    """Let a daemonic process (a ``Pool`` worker) start workers, refused lest children outlive it: ours never
-    outlive their launcher (``PR_SET_PDEATHSIG``, a pidfd watch, the reaper)."""
+    """Let a daemonic process (a ``Pool`` worker) start workers: ours never outlive their launcher (PDEATHSIG)."""
     current = multiprocessing.process.current_process()
     config = getattr(current, "_config", None)
     if not isinstance(config, dict) or not config.get("daemon"):
@@ -276,15 +275,16 @@ def daemonic_allowed() -> Iterator[None]:
 
 @contextlib.contextmanager
 def main_prepared() -> Iterator[None]:
-    """Hide a ``__main__.__file__`` that is no real file (``python -`` sets ``<stdin>``), which spawn would
-    run; give a ``__main__`` without ``__spec__`` (``python -m pdb``'s) ``None``, which multiprocessing reads."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
+    """Make what spawn sends usable by a rank: no ``__main__.__file__`` that is no file (``python -``), a ``__spec__``
+    (``python -m pdb``'s ``__main__`` has none), a default start method of the platform's (not joblib loky's)."""
+    main: Any = sys.modules.get("__main__")
+    default: Any = multiprocessing.context._default_context
+    foreign = default._actual_context
+    if foreign is not None and foreign._name not in multiprocessing.get_all_start_methods():
+        default._actual_context = None  # spawn sends the platform's default instead
     path = getattr(main, "__file__", None)
     hide = path is not None and not os.path.isfile(path)
-    add_spec = "__spec__" not in vars(main)
+    add_spec = main is not None and "__spec__" not in vars(main)
     if hide:
         del main.__file__
     if add_spec:
@@ -296,6 +296,8 @@ def main_prepared() -> Iterator[None]:
             main.__file__ = path
         if add_spec:
             vars(main).pop("__spec__", None)
+        if foreign is not None:
+            default._actual_context = foreign
 
 
 @functools.lru_cache(maxsize=1)
@@ -305,8 +307,7 @@ def _hash_seed() -> str:
 
 
 def _exec_method(spec: LaunchSpec) -> str:
-    """Return how the ranks start: as asked, but a fork server's ranks with ``env=`` as spawn's. They would fork
-    from the server, whose interpreter started, and imported the script, with this process's environment then."""
+    """Return how the ranks start: as asked, but with ``env=`` spawn for forkserver (its server has the old environ)."""
     changes = [placement.environ for placement in spec.placements or ()]
     if spec.start_method == "forkserver" and any(os.environ.get(k) != v for env in changes for k, v in env.items()):
         return "spawn"

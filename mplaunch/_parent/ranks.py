@@ -29,6 +29,7 @@ from mplaunch._parent.processes import open_pidfd, release, start_workers, start
 from mplaunch._parent.signalling import kill_leftovers, kill_tree, send_signal, signal_worker
 from mplaunch._parent.store import Rendezvous
 from mplaunch._parent.usage import RankRecords
+from mplaunch._platform.proctree import takes_signal
 from mplaunch._platform.ready import LONGEST_WAIT, readable
 from mplaunch._reports import RankReport
 from mplaunch._wire import transport
@@ -186,6 +187,9 @@ class Ranks:
                 if signum is not None:
                     self.stopped.add(rank)
                     signal_worker(self.processes[rank], signum)
+                    if not takes_signal(self.pids[rank], signum):  # still starting, it holds it (a spawned rank
+                        self.killed.add(rank)  # imports torch): it would die of it, having run none of its code
+                        kill_tree(self.processes[rank])
             deadline = time.monotonic() + self.spec.grace_period
             while alive and time.monotonic() < deadline:
                 readable([self.end_fd(rank) for rank in alive], max(0.0, deadline - time.monotonic()))
@@ -486,7 +490,9 @@ class _Call:
         """Leave the ranks still running the call: stop a launch's with ``signum``; interrupt a warm call and
         await the answers for ``grace_period`` seconds (then stop them all)."""
         ranks = self.ranks
-        if ranks.warm and self.pending:
+        # a rank still starting (SIGINT held: a spawned one imports torch) cannot answer; one whose READY is unread can
+        answers = all(r in ranks.ready or takes_signal(ranks.pids[r], signal.SIGINT, True) for r in self.pending)
+        if ranks.warm and self.pending and answers:
             self.interrupted |= ranks.interrupt(self.pending - self.interrupted, self.number)
             deadline = time.monotonic() + ranks.spec.grace_period
             while self.pending and time.monotonic() < deadline:

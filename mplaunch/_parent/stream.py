@@ -129,6 +129,7 @@ class Queued(Generic[T]):
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._ended = False
+        self.cancel: Callable[[], object] = lambda: None  # the launch's: Ctrl-C while waiting for a value stops it
 
     def feed(self, stream: Iterator[T]) -> Any:
         """Put every value of ``stream`` (in the thread that reads it); return its return value."""
@@ -148,7 +149,11 @@ class Queued(Generic[T]):
     def __next__(self) -> T:
         if self._ended:
             raise StopIteration
-        value = self._queue.get()
+        try:
+            value = self._queue.get()
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
         if value is _END:
             self._ended = True
             raise StopIteration

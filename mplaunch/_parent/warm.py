@@ -117,8 +117,8 @@ class Workers:
         """Run ``function(*args, **kwargs)`` on every rank and return rank 0's value.
 
         ``function`` may be a plain function or a decorated one (its plain function runs). A generator function returns
-        at once a [`Stream`][mplaunch.Stream] of the values rank 0 yields, as they are yielded. One call runs at a time:
-        a call from another thread waits; a call from the thread that left a stream unfinished closes that stream first.
+        at once a [`Stream`][mplaunch.Stream] of the values rank 0 yields, as they are yielded. One call runs at a time,
+        in the order made (``run()``, ``submit()``, any thread); a call from a thread that left a stream open closes it.
 
         Ctrl-C stops the call in every rank (``KeyboardInterrupt`` at the line it runs) and keeps the ranks.
         A rank that does not stop within ``grace_period`` seconds is stopped with the others, and the next
@@ -155,8 +155,9 @@ class Workers:
 
     def submit(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.LaunchFuture[Any]:
         """Run the call in the background; return a ``concurrent.futures.Future`` of what
-        [`run()`][mplaunch.Workers.run] returns or raises. ``cancel()`` interrupts the call (not the ranks); ``report``
-        is its [`RunReport`][mplaunch.RunReport] once it has ended.
+        [`run()`][mplaunch.Workers.run] returns or raises. ``cancel()`` interrupts the call (not the ranks), or takes it
+        out of the queue; ``report`` is its [`RunReport`][mplaunch.RunReport] once it has ended. Calls run in the order
+        made, ``run()``'s too: first in, first out, as a one-thread executor's tasks or one caller's Ray actor calls.
 
         For a generator function, the future is of its return value, and its ``items`` attribute iterates
         over the values yielded (as [`run()`][mplaunch.Workers.run]'s stream), as they arrive.
@@ -173,9 +174,14 @@ class Workers:
         check_mode(config, "submit()", "Workers.submit()")
         control = LaunchControl(stoppable=True)
         name = getattr(call.function, "__qualname__", "call")
-        if inspect.isgeneratorfunction(call.function):
-            return futures.submit_stream(lambda control: self._stream(call, config, control), control, name)
-        return futures.submit(lambda control: self._call(call, config, control), control, name)
+        turn = next(self._held.turns)  # here, in the caller's thread: its place in the queue
+        try:  # (a thread that cannot start must not leave its turn waited for forever)
+            if inspect.isgeneratorfunction(call.function):
+                return futures.submit_stream(lambda control: self._stream(call, config, control, turn), control, name)
+            return futures.submit(lambda control: self._call(call, config, control, turn), control, name)
+        except BaseException:
+            self._held.give_up(turn)
+            raise
 
     def close(self) -> None:
         """Tell the ranks to leave (their exit handlers run), stop those still running after
@@ -222,14 +228,15 @@ class Workers:
             return call, self.config
         return call, call_config(own, self.config, getattr(function, "__name__", "the function"))
 
-    def _busy(self) -> Held:
-        """Close this thread's unfinished stream; return the call lock (see :meth:`run`)."""
+    def _busy(self, turn: int | None = None, control: LaunchControl | None = None) -> Held:
+        """Close this thread's open stream; wait for ``turn`` (default: the next); return ``Held`` (exit ends it)."""
         held = self._held
         held.check_process(self)  # before the lock: a thread of the owner may have held it at the fork
         stream = None if held.stream is None else held.stream()
         if held.owner is threading.current_thread() and stream is not None:
             warn_at_user("mplaunch.Workers: the unfinished stream of the previous call was closed", RuntimeWarning)
             stream.close()
+        held.wait_turn(next(held.turns) if turn is None else turn, control)
         return held
 
     def _send(self, call: Call) -> tuple[Team, int]:
@@ -243,13 +250,14 @@ class Workers:
             if team is not None:
                 team.close()
             held.team = None
-            warn_at_user(
-                "mplaunch.Workers: ranks had died or were stopped; all ranks were started again, and the state "
-                "they held (globals, models, the process group) is lost",
-                RuntimeWarning,
-            )
+            if lost := team is not None and bool(team.ranks.ready):  # (ranks that died starting held no state)
+                warn_at_user(
+                    "mplaunch.Workers: ranks had died or were stopped; all ranks were started again, and the state "
+                    "they held (globals, models, the process group) is lost",
+                    RuntimeWarning,
+                )
             team = held.team = Team(self.config, self.nprocs, self.start_method)
-            team.state_lost = True
+            team.state_lost = lost
         number = next(self._numbers)
         fork = self.start_method == "fork"
         imports = None if fork else worker_imports()
@@ -301,14 +309,15 @@ class Workers:
         found = values(states, ranks.spec.nprocs)
         return found if config.return_all else found[0]
 
-    def _call(self, call: Call, config: ParallelConfig, control: LaunchControl | None) -> Any:
-        with self._busy(), terminal_kept():
+    def _call(self, call: Call, config: ParallelConfig, control: LaunchControl | None, turn: int | None = None) -> Any:
+        with self._busy(turn, control), terminal_kept():
             team, number = self._send(call)
             return drained(self._exchange(team, number, config, control or LaunchControl()))
 
-    def _stream(self, call: Call, config: ParallelConfig, control: LaunchControl | None = None) -> Stream[Any]:
-        busy = self._busy()
-        busy.__enter__()
+    def _stream(
+        self, call: Call, config: ParallelConfig, control: LaunchControl | None = None, turn: int | None = None
+    ) -> Stream[Any]:
+        busy = self._busy(turn, control)
         try:
             team, number = self._send(call)
             calling = self._exchange(team, number, config, control or LaunchControl())
@@ -415,14 +424,17 @@ def _call_report(ranks: Ranks, before: list[tuple[int, float, float] | None], st
 
 
 class Held:
-    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and its call lock (entered as ``with``)."""
+    """What a :class:`~mplaunch.Workers` owns apart from it: its team, and its calls' queue (a ticket lock)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # the process whose ranks these are: a process forked from it has copies only
         self.team: Team | None = None
         self.closed = False
-        self.lock = threading.Lock()  # one call at a time
-        self.owner: threading.Thread | None = None  # the thread whose call holds the lock
+        self.turns = itertools.count()  # (next() is atomic)
+        self.changed = threading.Condition()
+        self.serving = 0  # the turn of the call that runs or is next
+        self.given_up: set[int] = set()  # later turns whose calls left the queue (cancelled, interrupted)
+        self.owner: threading.Thread | None = None  # the thread whose call has its turn
         self.stream: weakref.ref[Stream[Any]] | None = None  # its stream; weak: one dropped after a `break` closes
         _open.add(self)
         _register_exit()
@@ -439,18 +451,39 @@ class Held:
         advice = "Call them there; in one of their ranks, call the function itself."
         forks.check_owner(self.pid, f"{workers!r} and their ranks", advice)
 
-    def __enter__(self) -> None:
-        self.lock.acquire()
+    def wait_turn(self, turn: int, control: LaunchControl | None = None) -> None:
+        """Wait until ``turn`` comes; a stop of ``control`` (``LaunchStopped``) or Ctrl-C gives it up."""
+        with self.changed:
+            try:
+                while self.serving != turn:
+                    if control is not None:
+                        control.check()
+                    self.changed.wait(0.05 if control is not None else None)  # (a stop writes to no condition)
+            except BaseException:
+                self.give_up(turn)
+                raise
         self.owner = threading.current_thread()
+
+    def give_up(self, turn: int) -> None:
+        """End ``turn`` (or leave the queue before it came); the next turn still waiting comes."""
+        with self.changed:
+            self.given_up.add(turn)
+            while self.serving in self.given_up:
+                self.given_up.discard(self.serving)
+                self.serving += 1
+            self.changed.notify_all()
+
+    def __enter__(self) -> None:
+        pass  # the turn was taken by Workers._busy
 
     def __exit__(self, *exc: object) -> None:
         self.release()
 
     def release(self) -> None:
-        """Release the call lock."""
+        """End the running call's turn."""
         self.owner = None
         self.stream = None
-        self.lock.release()
+        self.give_up(self.serving)
 
 
 _open: weakref.WeakSet[Held] = weakref.WeakSet()

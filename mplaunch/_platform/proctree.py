@@ -43,6 +43,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def takes_signal(pid: int, signum: int, unblocked: bool = False) -> bool:
+    """Whether ``pid`` catches or ignores ``signum`` (and does not block it, if ``unblocked``); ``True`` if unknown."""
+    with contextlib.suppress(OSError, ValueError, KeyError), open(f"/proc/{pid}/status") as file:
+        fields = dict(line.split(":", 1) for line in file)
+        blocked = unblocked and int(fields["SigBlk"], 16) >> (signum - 1) & 1
+        return bool((int(fields["SigCgt"], 16) | int(fields["SigIgn"], 16)) >> (signum - 1) & 1) and not blocked
+    return True
+
+
 def with_environment(entries: dict[str, str]) -> list[int]:
     """Return this user's other processes whose exec-time environment (``/proc/<pid>/environ``) holds every
     item of ``entries``."""

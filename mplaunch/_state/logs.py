@@ -1,10 +1,9 @@
-"""Capture the parent's ``logging`` configuration and rebuild it in a ``spawn``/``forkserver`` worker: the
-configured loggers with their console, file (appended to, never truncated) and null handlers. Others (sockets,
-queues, rotating files, custom classes) are not carried: the snapshot names them for one warning.
-"""
+"""Capture the parent's ``logging`` configuration and rebuild it in a ``spawn``/``forkserver`` worker: console,
+file (appended to, never truncated) and null handlers; the snapshot names the others for one warning."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pickle
@@ -19,8 +18,7 @@ _FORMATTERS: weakref.WeakKeyDictionary[logging.Formatter, tuple[Any, bytes]] = w
 
 @dataclasses.dataclass(frozen=True)
 class HandlerSpec:
-    """How to rebuild one handler; ``kind`` is ``"stdout"``, ``"stderr"``, ``"file"``, ``"null"`` or ``"not
-    carried"`` (kept so that handlers that already match, as after fork, are left alone)."""
+    """How to rebuild one handler (``kind``: stdout, stderr, file, null, or "not carried": a match is left alone)."""
 
     key: int = dataclasses.field(compare=False)  # first position in the snapshot: a shared handler is built once
     kind: str
@@ -81,8 +79,7 @@ class LoggingState:
         )
 
     def restore(self) -> None:
-        """Make this process's configuration equal to the snapshot (no-op when it is); a handler not carried,
-        or that cannot be rebuilt here (reported on stderr), is left out."""
+        """Make this process's configuration equal to the snapshot; leave out a handler not carried or not rebuilt."""
         if LoggingState.capture() == self:
             return
         built: dict[int, logging.Handler | None] = {}
@@ -240,7 +237,5 @@ def _build(spec: HandlerSpec) -> logging.Handler | None:
 
 def _note(message: str) -> None:
     """Tell the user on stderr (not a warning: the carried filters may make it an error)."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         print(f"mplaunch: {message}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass

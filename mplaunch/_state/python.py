@@ -1,13 +1,12 @@
-"""Capture the parent's warning filters, ``logging``, umask and resource limits, and restore them in a worker:
-``spawn``/``forkserver`` workers miss what the parent set up after it started, and ``forkserver`` workers have
-the server's umask and limits (multiprocessing itself sends ``cwd``, ``sys.path`` and ``sys.argv``).
-"""
+"""Capture the parent's warning filters, ``logging``, umask and resource limits, which ``spawn``/``forkserver``
+workers miss (or have the server's), and restore them in a worker."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import os
+import resource
 import warnings
 from typing import Any
 
@@ -19,8 +18,7 @@ _warned: set[str] = set()
 
 @dataclasses.dataclass(frozen=True)
 class PythonState:
-    """The parent's warning filters, logging configuration, umask and resource limits; restoring changes only
-    what differs."""
+    """The parent's warning filters, logging configuration, umask and resource limits; restored where they differ."""
 
     warning_filters: tuple[Any, ...]
     logging: LoggingState
@@ -49,15 +47,11 @@ class PythonState:
         self.logging.restore()
         if self.umask is not None:
             os.umask(self.umask)
-        if self.rlimits:
-            import resource
-
-            for limit, value in self.rlimits:
-                if resource.getrlimit(limit) != value:
-                    try:
-                        resource.setrlimit(limit, value)
-                    except (ValueError, OSError):  # e.g. a hard limit above this process's: keep its own
-                        pass
+        for limit, value in self.rlimits:
+            if resource.getrlimit(limit) != value:
+                # e.g. a hard limit above this process's: keep its own
+                with contextlib.suppress(ValueError, OSError):
+                    resource.setrlimit(limit, value)
 
     @property
     def not_carried(self) -> tuple[str, ...]:
@@ -103,17 +97,6 @@ def _umask() -> int | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def _limits() -> tuple[int, ...]:
-    """List the resource limits this platform has (none without ``resource``)."""
-    try:
-        import resource
-    except ImportError:  # not a Unix
-        return ()
-    return tuple(sorted({getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")}))
-
-
 def _rlimits() -> tuple[tuple[int, tuple[int, int]], ...]:
-    import resource
-
-    return tuple((limit, resource.getrlimit(limit)) for limit in _limits())
+    limits = sorted({getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")})
+    return tuple((limit, resource.getrlimit(limit)) for limit in limits)

@@ -33,8 +33,7 @@ _OPAQUE = (
 
 
 def _inside(obj: Any) -> Iterable[Any]:
-    """Return what the walk looks at inside ``obj``, running none of its own methods where possible (a lazy
-    mapping's ``values()``)."""
+    """Return what the walk looks at inside ``obj``, running none of its own methods where possible."""
     if isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
         return () if set(map(type, obj)) <= _LEAVES else obj
     if isinstance(obj, (dict, types.MappingProxyType)):
@@ -61,17 +60,6 @@ def _inside(obj: Any) -> Iterable[Any]:
                 with contextlib.suppress(AttributeError):
                     found.append(descriptor.__get__(obj, kind))
     return found
-
-
-def _plain(tensor: torch.Tensor) -> bool:
-    """Return whether ``tensor`` is dense, unquantized and on the CPU: one storage, which can be re-pointed."""
-    return tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_quantized
-
-
-def _shared(obj: Any, keep_requested: bool = False) -> bool:
-    """Return whether a forked process would share ``obj``'s memory: a CPU tensor in torch's shared memory,
-    unless ``keep_requested``."""
-    return isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not keep_requested and _torch_shared(obj)
 
 
 def _torch_shared(tensor: torch.Tensor) -> bool:
@@ -124,12 +112,14 @@ def unshare(obj: T, *, keep_requested: bool = False) -> T:
     Raises:
         OSError: no memory for a copy.
     """
+    if keep_requested:
+        return obj
     copies: dict[int, torch.UntypedStorage] = {}  # a shared storage's address -> its private copy
     with torch.no_grad():
         for found in list(_walk(obj)):
-            if not _shared(found, keep_requested):
+            if found.device.type != "cpu" or not _torch_shared(found):
                 continue
-            if not _plain(found):  # sparse or quantized: a copy of its own
+            if found.layout != torch.strided or found.is_quantized:  # no one storage to re-point: a copy of its own
                 found.data = found.data.clone()
                 continue
             storage = found.untyped_storage()

@@ -1,7 +1,5 @@
-"""Capture the parent's process-global state and restore it in a worker, so the three start methods start
-alike: ``spawn`` and ``forkserver`` workers have none of the parent's seeds and flags, and ``fork`` reseeds
-Python's ``random`` in the child.
-"""
+"""Capture the parent's process-global state and restore it in a worker, so the three start methods start alike
+(``spawn``/``forkserver`` workers have none of its seeds and flags; ``fork`` reseeds ``random`` in the child)."""
 
 from __future__ import annotations
 
@@ -143,7 +141,6 @@ class GlobalState:
             self.anomaly_check_nan,
         ):
             torch.autograd.set_detect_anomaly(self.anomaly_enabled, self.anomaly_check_nan)
-        random.setstate(self.python_rng)
         if self.numpy_rng is not None:
             import numpy
 
@@ -152,16 +149,12 @@ class GlobalState:
         if self.cuda_rng is not None:
             for device, state in enumerate(self.cuda_rng[: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(state, device)
-        for restore, value in self.extra:
-            restore(value)
-        if self.reseed is not None:
-            seed_all(self.reseed)
+        ForkState(self.python_rng, self.extra, self.reseed).restore()  # random, register_state's pieces, the reseed
 
 
 @dataclasses.dataclass(frozen=True)
 class ForkState:
-    """What a forked worker does not inherit as it was: ``random`` (CPython reseeds it in the child) and the
-    :func:`register_state` pieces (a library may reset its own at fork); ``fork`` keeps the rest of GlobalState."""
+    """What a fork does not keep: ``random`` (reseeded) and the :func:`register_state` pieces (a library may reset)."""
 
     python_rng: Any
     extra: tuple[tuple[Callable[[Any], None], Any], ...]
@@ -200,8 +193,8 @@ _counting = forks.new_lock()
 
 
 def for_launch(state: State) -> State:
-    """Return ``state`` for a launch's ranks; if the parent's generators are as the last launch left them (not
-    seeded, set or drawn from since), with a ``reseed`` made of them and the count of launches from them."""
+    """Return ``state`` for a launch, with a ``reseed`` if the generators are as the last launch left them (so
+    a launch from the very same state draws anew): made of them and the count of launches from them."""
     with _counting:
         now = _generators()
         if now == _left[0]:

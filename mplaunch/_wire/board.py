@@ -1,8 +1,5 @@
-"""The stacks signal, the per-rank stacks files, and the board: a file in the launch directory that both sides
-``mmap``, with per rank the ``time.monotonic()`` of its last heartbeat and its peak RSS and CPU times (written
-at exit; ``0.0``: never). ``CLOCK_MONOTONIC`` is one clock for every process of a machine, so a beat is one
-store into shared memory, compared with the parent's own clock.
-"""
+"""The stacks signal and files, and the board: an ``mmap``ed file of per-rank slots. A heartbeat is one store of
+``time.monotonic()`` (one clock for every process of a machine); peak RSS and CPU times are written at exit."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The preemption flag: one byte in the launch directory, mapped by the parent and every worker, so a worker
-learns of a preemption without a signal (which would interrupt its DataLoader and collectives) or a system
-call. Processes a worker forks share the mapping; others it starts map the file named by
-``MPLAUNCH_PREEMPT_FILE`` on their first read.
-"""
+"""The preemption flag: one byte in the launch directory that the parent and every worker map, so a worker learns
+of a preemption without a signal (which would interrupt its DataLoader and collectives) or a system call."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ def create(directory: str) -> mmap.mmap:
 
 
 def attach(directory: str, present: bool | None = None) -> bool:
-    """Map ``directory``'s flag in a worker and set ``MPLAUNCH_PREEMPT_FILE``; return whether there is one
-    (``present``: as the parent knew before forking; ``None``: look)."""
+    """Map ``directory``'s flag in a worker, set ``MPLAUNCH_PREEMPT_FILE``; return whether there is one."""
     global _mapping, _looked
     _looked = True
     if present is False:
@@ -62,18 +58,13 @@ def path_if_present(directory: str) -> str | None:
 def is_set() -> bool:
     """Return whether this process's launch was preempted (mapping ``MPLAUNCH_PREEMPT_FILE`` on first call)."""
     global _looked, _mapping
-    if _mapping is None:
-        if _looked:
-            return False
+    if _mapping is None and not _looked:
         _looked = True
         path = os.environ.get(FLAG_VARIABLE)
-        if not path:
-            return False
-        with contextlib.suppress(OSError, ValueError):
-            _mapping = _map(path, create=False)
-        if _mapping is None:
-            return False
-    return _mapping[0] != 0
+        if path:
+            with contextlib.suppress(OSError, ValueError):
+                _mapping = _map(path, create=False)
+    return _mapping is not None and _mapping[0] != 0
 
 
 def raise_flag(mapping: mmap.mmap) -> None:

@@ -1,10 +1,6 @@
-"""What a ``spawn`` or ``forkserver`` worker can import by name: the one rule for how a call travels.
-
-Such a worker gets the parent's ``sys.path`` (``''`` made the start directory) and re-runs its main module as
-``__mp_main__`` (``multiprocessing.spawn.prepare``), except ``__main__``/``*.__main__``, ``-c``, stdin and IPython.
-A function or class travels by reference only when the worker finds it under the same name in a module from
-the same file, else by value (cloudpickle). Nothing is imported to decide: finders are asked, once per module.
-"""
+"""What a ``spawn``/``forkserver`` worker can import by name (it re-runs the main module but ``*.__main__``, ``-c``,
+stdin and IPython): what it finds under the same name, from the same file, travels by reference, else by value.
+Nothing is imported to decide: finders are asked, once per module."""
 
 from __future__ import annotations
 
@@ -31,8 +27,6 @@ def worker_sys_path() -> tuple[str, ...]:
 
 def rerun_main_file(main: ModuleType | None) -> str | None:
     """Return the file a worker re-runs as its ``__main__``, or ``None`` when multiprocessing runs none."""
-    if main is None:
-        return None
     path = getattr(main, "__file__", None)
     name = getattr(getattr(main, "__spec__", None), "name", None)
     if name is not None and (name == "__main__" or name.endswith(".__main__")):
@@ -221,8 +215,7 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _defined_by_script(obj: Any, qualname: str, path: str) -> bool:
-    """Return whether re-running the script ``path`` defines ``obj``: its name is bound outside the guard, and
-    a function's code comes from that file, outside the guard (not typed, ``exec``'d, or defined late)."""
+    """Return whether re-running the script ``path`` defines ``obj`` by name and, for a function, by code."""
     source = script_source(path)
     if source is None or qualname.split(".")[0] not in source.outside:
         return False

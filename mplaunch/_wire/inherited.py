@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.context
 import os
 from typing import Any
@@ -10,8 +11,7 @@ from mplaunch._platform import forks
 
 
 class InheritedFd:
-    """A descriptor that reaches the worker under every start method: fork inherits the number; spawn and
-    forkserver pickle it through ``reduction.DupFd`` while starting (as ``Connection`` does)."""
+    """A descriptor for a worker: fork inherits the number, spawn/forkserver get a ``DupFd`` (as ``Connection``)."""
 
     __slots__ = ("fd",)
 
@@ -40,8 +40,7 @@ MAKING = forks.new_lock()
 
 
 def memory_file(name: str) -> int | None:
-    """Return a new close-on-exec ``memfd_create`` file (``/memfd:mplaunch-<name>``), or ``None`` where there
-    is none; no ``/dev/shm`` size limit counts it, and it is gone with its last descriptor and mapping."""
+    """Return a new close-on-exec ``memfd_create`` file, or ``None``: no ``/dev/shm`` limit counts it."""
     create = getattr(os, "memfd_create", None)
     if create is None:
         return None
@@ -55,8 +54,7 @@ def memory_file(name: str) -> int | None:
 
 
 def close_memory_files(keep: set[int]) -> None:
-    """Close this process's mplaunch memory files but those in ``keep`` (a forked worker inherits those of
-    every concurrent launch); a noted number reused for something else is left open."""
+    """Close this process's memory files (a forked worker inherits every launch's) but those in ``keep``."""
     for fd in [fd for fd in _MADE if fd not in keep]:
         _MADE.discard(fd)
         try:
@@ -72,7 +70,5 @@ def close_quietly(*fds: int | None) -> None:
     for fd in fds:
         if fd is not None:
             _MADE.discard(fd)
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass

@@ -1,8 +1,5 @@
-"""Mappings of the data that travels between processes: libc ``mmap``, so a mapping holds no descriptor and
-goes when the last tensor or array using it is freed. *Mapped* (``MAP_PRIVATE`` of a memory or launch-directory
-file: copy-on-write, so a write, here or in a process forked later, copies the page it touches and nothing else
-sees it) or *copied* (read from a launch-directory file, so its tmpfs space is freed on unlink).
-"""
+"""libc ``mmap`` of the data that travels (no descriptor held; unmapped with its last tensor): *mapped*
+copy-on-write (a write copies its page only) or *copied* (read, so a launch file's tmpfs space goes on unlink)."""
 
 from __future__ import annotations
 

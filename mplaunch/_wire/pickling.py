@@ -1,8 +1,5 @@
-"""Pickling objects that hold tensors, with storages and buffers of :data:`INLINE_BYTES` or more recorded
-apart from the pickle (for :mod:`mplaunch._wire.transport`), and unpickling them. A pickle is made once
-(protocol 5): by reference where the reader can import what it names, else by value with cloudpickle;
-start objects become placeholders (:mod:`mplaunch._wire.start_objects`).
-"""
+"""Pickling objects with tensors once (protocol 5; by reference where the reader can import, else cloudpickle),
+storages and buffers of :data:`INLINE_BYTES` or more apart from the pickle, start objects as placeholders."""
 
 from __future__ import annotations
 
@@ -36,12 +33,8 @@ def storage_bytes(storage: torch.UntypedStorage) -> memoryview:
 
 
 class StorageWriter:
-    """The storage half of a pickler: records each storage once, in order, and pickles a reference to it.
-
-    ``reducer_override`` is skipped for builtin containers and atoms (``persistent_id`` costs a call per object).
-    Start objects become placeholders (with ``probe``, judged by their own reduction), and with ``keep_shared``
-    so do storages in torch's shared memory, which the reader then shares.
-    """
+    """The storage half of a pickler (``reducer_override``: ``persistent_id`` would cost a call per object): each
+    storage once, start objects (``probe``: judged by their reduction) and ``keep_shared`` storages as placeholders."""
 
     inline_bytes = INLINE_BYTES
 
@@ -126,10 +119,7 @@ class _Pickler(StorageWriter, pickle.Pickler):
 
 
 class _CloudPickler(StorageWriter, cloudpickle.Pickler):  # type: ignore[misc]
-    """Pickle by value what the reader cannot import, judged by ``imports`` (else cloudpickle's own rule).
-
-    Open files are refused: cloudpickle would send a copy of their contents.
-    """
+    """Pickle by value what ``imports`` says the reader cannot import; refuse open files (not their contents)."""
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, io.IOBase):
@@ -157,14 +147,11 @@ def pickle_object(
     start_objects: bool = False,
     keep_shared: bool = False,
 ) -> tuple[memoryview, StorageWriter]:
-    """Pickle ``obj`` by reference, else (or with ``by_value``) by value; return the pickle and the pickler.
-
-    With ``start_objects``, a refusal by a start object of unknown type retries with each object probed.
-    """
+    """Pickle ``obj`` by reference, else (or ``by_value``) by value; return the pickle and the pickler."""
     try:
         found = at_start.StartObjects() if start_objects else None
         return _pickle_once(obj, by_value, imports, found, False, keep_shared)
-    except RuntimeError as error:
+    except RuntimeError as error:  # a start object of a type not known refused: again, each object probed
         if not (start_objects and at_start.says_start_only(error)):
             raise
     return _pickle_once(obj, by_value, imports, at_start.StartObjects(), True, keep_shared)
@@ -193,14 +180,12 @@ def _pickle_once(
     return buffer.getbuffer(), cloud_pickler
 
 
-class _InlineCloudPickler(_CloudPickler):
-    inline_bytes = 1 << 62
-
-
 def to_bytes(obj: object) -> bytes:
     """Pickle ``obj`` into self-contained ``bytes`` (everything inline) for another machine."""
     buffer = io.BytesIO()
-    _InlineCloudPickler(buffer).dump(obj)
+    pickler = _CloudPickler(buffer)
+    pickler.inline_bytes = 1 << 62
+    pickler.dump(obj)
     return buffer.getvalue()
 
 
@@ -270,14 +255,10 @@ class Reader:
         elif kind == "file":
             array = self._piece(self._offsets[index], data)
             self._storages[index] = torch.frombuffer(array, dtype=torch.uint8).untyped_storage()
-        elif kind == "shared":  # the user's shared memory, received with this process's start
-            return torch.storage.TypedStorage(
-                wrap_storage=self.start_objects[index], dtype=dtype or torch.uint8, _internal=True
-            )
+        # "shared": the user's shared memory, received with this process's start
+        untyped = self.start_objects[index] if kind == "shared" else self._storages[index]
         # wrapped as bytes, as torch.load returns it: tensors of newer dtypes (float8) expect this on rebuild
-        return torch.storage.TypedStorage(
-            wrap_storage=self._storages[index], dtype=dtype or torch.uint8, _internal=True
-        )
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype or torch.uint8, _internal=True)
 
     def _piece(self, offset: int, nbytes: int) -> Any:
         if self._how == "copy":

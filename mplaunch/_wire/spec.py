@@ -1,7 +1,5 @@
-"""What a worker is told as it starts, by lifetime: the launch's :class:`LaunchSpec` (all attempts, or warm
-workers' life), one attempt's :class:`AttemptSpec`, and per rank a :class:`WorkerSpec`. Each is built once:
-:func:`mplaunch._parent.launch.launch_spec` and ``attempt_spec``, and the worker's by its rank's start.
-"""
+"""What a worker is told as it starts, by lifetime: :class:`LaunchSpec`, :class:`AttemptSpec`, per rank a
+:class:`WorkerSpec`; each built once (``launch_spec``, ``attempt_spec`` in :mod:`mplaunch._parent.launch`)."""
 
 from __future__ import annotations
 

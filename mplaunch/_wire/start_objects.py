@@ -1,11 +1,6 @@
-"""Objects that ``multiprocessing`` sends only to a process being started ("start objects"): queues, locks,
-events, shared values (``assert_spawning`` refuses them "through inheritance" elsewhere), ``Pipe`` ends and
-sockets (descriptors duplicated by the starting ``Popen``), and ``Manager`` proxies (their authkey).
-
-The call is pickled once, outside any start, so the payload holds a placeholder per start object, and the
-objects travel in the ``WorkerSpec`` that each worker's start pickles, as ``mp.spawn``'s ``args`` do. They
-are recognised by type, else (after a "through inheritance" refusal) by each object's own reduction.
-"""
+"""Start objects: what ``multiprocessing`` sends only to a process being started (queues, locks, shared values,
+``Pipe`` ends, sockets, ``Manager`` proxies). The payload holds placeholders; the objects travel in each
+``WorkerSpec``, as ``mp.spawn``'s ``args`` do. Recognised by type, else by their own reduction's refusal."""
 
 from __future__ import annotations
 
@@ -95,8 +90,7 @@ class _Rehearsal:
 
 
 def rehearse(objects: list[Any]) -> tuple[Any, Exception] | None:
-    """Pickle each start object as a worker's start will, so that what cannot travel (a ``fork`` context's lock)
-    is refused before any worker starts; return the first failing object and its error."""
+    """Pickle each start object as a start will, to refuse one that cannot travel first; return it and why."""
     for obj in objects:
         multiprocessing.context.set_spawning_popen(_Rehearsal())  # type: ignore[arg-type]
         try:

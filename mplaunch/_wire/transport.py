@@ -1,13 +1,6 @@
-"""Moving objects with tensors between the parent and its workers through shared memory.
-
-Storages and out-of-band buffers of 64 KiB or more go at page-aligned offsets apart from the pickle: into a
-memory file the worker inherited (:func:`dump_fd`: data, pickle, then a trailer; no ``/dev/shm`` limit), else
-into ``name.bin`` and ``name.pkl`` in the launch directory (:func:`dump`). A payload is mapped copy-on-write by
-every worker; a result is mapped copy-on-write (the pickle's pages cut off), so it stays the caller's own after
-the caller forks (a write copies the page), or read and unlinked. A mapped storage is
-an ordinary CPU storage (``torch.frombuffer``: not ``is_shared()``, so DataLoader queues, ``share_memory_()``
-and ``torch.save`` work). Nothing flows through a pipe, so no size can deadlock a join.
-"""
+"""Objects with tensors through shared memory: large data page-aligned apart from the pickle, in an inherited memory
+file (:func:`dump_fd`) or launch-directory files (:func:`dump`), mapped copy-on-write as ordinary CPU storages
+(not ``is_shared()``). Nothing flows through a pipe, so no size can deadlock a join."""
 
 from __future__ import annotations
 
@@ -16,7 +9,7 @@ import mmap
 import os
 import pickle
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mplaunch._wire.importable import WorkerImports
@@ -31,11 +24,13 @@ _MAGIC_PLAIN = _MAGIC + 1  # the same, after a standard pickle alone (``plain``)
 _PLAIN_HEADER = _HEADER.pack(0) + _HEADER.pack(len(_EMPTY := pickle.dumps({}, protocol=5))) + _EMPTY  # no data
 
 
-def _write_at(fd: int, data: memoryview | bytes, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    written = 0
-    while written < len(view):
-        written += os.pwrite(fd, view[written : written + (1 << 30)], offset + written)
+def _write_at(fd: int, pieces: Iterable[tuple[int, memoryview | bytes]]) -> None:
+    """Write each ``(offset, data)`` of ``pieces`` into ``fd``."""
+    for offset, data in pieces:
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):
+            written += os.pwrite(fd, view[written : written + (1 << 30)], offset + written)
 
 
 def _aligned(offset: int) -> int:
@@ -45,8 +40,7 @@ def _aligned(offset: int) -> int:
 def _layout(
     obj: object, by_value: bool, imports: WorkerImports | None, start_objects: bool, keep_shared: bool = False
 ) -> tuple[list[tuple[int, memoryview]], int, bytes, memoryview, list[Any]]:
-    """Pickle ``obj``; return the data pieces (offset, bytes), the data's end, the header, the pickle and the
-    start objects."""
+    """Pickle ``obj``; return the data pieces (offset, bytes), their end, the header, the pickle, the start objects."""
     data, pickler = pickle_object(obj, by_value, imports, start_objects, keep_shared)
     pieces: list[tuple[int, memoryview]] = []  # (offset in the data file, bytes)
     offsets: dict[int, int] = {}  # storage index -> offset
@@ -79,24 +73,18 @@ def dump(
     start_objects: bool = False,
     keep_shared: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` as ``directory/name.bin`` and ``name.pkl`` (renamed into place last: complete once seen).
-
-    Returns the start objects written as placeholders (``keep_shared``: torch shared storages too), which the
-    reader passes to :func:`load`; without ``start_objects``, a start object raises RuntimeError.
-    """
+    """Write ``obj`` as ``directory/name.bin`` and ``name.pkl`` (renamed last); return the start objects, for load."""
     pieces, _, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
     if pieces:
         fd = os.open(os.path.join(directory, f"{name}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            for offset, piece in pieces:
-                _write_at(fd, piece, offset)
+            _write_at(fd, pieces)
         finally:
             os.close(fd)
     staging = os.path.join(directory, f".{name}.pkl")
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        _write_at(fd, header, 0)
-        _write_at(fd, data, len(header))
+        _write_at(fd, [(0, header), (len(header), data)])
     finally:
         os.close(fd)
     os.replace(staging, os.path.join(directory, f"{name}.pkl"))
@@ -113,10 +101,7 @@ def dump_fd(
     keep_shared: bool = False,
     plain: bool = False,
 ) -> list[Any]:
-    """Write ``obj`` into the memory file ``fd``, replacing what it held, trailer last; otherwise as :func:`dump`.
-
-    ``plain``: ``obj`` holds only importable records of built-in scalars, so the standard pickler writes it.
-    """
+    """Write ``obj`` into the memory file ``fd``, trailer last (``plain``: a record of scalars, standard pickler)."""
     pieces: list[tuple[int, memoryview]] = []
     objects: list[Any] = []
     if plain:
@@ -124,15 +109,12 @@ def dump_fd(
     else:
         pieces, end, header, data, objects = _layout(obj, by_value, imports, start_objects, keep_shared)
     os.ftruncate(fd, 0)
-    for offset, piece in pieces:
-        _write_at(fd, piece, offset)
+    _write_at(fd, pieces)
     trailer = _TRAILER.pack(end, _MAGIC_PLAIN if plain else _MAGIC)
     if len(data) < INLINE_BYTES:  # one write: the pickle is small enough to copy
-        _write_at(fd, b"".join((header, data, trailer)), end)
+        _write_at(fd, [(end, b"".join((header, data, trailer)))])
     else:
-        _write_at(fd, header, end)
-        _write_at(fd, data, end + len(header))
-        _write_at(fd, trailer, end + len(header) + len(data))
+        _write_at(fd, [(end, header), (end + len(header), data), (end + len(header) + len(data), trailer)])
     return objects
 
 
@@ -166,10 +148,8 @@ def load(
     missing_ok: bool = False,
     start_objects: Sequence[Any] = (),
 ) -> Any:
-    """Read the object ``name`` written by :func:`dump`, its data mapped copy-on-write (``private``) or read.
-
-    ``remove`` unlinks its files; without ``missing_ok``, FileNotFoundError when nothing complete is there.
-    """
+    """Read the object ``name`` written by :func:`dump`, its data mapped copy-on-write (``private``) or read;
+    FileNotFoundError when nothing complete is there, unless ``missing_ok``."""
     path, data_path = os.path.join(directory, f"{name}.pkl"), os.path.join(directory, f"{name}.bin")
     try:
         file = open(path, "rb")  # noqa: SIM115 - closed below

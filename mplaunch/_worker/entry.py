@@ -93,8 +93,9 @@ def run(
         watch(spec, rank)  # stacks on request, heartbeats, NCCL's flight recorder
         flags.attach(spec.launch.directory, None if forked is None else forked.flag)  # for mplaunch.preempted()
         outcome = execute(rank, rank, spec, payload, conn)
-    except BaseException:  # noqa: BLE001 - a stop that landed while starting: reported by finish
-        pass
+    except BaseException as error:  # noqa: BLE001 - a stop that landed while starting is reported by finish
+        if state.signal_received is None:
+            outcome = Raised.of(error)  # the set-up failed: the parent raises why
     finish(spec, rank, outcome)
 
 

@@ -71,8 +71,9 @@ def serve(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked |
             conn.send((READY,))  # a call's timeout counts from here: the start is not the call's
             _loop(rank, spec, conn)
         outcome = Returned(os.getpid(), None)
-    except BaseException:  # noqa: BLE001 - a stop (SIGTERM): reported by _finish
-        pass
+    except BaseException as error:  # noqa: BLE001 - a stop (SIGTERM) is reported by finish
+        if state.signal_received is None:
+            finish(spec, rank, Raised.of(error))  # the set-up failed: the parent raises why
     conn.close()
     finish(spec, rank, outcome, written=outcome is not None)
 

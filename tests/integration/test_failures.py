@@ -24,6 +24,7 @@ from mplaunch import (
     Workers,
     parallel,
 )
+from mplaunch._worker import setup
 from tests import workers
 
 TIMEOUT = 90
@@ -109,6 +110,24 @@ def test_stopped_workers_run_their_finally_blocks_and_atexit(tmp_path: Path, sta
         launch(workers.finally_marker, start_method)(str(marker))
     assert marker.read_text() == "finally ran"
     assert (tmp_path / "marker.atexit").read_text() == "atexit ran"
+
+
+def _set_up_fails() -> None:
+    raise RuntimeError("the rank's set-up failed here")
+
+
+def test_a_rank_whose_set_up_fails_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the function runs (a rank of a joblib worker could not set loky's start method): the set-up's
+    error is the rank's failure, with its traceback; it was ``exited with code 1 before returning``. Forked
+    ranks inherit the broken step."""
+    monkeypatch.setattr(setup, "follow_own_rendezvous", _set_up_fails)
+    with pytest.raises(RuntimeError, match="set-up failed") as launched:
+        parallel(nprocs=2, start_method="fork", timeout=60)(workers.identity)(1)
+    with Workers(nprocs=2, start_method="fork", timeout=60) as warm, pytest.raises(RuntimeError) as served:
+        warm.run(workers.identity, 1)
+    for error in (launched.value, served.value):
+        assert "set-up failed" in str(error.__cause__)
+        assert getattr(error, "rank", None) in (0, 1)
 
 
 def test_unpicklable_exception_arrives_as_remote_error() -> None:

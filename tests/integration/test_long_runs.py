@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from mplaunch import InvalidOptionError, LaunchTimeoutError, RestartWarning, parallel, worker_info
 from tests.helpers import main_thread_in
-from tests.workers import record_and_sleep
+from tests.workers import record_and_sleep, yielding
 
 TIMEOUT = 90
 
@@ -422,18 +422,31 @@ print("exiting with a running launch", flush=True)
     assert _lines(tmp_path / "finally-0") == ["ran"]  # stopped (SIGTERM), not killed with the parent
 
 
-def test_interrupted_notebook_cell_stops_running_launches(tmp_path: Path) -> None:
-    from types import SimpleNamespace
-
-    from mplaunch._parent import futures
-
-    future = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT)(record_and_sleep).submit(str(tmp_path), 300)
-    _wait_for_workers(tmp_path)
-    futures._after_cell(SimpleNamespace(error_in_exec=None))  # a cell that ended normally changes nothing
-    assert future.running()
-    futures._after_cell(SimpleNamespace(error_in_exec=KeyboardInterrupt()))
-    assert future.cancelled()
-    assert all(_gone(pid) for pid in _pids(tmp_path))
+def test_ctrl_c_while_waiting_stops_that_launch_only(tmp_path: Path) -> None:
+    """Issue 37, item 8: an interrupted notebook cell stopped every running launch. Ctrl-C (a cell's interrupt)
+    stops the launch it waits on, here the values of a submitted stream (``result()`` did already), and leaves
+    the other submitted launches running."""
+    other_dir, waited_dir = tmp_path / "other", tmp_path / "waited"
+    other_dir.mkdir()
+    waited_dir.mkdir()
+    options = parallel(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=5)
+    other = options(record_and_sleep).submit(str(other_dir), 300)
+    waited = options(yielding).submit(record_and_sleep, str(waited_dir), 300)
+    _wait_for_workers(other_dir)
+    stop = _ctrl_c_when(lambda: all((waited_dir / f"pid-{rank}").exists() for rank in range(2)))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(waited.items)  # type: ignore[attr-defined]
+    finally:
+        stop()
+    try:
+        assert waited.cancelled()
+        assert all(_gone(pid) for pid in _pids(waited_dir))
+        assert _lines(waited_dir / "finally-0") == ["ran"]  # stopped (SIGTERM): its finally block ran
+        assert other.running()
+        assert not any(_gone(pid) for pid in _pids(other_dir))
+    finally:
+        assert other.cancel()
 
 
 # --- options --------------------------------------------------------------------------------------------------

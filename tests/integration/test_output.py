@@ -296,6 +296,67 @@ def test_workers_write_to_the_callers_sys_stdout_object() -> None:
     assert sorted(lines) == sorted(["print line", "os.write line", "echo line"] * 2)
 
 
+STANDARD_FDS_CLOSED = """
+    import sys
+    import mplaunch
+    from mplaunch import parallel, worker_info
+
+    def say() -> int:
+        print(f"out {worker_info().rank}", flush=True)
+        print(f"err {worker_info().rank}", file=sys.stderr, flush=True)
+        return worker_info().rank + 10
+
+    def count():
+        yield from range(3)
+
+    if __name__ == "__main__":
+        start_method, log_dir, result = sys.argv[1:]
+        options = dict(nprocs=2, start_method=start_method, timeout=90)
+        steps = {
+            "log_dir": lambda: parallel(log_dir=log_dir, **options)(say)(),
+            "stream": lambda: list(parallel(**options)(count)()),
+            "warm": lambda: mplaunch.Workers(**options).run(say),
+        }
+        found = {}
+        for name, step in steps.items():  # fds 1 and 2 may be closed: what failed goes to the file
+            try:
+                found[name] = step()
+            except BaseException as error:
+                found[name] = repr(error)
+        with open(result, "w") as file:
+            file.write(repr(found))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("start_method", "closed"), [("spawn", (1, 2)), ("fork", (0, 1, 2)), ("forkserver", (0, 1, 2))]
+)
+def test_a_program_started_with_its_standard_descriptors_closed_launches(
+    tmp_path: Path, start_method: str, closed: tuple[int, ...]
+) -> None:
+    """A daemon or a GUI host starts Python with fds 0-2 closed. A memory file of the launch took fd 1 or 2, and a
+    spawned rank's stdout replaced it: "the memory file holds no complete object", empty log files. Every
+    descriptor a launch hands down is here: the payload, outcome files and output pipes (``log_dir``), a
+    generator's pipes, warm ranks' pipes."""
+    script, result, logs = write_script(tmp_path, STANDARD_FDS_CLOSED), tmp_path / "result", tmp_path / "logs"
+    closing = " ".join(f"{fd}>&-" for fd in closed)
+    command = [
+        "sh",
+        "-c",
+        f'exec "$0" "$@" {closing}',
+        sys.executable,
+        str(script),
+        start_method,
+        str(logs),
+        str(result),
+    ]
+    subprocess.run(command, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path, timeout=240, check=True)
+    assert result.read_text() == repr({"log_dir": 10, "stream": [0, 1, 2], "warm": 10})
+    for rank in (0, 1):
+        assert sorted((logs / f"rank{rank}.log").read_text().splitlines()) == [f"err {rank}", f"out {rank}"]
+
+
 def test_launches_at_the_same_time_cannot_share_a_log_dir(tmp_path: Path) -> None:
     """Issue 37: two submit() launches with one log_dir overwrote and interleaved each other's rank{N}.log (and
     would their stacks files and NCCL traces). A launch or Workers now holds its log_dir while it runs, and

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -84,9 +85,9 @@ def in_terminal(tmp_path: Path) -> Iterator[Terminal]:
     """Run the script with ``args`` in a new pseudo-terminal; kill what is left of it after the test."""
     terminals: list[pexpect.spawn] = []
 
-    def start(*args: str, submit: bool = False) -> pexpect.spawn:
+    def start(*args: str, submit: bool = False, body: str = SCRIPT) -> pexpect.spawn:
         script = tmp_path / "script.py"
-        script.write_text(textwrap.dedent(SCRIPT))
+        script.write_text(textwrap.dedent(body))
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("PYTHONBREAKPOINT", None)
         if submit:
@@ -218,3 +219,45 @@ def test_ctrl_c_in_the_terminal_ends_the_call_cleanly(
     output = terminal.before + finish(terminal)
     assert "Traceback" not in output and "Interrupted" not in output, output
     assert_gone(pids, within=1.0)
+
+
+IMPORTING = """
+    import sys, time
+    import mplaunch
+    from mplaunch import parallel
+
+    if __name__ == "__mp_main__":  # a spawned rank runs the script again: slow, as importing torch can be
+        print("importing", flush=True)
+        time.sleep(60)
+
+    def work() -> int:
+        return 1
+
+    if __name__ == "__main__":
+        try:
+            if sys.argv[1] == "warm":
+                with mplaunch.Workers(nprocs=2, start_method="spawn", grace_period=60, rdzv_timeout=120) as workers:
+                    workers.run(work)
+            else:
+                parallel(nprocs=2, start_method="spawn", timeout=120, grace_period=60)(work)()
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["call", "warm"])
+def test_ctrl_c_while_spawned_ranks_import_ends_the_call_at_once_in_one_line(in_terminal: Terminal, how: str) -> None:
+    """Spawned ranks still importing (here the script, for 60 s) are not set up yet. Each printed its import's
+    ``KeyboardInterrupt`` traceback (multiprocessing's resource tracker, started with the first spawn, unblocked
+    SIGINT), and a warm call waited for their answer. They hold the Ctrl-C, and the launch kills ranks that
+    would die of its stop signal at once. 15 s: far below the 60 s that waiting for them takes."""
+    terminal = in_terminal(how, body=IMPORTING)
+    for _ in range(2):
+        terminal.expect_exact("importing")
+    sent = time.monotonic()
+    terminal.sendintr()
+    terminal.expect_exact("INTERRUPTED")
+    took, echoed = time.monotonic() - sent, terminal.before
+    finish(terminal)
+    assert echoed.replace("^C", "").strip() == "", echoed
+    assert took < 15, f"the call ended {took:.1f} s after Ctrl-C"

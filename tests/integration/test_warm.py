@@ -245,6 +245,28 @@ def test_submit_returns_a_future_and_calls_run_one_at_a_time(tmp_path: Path) -> 
         assert after.result(TIMEOUT)[2] == 1
 
 
+def test_calls_reach_every_rank_in_the_order_they_were_made(tmp_path: Path) -> None:
+    """A first-in, first-out queue (a one-thread executor's, Ray's actor calls from one caller): 20 calls
+    submitted while one runs, a ``run()`` from the main thread between them, and a queued call cancelled.
+    They were reordered: each waited for a plain lock in its thread of its own (``...10, 12, 13, 11...``)."""
+    go, started = str(tmp_path / "go"), str(tmp_path / "started")
+    with Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, return_all=True) as workers:
+        first = workers.submit(warm_workers.wait_for, go, started)
+        while not os.path.exists(started):
+            time.sleep(0.01)
+        queued = [workers.submit(warm_workers.record, index) for index in range(10)]
+        assert queued[3].cancel()
+        Path(go).touch()
+        between = workers.run(warm_workers.record, "run")
+        later = [workers.submit(warm_workers.record, index) for index in range(10, 20)]
+        orders = later[-1].result(TIMEOUT)
+    assert first.result() == ["seen", "seen"]
+    assert queued[3].cancelled()
+    expected = [*(index for index in range(10) if index != 3), "run", *range(10, 20)]
+    assert between == [expected[:10], expected[:10]]
+    assert orders == [expected, expected]
+
+
 def test_options_that_warm_workers_cannot_honour_are_refused() -> None:
     with pytest.raises(mplaunch.InvalidOptionError, match="max_restarts"):
         Workers(nprocs=2, start_method="fork", max_restarts=1)
@@ -369,3 +391,116 @@ def test_a_stream_refused_as_it_starts_raises_its_refusal_and_frees_the_workers(
         thread.join(TIMEOUT)
         assert [type(error) for error in found] == [mplaunch.InvalidOptionError], found
         assert list(warm.run(warm_workers.ranked_values, 2)) == [0, 1]  # the lock is free again
+
+
+def _marks(directory: Path, count: int) -> list[str]:
+    deadline = time.monotonic() + TIMEOUT
+    while len(names := sorted(path.name for path in directory.iterdir())) < count:
+        assert time.monotonic() < deadline, names
+        time.sleep(0.02)
+    return names
+
+
+CLEANED_UP = ["atexit0", "atexit1", "finally0", "finally1", "started0", "started1"]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_close_while_a_submitted_call_runs_lets_the_ranks_clean_up(tmp_path: Path, start_method: StartMethod) -> None:
+    """Issue 37, item 5: ``close()`` while a call runs in another thread: every rank's ``finally`` block and exit
+    handlers run, well within ``grace_period``, before the ranks end."""
+    workers = Workers(nprocs=2, start_method=start_method, timeout=TIMEOUT, grace_period=5.0)
+    future = workers.submit(warm_workers.hold_with_clean_up, str(tmp_path))
+    _marks(tmp_path, 2)
+    pids = workers.pids
+    started = time.monotonic()
+    workers.close()
+    assert time.monotonic() - started < 5.0
+    with pytest.raises(RuntimeError, match="closed while this call ran"):
+        future.result(TIMEOUT)
+    assert sorted(path.name for path in tmp_path.iterdir()) == CLEANED_UP
+    assert _gone(pids, 0.1)
+
+
+def test_close_from_another_thread_kills_a_rank_whose_clean_up_hangs_after_grace_period(tmp_path: Path) -> None:
+    """``close()`` from another thread while ``run()`` runs: the ranks' ``finally`` blocks run; one that never
+    ends is killed after ``grace_period`` (its exit handlers cannot run), and ``run()`` says why it ended."""
+    workers = Workers(nprocs=2, start_method="fork", timeout=TIMEOUT, grace_period=1.0)
+    pids = workers.pids
+    took: list[float] = []
+
+    def close() -> None:
+        _marks(tmp_path, 2)
+        started = time.monotonic()
+        workers.close()
+        took.append(time.monotonic() - started)
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    with pytest.raises(RuntimeError, match="closed while this call ran"):
+        workers.run(warm_workers.hold_with_clean_up, str(tmp_path), True)
+    closer.join()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["finally0", "finally1", "started0", "started1"]
+    assert 1.0 <= took[0] < 6.0, took
+    assert _gone(pids, 0.1)
+
+
+AT_EXIT = """
+import os, sys, threading, time
+from mplaunch import Workers, parallel
+from tests import warm_workers
+
+if __name__ == "__main__":
+    how, start_method, marks = sys.argv[1:]
+    options = dict(nprocs=2, start_method=start_method, timeout=90, grace_period=5.0)
+    if how == "Workers.run":
+        stream = Workers(**options).run(warm_workers.stream_with_clean_up, marks)
+    elif how == "Workers.submit":
+        stream = Workers(**options).submit(warm_workers.stream_with_clean_up, marks).items
+    elif how == "submit":
+        stream = parallel(**options)(warm_workers.stream_with_clean_up).submit(marks).items
+    else:
+        stream = parallel(**options)(warm_workers.stream_with_clean_up)(marks)
+    threading.Thread(target=lambda: [None for _ in stream], daemon=True).start()
+    while len(os.listdir(marks)) < 2:
+        time.sleep(0.02)
+    print("leaving", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "start_method"),
+    [
+        ("Workers.run", "fork"),
+        ("Workers.run", "spawn"),
+        ("Workers.submit", "fork"),
+        pytest.param(
+            "call",
+            "fork",
+            marks=pytest.mark.xfail(
+                strict=True, reason="issue 37 item 5: a launch's stream read in a daemon thread is killed at exit"
+            ),
+        ),
+        ("submit", "fork"),
+    ],
+)
+def test_the_end_of_a_program_with_a_stream_read_in_a_thread_lets_the_ranks_clean_up(
+    tmp_path: Path, how: str, start_method: str
+) -> None:
+    """Issue 37, item 5: the program ends while a daemon thread still reads a stream (of warm workers, of a
+    launch, of a submitted one): the ranks' ``finally`` blocks and exit handlers run, and nothing is left."""
+    script, marks = tmp_path / "script.py", tmp_path / "marks"
+    script.write_text(textwrap.dedent(AT_EXIT))
+    marks.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), how, start_method, str(marks)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(path.name for path in marks.iterdir()) == CLEANED_UP, done.stderr
+    assert time.monotonic() - started < 60
+    assert _gone([int((marks / f"started{rank}").read_text()) for rank in (0, 1)], 1.0)

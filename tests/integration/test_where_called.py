@@ -88,3 +88,43 @@ def test_a_terminated_pool_leaves_no_worker_behind(start_method: str, tmp_path: 
     while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the rank outlived the pool worker that launched it"
         time.sleep(0.01)
+
+
+IN_LOKY = textwrap.dedent(
+    """
+    import sys
+    from joblib import Parallel, delayed
+    import mplaunch
+    from mplaunch import parallel, worker_info
+
+    @parallel(nprocs=2, start_method="spawn", timeout=90, return_all=True)
+    def train(x):
+        return x * 10 + worker_info().rank
+
+    def count(n):
+        yield from range(n)
+
+    def job(start_method):
+        if start_method == "warm":
+            with mplaunch.Workers(nprocs=2, start_method="spawn", timeout=90) as workers:
+                return workers.run(train, 1), list(workers.run(count, 2))
+        return train.options(start_method=start_method)(1)
+
+    if __name__ == "__main__":
+        print(Parallel(n_jobs=2, backend="loky")(delayed(job)(how) for how in sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_decorated_function_launches_from_a_joblib_loky_worker(tmp_path: Path) -> None:
+    """A loky worker's multiprocessing start method is loky's own, which a spawned rank cannot set (it died in
+    multiprocessing's start-up: "exited with code 1 before returning"), and its ``__main__`` is loky's module,
+    not the script: the rank finds the function all the same, under every start method and in warm ranks."""
+    script = tmp_path / "search.py"
+    script.write_text(IN_LOKY)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    command = [sys.executable, str(script), "spawn", "forkserver", "fork", "warm"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.strip() == "[[10, 11], [10, 11], [10, 11], ([10, 11], [0, 1])]"

@@ -12,6 +12,7 @@ from mplaunch import (
     LaunchRefusedError,
     LaunchTimeoutError,
     MplaunchError,
+    PreemptedError,
     RemoteError,
     RemoteTraceback,
     WorkerExitedError,
@@ -24,6 +25,7 @@ EXAMPLES = [
     WorkerExitedError("died", 1, 123, -signal.SIGKILL),
     RemoteError("remote", 0, 5, "mod.Err"),
     LaunchTimeoutError("late", 2.5, (0, 1)),
+    PreemptedError("preempted", signal.SIGTERM, {0: 1}, (1,)),
 ]
 
 
