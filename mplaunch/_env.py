@@ -1,12 +1,12 @@
 """A worker's torchrun-style environment, and accessors for it. The variables follow torchrun's contract
 (https://pytorch.org/docs/stable/elastic/run.html, "Environment Variables"), so code written for torchrun runs
-unchanged.
-"""
+unchanged."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -44,8 +44,7 @@ def rank_environment(
     restart_count: int = 0,
     max_restarts: int = 0,
 ) -> dict[str, str]:
-    """Return the variables that make a worker rank ``rank`` of ``nprocs`` on one node, as torchrun sets them
-    (``agent_store``: the parent hosts the store, torchrun's "agent store", so rank 0 connects as a client too)."""
+    """Return rank ``rank`` of ``nprocs``'s variables as torchrun sets them (``agent_store``: the parent's store)."""
     env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -73,8 +72,7 @@ RESERVED_VARIABLES = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT")
 
 
 def check_extra_env(env: object, source: str, *, devices: bool = False) -> dict[str, str]:
-    """Return ``env`` (named ``source`` in messages) as a ``dict`` of strings, or raise InvalidOptionError
-    (``devices``: the launch's ``devices=`` owns ``CUDA_VISIBLE_DEVICES``)."""
+    """Return ``env`` (``source`` in messages) as a dict of strings, or raise InvalidOptionError (bad, or reserved)."""
     if not isinstance(env, Mapping):
         raise InvalidOptionError(
             f"{source}={env!r} is not valid: pass a mapping of variable names to strings, e.g. "
@@ -225,8 +223,7 @@ def _encodable(text: str) -> bool:
 
 
 def whole_number(value: str) -> int | None:
-    """Return ``value`` as a whole number of ASCII digits, as C code reads one, else ``None`` (``str.isdigit()``
-    alone also accepts digits such as ``"³"``, which ``int()`` refuses)."""
+    """Return ``value`` as a whole number of ASCII digits, else ``None`` (``isdigit()`` alone takes ``"³"``)."""
     return int(value) if value.isascii() and value.isdigit() else None
 
 
@@ -285,8 +282,7 @@ DEFAULT_RDZV_PORT = 29400
 def node_setup(
     nnodes: int | None, node_rank: int | None, rdzv_endpoint: str | None, environ: Mapping[str, str] | None = None
 ) -> NodeSetup | None:
-    """Resolve the multi-node options (arguments, then ``MPLAUNCH_*``, then SLURM's in a step of one task per
-    node), or return ``None`` for a single node."""
+    """Resolve the multi-node options (arguments, MPLAUNCH_*, SLURM's in a step of a task per node); None: one node."""
     env = os.environ if environ is None else environ
     slurm_per_node = (
         env.get("SLURM_STEP_ID") is not None
@@ -304,7 +300,9 @@ def node_setup(
     if count <= 1:
         return None
     rank = pick(node_rank, "MPLAUNCH_NODE_RANK", "SLURM_NODEID")
-    endpoint = pick(rdzv_endpoint, "MPLAUNCH_RDZV_ENDPOINT", "SLURM_LAUNCH_NODE_IPADDR")
+    endpoint = rdzv_endpoint or env.get("MPLAUNCH_RDZV_ENDPOINT")
+    if endpoint is None and slurm_per_node:  # the step's first node (``scontrol show hostnames``'s first)
+        endpoint = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
     if endpoint is None:
         raise InvalidOptionError(
             f"nnodes={count} needs a rendezvous endpoint that every node can reach: pass rdzv_endpoint='host:port' "
@@ -316,6 +314,17 @@ def node_setup(
         f"{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}" if slurm_per_node else "mplaunch"
     )
     return NodeSetup(count, None if rank is None else _whole("node_rank (MPLAUNCH_NODE_RANK)", rank), endpoint, run_id)
+
+
+def first_host(nodelist: str) -> str:
+    """Return the first host of a SLURM host list (``node[01-02,07],gpu1``: ``node01``, zero padding kept)."""
+    host = r"(?:[^\[\],]+|\[\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*\])+"
+    if not re.fullmatch(rf"{host}(?:,{host})*", nodelist):
+        raise InvalidOptionError(
+            f"SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST) {nodelist!r} is not a SLURM host list such as "
+            "'node[01-02,07],gpu1': set MPLAUNCH_RDZV_ENDPOINT=host:port to the first node's address."
+        )
+    return re.sub(r"\[(\d+)[^\]]*\]", r"\1", re.split(r",(?![^\[]*\])", nodelist, maxsplit=1)[0])
 
 
 def _whole(name: str, value: Any) -> int:

@@ -3,17 +3,20 @@ files behind (the loky/CPython approach to testing process code without leaks)."
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator, Sequence
 
 import psutil
 import pytest
 import torch
 
 from mplaunch._parent import directory
+from tests import hosts as network_hosts
 
 # One intra-op thread per worker and in the test process: 2 cores, tests run fast and never oversubscribe.
 torch.set_num_threads(1)
@@ -91,3 +94,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@functools.cache
+def _hosts_unavailable() -> str | None:
+    return network_hosts.unavailable()
+
+
+@pytest.fixture
+def hosts() -> Iterator[Callable[..., list[network_hosts.Host]]]:
+    """A maker of hosts for the test (``hosts(["host1", "host2"], own_name_on_loopback=True)``): network
+    namespaces on this machine with their own addresses, names and hosts files (``tests/hosts.py``), removed at the
+    end of the test whatever happens. The test is skipped, with the reason, where they cannot be made."""
+    reason = _hosts_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    made: list[list[network_hosts.Host]] = []
+
+    def make(names: Sequence[str], **options: bool) -> list[network_hosts.Host]:
+        made.append(network_hosts.make_hosts(f"t{len(made)}", names, **options))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for group in made:
+            network_hosts.remove(group)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    network_hosts.remove_stale()  # what a session killed before its end left
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    network_hosts.remove_all()  # what a test of this process left, if its own cleanup could not run

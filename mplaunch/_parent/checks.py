@@ -22,6 +22,7 @@ from mplaunch._parent import devices, policy
 from mplaunch._platform import cuda
 from mplaunch._wire import pickling, start_objects
 from mplaunch._wire.importable import WorkerImports, rerun_main_file, script_source
+from mplaunch._worker.debugger import reads_a_terminal
 
 
 def main_is_importable() -> bool:
@@ -79,8 +80,7 @@ def _where_cuda_was_initialised() -> str:
         )
     torch_dir = os.path.dirname(torch.__file__)
     frames = [f for f in _first_cuda_init if not f.filename.startswith(torch_dir)][-3:]
-    where = "".join(traceback.format_list(frames))
-    return f" CUDA was first initialised here:\n{where}"
+    return " CUDA was first initialised here:\n" + "".join(traceback.format_list(frames))
 
 
 def check_cuda_fork(start_method: str) -> None:
@@ -135,8 +135,7 @@ def _main_frame(frame: FrameType | None, path: str) -> FrameType | None:
 
 
 def check_main_guard(start_method: str, frame: FrameType | None, name: str = "the function") -> None:
-    """Refuse spawn/forkserver when ``frame`` is under top-level code (outside the main guard) of a script
-    that every worker runs again (the user's under ``pdb`` and ``runpy``; not under ``cProfile``), naming the line."""
+    """Refuse spawn/forkserver when ``frame`` is in top-level code of a script each worker runs again, naming it."""
     path = rerun_main_file(sys.modules.get("__main__"))
     if start_method == "fork" or path is None:
         return
@@ -157,8 +156,7 @@ def describe_unpicklable(
     function: Any = None,
     by_value: bool = False,
 ) -> str:
-    """Name the first argument (else the function) that cannot be pickled for workers that can import
-    ``imports``, the path to the part that cannot, and why."""
+    """Name the first argument (else the function) that cannot be pickled for ``imports``, the part, and why."""
     how: dict[str, Any] = {"imports": imports, "by_value": by_value, "start_objects": True}
     named = [(f"positional argument {i}", _positional_name(function, i) or f"args[{i}]", v) for i, v in enumerate(args)]
     named += [(f"keyword argument {name!r}", name, value) for name, value in kwargs.items()]
@@ -172,8 +170,6 @@ def describe_unpicklable(
 
 def _positional_name(function: Any, index: int) -> str | None:
     """Return the name of ``function``'s parameter that takes positional argument ``index``, if any."""
-    if function is None:
-        return None
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
@@ -243,10 +239,7 @@ def post_mortem_terminal(post_mortem: bool) -> bool:
     """Tell whether workers may open the post-mortem debugger; without a terminal, point to ``fn.debug()``."""
     if not post_mortem:
         return False
-    try:
-        interactive = sys.stdin is not None and sys.stdin.isatty() and os.path.exists("/dev/tty")
-    except (AttributeError, ValueError, OSError):
-        interactive = False
+    interactive = reads_a_terminal() and os.path.exists("/dev/tty")
     if not interactive:
         warn_at_user(
             "post_mortem=True needs a terminal, and this process reads none (a notebook, or input from a pipe): "

@@ -22,8 +22,7 @@ _POLL = 0.05
 
 
 def device_count() -> int:
-    """Count the CUDA devices this process sees without initialising the driver: as ``torch.cuda.device_count()``
-    does through NVML, else in a throwaway process (torch would run ``cuInit`` here; tests replace this)."""
+    """Count the CUDA devices seen here without running ``cuInit``: through NVML, else in a throwaway process."""
     if torch.cuda.is_initialized() or torch.version.hip or not torch.cuda._is_compiled():
         return torch.cuda.device_count()  # nothing left to spare, ROCm's own count, or a CPU build's 0
     counted: int = getattr(torch.cuda, "_device_count_nvml", lambda: -1)()
@@ -48,10 +47,7 @@ def fork_refusal() -> tuple[str, str] | None:
 def visible_names(environ: dict[str, str] | os._Environ[str] = os.environ) -> list[str]:
     """Return each visible device's name in this process's ``CUDA_VISIBLE_DEVICES`` (``"0"``, ... unset)."""
     count = device_count()
-    given = environ.get("CUDA_VISIBLE_DEVICES")
-    if given is None:
-        return [str(index) for index in range(count)]
-    entries = [entry.strip() for entry in given.split(",") if entry.strip()]
+    entries = [entry.strip() for entry in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
     return entries[:count] + [str(index) for index in range(len(entries), count)]
 
 
@@ -110,8 +106,7 @@ class DevicePool:
         return None if self._busy & set(request) else request
 
     def acquire(self, request: int | tuple[int, ...], control: LaunchControl | None = None) -> tuple[int, ...]:
-        """Wait until ``request`` (a count, or indices) can be granted, take its devices and return them; a
-        stop of ``control`` ends the wait (``LaunchStopped``)."""
+        """Wait until ``request`` (a count or indices) fits, take and return its devices; ``control`` may stop it."""
         check_request(request)
         count = device_count()
         ticket = _Ticket(request if isinstance(request, int) else tuple(request))
@@ -167,8 +162,7 @@ def held(request: int | tuple[int, ...] | None, control: LaunchControl | None = 
 
 
 def bus_ids(names: list[str]) -> list[str | None]:
-    """Return each named device's PCI bus id where NVML (``nvidia-ml-py``) tells, else ``None``. NVML indexes
-    by PCI bus, CUDA only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: only then are indices looked up."""
+    """Return each named device's PCI bus id from NVML, else ``None`` (an index only under ``PCI_BUS_ID`` order)."""
     try:
         import pynvml  # type: ignore[import-not-found]
 

@@ -1,8 +1,7 @@
-"""Launches that run in the background: ``fn.submit(...)`` returns a :class:`concurrent.futures.Future`.
-Each submitted launch runs in a daemon thread that starts the workers, waits for them and settles the future.
-:meth:`LaunchFuture.cancel` writes to a pipe the launch's loop waits on, then waits until the workers are gone.
-Running launches are stopped at exit (``atexit``, before ``multiprocessing`` joins the workers) and by Ctrl-C
-while waiting for one (a notebook cell's interrupt); if the process dies, ``PR_SET_PDEATHSIG`` ends the workers."""
+"""Launches that run in the background (``fn.submit(...)``), each in a daemon thread that settles its future.
+:meth:`LaunchFuture.cancel` wakes the launch's loop through a pipe, then waits until the workers are gone. Running
+launches are stopped at exit (``atexit``, before ``multiprocessing`` joins the workers) and by Ctrl-C while
+waiting for one (a notebook cell's interrupt); if the process dies, ``PR_SET_PDEATHSIG`` ends the workers."""
 
 from __future__ import annotations
 
@@ -227,8 +226,7 @@ def submit_stream(
 
 
 def _run(future: LaunchFuture[T], run: Callable[[LaunchControl], T], caller: Caller | None) -> None:
-    """Run the launch (warnings at ``caller``), close what it holds, then settle the future (so that whoever
-    ``result()`` wakes finds the launch's descriptors closed)."""
+    """Run the launch (warnings at ``caller``) and close what it holds, then settle the future ``result()`` awaits."""
     control = future._control
     error: BaseException | None = None
     stopped = False

@@ -18,8 +18,7 @@ from mplaunch._worker.rendezvous import follow_own_rendezvous
 
 
 def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
-    """Run the function here as this process's rank of an outer launcher's job; return its value (a list with
-    ``return_all``). With ``backend=``, an existing process group is reused."""
+    """Run the function here as this process's rank of an outer launcher's job (reusing its process group)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if config.seed is not None:  # this process is the rank
         seed_all(derived_seed(config.seed, int(os.environ.get("RANK", "0"))))
@@ -29,8 +28,7 @@ def run_in_process(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def run_here(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: ParallelConfig) -> Any:
-    """Run ``function`` here as rank 0 of a world of 1, set up as a worker is (environment put back after, a
-    store hosted here, ``env=``); not ``devices=`` or ``cpu_binding=``, which would change this process."""
+    """Run ``function`` here as rank 0 of a world of 1, set up as a worker is but for ``devices=``, ``cpu_binding=``."""
     check_arguments(function, args, kwargs)
     check_log_dir(config.log_dir)
     # the function runs in this thread: nobody else could serve the store, so it starts at once

@@ -1,7 +1,5 @@
-"""A launch, step by step: resolve the options, check, build the spec, write the payload, start the ranks and run
-the call on them (:mod:`mplaunch._parent.ranks`), restarting after a failure; a call drains it, a generator
-function's :class:`~mplaunch.Stream` reads its values. Multi-node launches go to torch elastic
-(:mod:`mplaunch._parent.nodes.elastic`)."""
+"""A launch, step by step: resolve the options, check, build the spec, write the payload, start the ranks
+(:mod:`mplaunch._parent.ranks`) and run the call, restarting after a failure; multi-node goes to torch elastic."""
 
 from __future__ import annotations
 
@@ -62,8 +60,7 @@ class CallRequest:
         return self.function.config  # type: ignore[no-any-return]
 
     def check(self, frame: Any) -> bool:
-        """Run the checks that need no start (``frame``: the caller's, for the main guard); return whether it
-        starts workers (else it runs here, under an outer launcher)."""
+        """Run the checks that need no start; return whether it starts workers (else it runs here, under a launcher)."""
         name = str(getattr(self.function, "__name__", "the function"))
         checks.check_not_bootstrapping(name)
         if outer_launcher() is not None:
@@ -87,8 +84,7 @@ def launch(request: CallRequest, control: LaunchControl) -> Any:
 def launch_stream(
     request: CallRequest, control: LaunchControl, reported: Callable[[RunReport], None] | None = None
 ) -> Stream[Any]:
-    """Start a checked call of a generator function; return its :class:`Stream` at once (whose end stops the
-    ranks); its :class:`RunReport` goes to ``reported``."""
+    """Start a checked call of a generator function; return its :class:`Stream` at once, its report to ``reported``."""
     steps = _reported(_launch(request, control), control)
 
     def ended() -> None:
@@ -267,8 +263,7 @@ def launch_spec(
     board: bool = False,
     payload: Written | None = None,
 ) -> LaunchSpec:
-    """Build the spec of a launch or of warm workers (the one builder); ``payload``: where the call was written.
-    Raises ``InvalidOptionError`` (``env=``) and ``LaunchRefusedError`` (``cpu_binding``, nccl without CUDA)."""
+    """Build the spec of a launch or of warm workers (the one builder); ``payload``: where the call was written."""
     wanted_threads = policy.wanted_threads(nprocs)  # read once: the cgroup's CPU quota is four files
     num_threads = policy.worker_threads(nprocs, start_method, wanted_threads)
     multinode = nodes is not None
@@ -298,12 +293,10 @@ def launch_spec(
         placements=placements,
         env_function=placement.env_function(config, start_method) if multinode else None,
         post_mortem=checks.post_mortem_terminal(config.post_mortem),
-        # a cost only some launches need: a plain call without a timeout never asks for stacks
         stacks=stacks,
         board=board,
         max_restarts=config.max_restarts,
         seed=config.seed,
-        # how long a node other than rank 0's waits for rank 0's result
         result_wait=config.timeout if config.timeout is not None else config.rdzv_timeout,
         payload_fd=None if payload is None else payload.fd,
         start_objects=() if payload is None else payload.start_objects,
@@ -346,8 +339,7 @@ def check_console_ranks(config: ParallelConfig, world_size: int, whose: str) -> 
 
 
 def captured_state(forked: bool, state: GlobalState | None = None) -> ForkState | GlobalState:
-    """Capture the parent's state for the ranks (``state``: already captured, by :func:`for_launch` too); warn
-    of what a spawn loses."""
+    """Capture the parent's state for the ranks (``state``: already captured); warn of what a spawn loses."""
     found = state or (for_launch(ForkState.capture()) if forked else for_launch(GlobalState.capture()))
     if isinstance(found, GlobalState) and found.python is not None and not forked:
         warn_not_carried(found.python)
@@ -355,9 +347,7 @@ def captured_state(forked: bool, state: GlobalState | None = None) -> ForkState 
 
 
 def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
-    """Pick what to send as the function: the decorated object a worker can import by name, else the plain one.
-    Under fork (no ``imports``) nothing is pickled. A copy with other options (``fn.options(...)``) is not what
-    its name finds: its importable original goes instead, to run with its module's globals and file."""
+    """Pick the function to send: the decorated one if a worker can import it by name, else its original, else plain."""
     if imports is not None:
         if imports.can_import(function):
             return function
@@ -368,9 +358,7 @@ def _function_reference(function: Any, imports: WorkerImports | None) -> Any:
 
 
 def _preload(imports: WorkerImports | None, function: Any) -> list[str]:
-    """List the modules the fork server imports once, at its start, so that its workers do not.
-    The function's module is one if the server can import it by name (see :mod:`mplaunch._wire.importable`).
-    Only a process's first forkserver launch starts the server: later launches' modules are each worker's."""
+    """List the modules the fork server imports once at its start, so its workers do not (the function's, if it can)."""
     modules = ["__main__", "torch", "mplaunch._worker.entry"]
     if "numpy" in sys.modules:
         modules.append("numpy.random")  # imported lazily by NumPy 2; restoring its state would import it

@@ -1,8 +1,7 @@
-"""The limits a launch can hit while starting workers, and errors that name them and their fix: the process
-limit (``pids.max``, ``RLIMIT_NPROC``), the environment ``exec`` accepts (``E2BIG``), the open-files limit,
-and a Unix socket's path length (a long ``TMPDIR``, for the fork server). Multiprocessing reports them as a
-bare ``BlockingIOError``, a spawned worker that "exited with code 255", or an ``EOFError`` from a dead fork
-server."""
+"""The limits a launch can hit while starting workers, and errors that name them and their fix: the process limit
+(``pids.max``, ``RLIMIT_NPROC``), the environment ``exec`` accepts (``E2BIG``), the open-files limit, and a Unix
+socket's path length (a long ``TMPDIR``). Multiprocessing reports them as a bare ``BlockingIOError``, a spawned
+worker that "exited with code 255", or an ``EOFError`` from a dead fork server."""
 
 from __future__ import annotations
 
@@ -44,27 +43,15 @@ def _open_fds() -> int | None:
         return None
 
 
-def _files_short(margin: int = 16) -> bool:
-    """Tell whether fewer than ``margin`` descriptors are left below the open-files limit (a fork server's too)."""
-    soft, open_now = resource.getrlimit(resource.RLIMIT_NOFILE)[0], _open_fds()
-    return soft != resource.RLIM_INFINITY and open_now is not None and soft - open_now < margin
-
-
-def process_limits() -> str:
-    """Describe the process limits here, e.g. ``pids.max=64 (63 in use), RLIMIT_NPROC=unlimited``."""
-    found = []
-    pids = pids_limit()
-    if pids is not None:
-        found.append(f"the cgroup's pids.max={pids[0]} ({pids[1]} in use)")
-    root = " (not enforced for root)" if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
-    found.append(f"RLIMIT_NPROC={_limit(resource.RLIMIT_NPROC)}{root}")
-    return ", ".join(found)
-
-
 def _process_text() -> str:
+    """Describe the process limits here (e.g. ``pids.max=64 (63 in use), RLIMIT_NPROC=unlimited``) and the fix."""
+    pids = pids_limit()
+    cgroup = "" if pids is None else f"the cgroup's pids.max={pids[0]} ({pids[1]} in use), "
+    root = " (not enforced for root)" if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
     return (
-        f"the process limit ({process_limits()}; every worker and each of its threads counts). Raise it "
-        "(docker run --pids-limit, Kubernetes podPidsLimit, systemd TasksMax, ulimit -u), or start fewer workers"
+        f"the process limit ({cgroup}RLIMIT_NPROC={_limit(resource.RLIMIT_NPROC)}{root}; every worker and each of "
+        "its threads counts). Raise it (docker run --pids-limit, Kubernetes podPidsLimit, systemd TasksMax, "
+        "ulimit -u), or start fewer workers"
     )
 
 
@@ -80,9 +67,8 @@ def _files_text() -> str:
 
 def environment_problem(environ: Mapping[str, str], argv: list[str] | None = None) -> str | None:
     """Say why ``exec`` would refuse a new Python with ``environ`` (``E2BIG``), or return ``None``."""
-    strings = [f"{name}={value}" for name, value in environ.items()]
-    sizes = [len(entry.encode(errors="surrogateescape")) + 1 for entry in strings]
-    for (name, _), size in zip(environ.items(), sizes, strict=False):
+    sizes = [len(f"{name}={value}".encode(errors="surrogateescape")) + 1 for name, value in environ.items()]
+    for name, size in zip(environ, sizes, strict=True):
         if size > MAX_ARG_STRLEN:
             return (
                 f"the environment variable {name} is {size} bytes and exec accepts at most {MAX_ARG_STRLEN} "
@@ -120,8 +106,7 @@ def _environment_text(problem: str, start_method: str) -> str:
 
 
 def short_socket_directory() -> None:
-    """Give multiprocessing a temporary directory in ``/tmp`` when ``TMPDIR`` is too long for the fork server's
-    socket, as CPython 3.13 does (3.10-3.12 fail: "AF_UNIX path too long")."""
+    """Give multiprocessing a shorter temporary directory when ``TMPDIR`` is too long for a socket, as CPython 3.13."""
     config = multiprocessing.process.current_process()._config  # type: ignore[attr-defined]
     if config.get("tempdir") is not None or len(os.fsencode(tempfile.gettempdir())) + _SOCKET_SUFFIX <= SUN_PATH_MAX:
         return
@@ -163,7 +148,8 @@ def start_refused(error: BaseException, start_method: str, rank: int, nprocs: in
     if isinstance(error, (EOFError, ConnectionError)):  # BrokenPipeError, ConnectionResetError...
         environment = environment_problem(os.environ)
         causes = [_process_text(), _files_text()]
-        if _files_short():
+        soft, open_now = resource.getrlimit(resource.RLIMIT_NOFILE)[0], _open_fds()
+        if soft != resource.RLIM_INFINITY and open_now is not None and soft - open_now < 16:  # few files left
             causes.reverse()
         if environment is not None:
             causes.insert(0, f"an environment too large for exec: {environment}")

@@ -55,9 +55,7 @@ def payload_written(
     memory: bool,
     keep_shared: bool = False,
 ) -> Iterator[Written]:
-    """Write the call for workers that cannot inherit it, to a memory file (with ``memory``) else the launch
-    directory, and yield :class:`Written`; refuse an argument that cannot be pickled, or no room. What travels
-    with each start (queues, locks; with ``keep_shared`` torch's shared storages) is left out and yielded."""
+    """Write the call for workers that cannot inherit it; yield where, and the objects that travel with each start."""
     fd = memory_file("payload") if memory else None
     try:
         try:

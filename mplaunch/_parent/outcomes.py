@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pickle
 import signal
@@ -30,8 +31,7 @@ _OWN_DEATHS = frozenset(
 
 
 def failure_time(outcome: Outcome | None, exitcode: int | None, seen: float) -> float:
-    """Return when a rank failed (``time.monotonic()``): when it raised; else when its end was ``seen``, minus
-    :data:`NOTICE_SLACK` for a death of :data:`_OWN_DEATHS`, so that a peer failing of it does not come first."""
+    """Return when a rank failed: when it raised, else when its end was ``seen`` (earlier for a death of its own)."""
     if isinstance(outcome, Raised):
         return outcome.when
     if outcome is None and exitcode is not None and -exitcode in _OWN_DEATHS:
@@ -47,8 +47,7 @@ def rank_state(
     stopped: bool,
     oom_kills: int | None = None,
 ) -> RankState:
-    """Decide what happened to ``rank``: a stopped rank is :class:`Stopped` unless it returned or raised first.
-    ``oom_kills``: the out-of-memory kills in the rank's cgroup while it ran (``None``: unknown)."""
+    """Decide what happened to ``rank``: a stopped rank is :class:`Stopped` unless it returned or raised first."""
     if isinstance(outcome, Returned):
         return outcome
     if isinstance(outcome, Raised):
@@ -63,8 +62,7 @@ def rank_state(
 def exit_error(
     rank: int, pid: int | None, exitcode: int | None, signum: int | None, oom_kills: int | None = None
 ) -> WorkerExitedError:
-    """Return the error of a rank that ended without an exception of its own (a signal, an exit with no outcome);
-    only a SIGKILL while ``oom_kills`` rose is the out-of-memory killer's."""
+    """Return the error of a rank that ended with no exception of its own (OOM: a SIGKILL while ``oom_kills`` rose)."""
     error = WorkerExitedError("", rank, pid, exitcode, signum)
     killed = signum is None and error.signal_name == "SIGKILL"
     error.oom = (None if oom_kills is None else oom_kills > 0) if killed else False
@@ -97,16 +95,13 @@ def exit_error(
 
 
 def rebuild_exception(raised: Raised, rank: int) -> BaseException:
-    """Rebuild the worker's exception (or a :class:`RemoteError`), the remote traceback as its cause; a
-    ``SystemExit`` or ``KeyboardInterrupt`` becomes :class:`WorkerExitedError` with CPython's exit code."""
+    """Rebuild the worker's exception (else a :class:`RemoteError`; an exit: :class:`WorkerExitedError`), with cause."""
     pid = raised.pid
     header = f"rank {rank} (pid {pid})"
     error: BaseException | None = None
     if raised.exception is not None:
-        try:
+        with contextlib.suppress(BaseException):  # SystemExit from a __reduce__ too: sent as text instead
             error = pickle.loads(raised.exception)
-        except BaseException:  # noqa: BLE001 - SystemExit from a __reduce__ too: sent as text instead
-            error = None
     if raised.exit_code is not None or (error is not None and not isinstance(error, Exception)):
         code = raised.exit_code if raised.exit_code is not None else 1
         what = f"raised {raised.message} before returning, so it has no result (exit code {code})"

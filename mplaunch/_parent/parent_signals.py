@@ -1,8 +1,7 @@
 """The parent's signals during a launch. SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 unwind the parent, which
 stops the workers with that signal, so a rank's own handler runs (as torchrun forwards them); SIGINT is Python's
 ``KeyboardInterrupt``. The caller's handlers are put back after. These signals wait while workers fork
-(:func:`signals_held`), and an ignored SIGCHLD is reset for the launch (:func:`exit_statuses_kept`) so every exit
-status can be read."""
+(:func:`signals_held`); an ignored SIGCHLD is reset for the launch (:func:`exit_statuses_kept`)."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class ParentSignalled(BaseException):
 
 
 def ignored_signals() -> frozenset[int]:
-    """Return the signals of :data:`HELD` that workers launched now from this thread ignore: those this process
-    ignores, and SIGINT off the main thread, which alone decides what a Ctrl-C stops."""
+    """Return the :data:`HELD` signals workers started now ignore: those ignored here; SIGINT off the main thread."""
     ignored = {signum for signum in HELD if getsignal(signum) == SIG_IGN}
     if threading.current_thread() is not threading.main_thread():
         ignored.add(signal.SIGINT)
@@ -57,9 +55,7 @@ def own_group() -> bool:
 
 @contextlib.contextmanager
 def parent_signals() -> Iterator[None]:
-    """Let the signals of :data:`ENDING` unwind the parent during the launch, then end as the caller's disposition
-    says (die by it, or call its handler with frame ``None`` and raise ``KeyboardInterrupt``). Ignored signals,
-    handlers set outside Python, and all handlers off the main thread are left alone."""
+    """Let :data:`ENDING` signals unwind the launch, then end as the caller's disposition says (:func:`_end_as`)."""
     with exit_statuses_kept():
         if threading.current_thread() is not threading.main_thread():
             yield
@@ -97,18 +93,16 @@ def _restore(previous: dict[int, Any], handled: list[int]) -> None:
 
 
 def _end_as(signum: int, previous: Any) -> None:
-    """End the parent as ``signum`` would have without mplaunch."""
-    name = signal.Signals(signum).name
+    """End the parent as ``signum`` would have without mplaunch: die by it, or call its handler and raise."""
     if callable(previous):
         previous(signum, None)
     else:
         os.kill(os.getpid(), signum)  # the default action: die by the signal, as asked
-    raise KeyboardInterrupt(f"{name} received during a launch") from None
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received during a launch") from None
 
 
 def sigchld_handled() -> bool:
-    """Tell whether the caller handles SIGCHLD: a handler may reap a worker before the launch reads the
-    kernel's account of it, so workers then leave their own on the board."""
+    """Tell whether the caller handles SIGCHLD (it may reap a worker first: workers then report on the board)."""
     return getsignal(signal.SIGCHLD) not in (SIG_DFL, SIG_IGN)
 
 
@@ -136,14 +130,9 @@ def exit_statuses_kept() -> Iterator[None]:
                 _children_users -= 1
                 if _children_users == 0 and getsignal(signal.SIGCHLD) == SIG_IGN:
                     setter(signal.SIGCHLD, 1)  # SIG_IGN, as found
-                    _reap_ended()
-
-
-def _reap_ended() -> None:
-    """Reap the children that ended while SIGCHLD was not ignored."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+                    with contextlib.suppress(ChildProcessError, OSError):  # reap what ended meanwhile
+                        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                            pass
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,11 +148,8 @@ def _libc_signal() -> Any:
 
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold the signals of :data:`HELD` while workers fork or one is reaped (an interrupt between ``waitpid`` and
-    the noting of the exit code loses it), and deliver them after. They are blocked in this thread, so a forked
-    child inherits the mask until its handlers are in place. The kernel may still deliver to another thread, and
-    Python would run the handler anywhere in the main thread (CPython drops it in logging's fork hook), so there
-    the handlers only note signals, raised at the end."""
+    """Hold :data:`HELD` signals while workers fork or one is reaped (an interrupt there loses its exit code), then
+    deliver them: blocked in this thread (a forked child inherits the mask), noted by the main thread's handlers."""
     replaced: dict[int, Any] = {}
     main = threading.current_thread() is threading.main_thread()
     if main:
@@ -173,7 +159,7 @@ def signals_held() -> Iterator[None]:
 
         for signum in HELD:
             handler = getsignal(signum)
-            if callable(handler) and not getattr(handler, "holds", False):  # (parent_signals' notes by itself)
+            if callable(handler) and not getattr(handler, "holds", False):  # speed: parent_signals' notes by itself
                 replaced[signum] = handler
                 set_handler(signum, note)
         _hold.depth += 1
@@ -194,8 +180,7 @@ def signals_held() -> Iterator[None]:
 
 
 class _Hold:
-    """The main thread's open :func:`signals_held` count and the signals noted meanwhile. speed:
-    :func:`parent_signals`' handler notes by itself, so a hold swaps only other handlers."""
+    """The main thread's open :func:`signals_held` count and the signals noted meanwhile."""
 
     def __init__(self) -> None:
         self.depth = 0

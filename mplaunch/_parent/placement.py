@@ -19,8 +19,7 @@ from mplaunch._wire.spec import RankPlacement
 def plan(
     config: ParallelConfig, nprocs: int, names: list[str] | None, *, multinode: bool, threads_kept: bool
 ) -> tuple[RankPlacement, ...] | None:
-    """Return each local rank's :class:`RankPlacement`, or ``None`` when no option asks for one. With
-    ``multinode``, workers call ``env=``'s function; with ``threads_kept``, a rank may run a thread per CPU."""
+    """Return each local rank's :class:`RankPlacement`, or ``None`` when no option asks for one."""
     if names is None and config.cpu_binding is None and config.env is None:
         return None
     cuda = ",".join(names) if names is not None else None
@@ -38,7 +37,7 @@ def plan(
                 numa_node=node,
                 # ranks on one NUMA node share its cores: never more threads than cores
                 num_threads=max(1, len(rank_cpus) // sharing[rank_cpus]) if rank_cpus and threads_kept else None,
-                environ=_rank_env(config.env, rank, names is not None) if not multinode else _shared_env(config),
+                environ=_rank_env(config.env, rank, names is not None, multinode),
             )
         )
     return tuple(placements)
@@ -77,15 +76,11 @@ def env_function(config: ParallelConfig, start_method: str) -> Callable[[int], M
     return config.env
 
 
-def _shared_env(config: ParallelConfig) -> dict[str, str]:
-    return dict(config.env) if isinstance(config.env, Mapping) else {}
-
-
-def _rank_env(env: object, rank: int, devices: bool) -> dict[str, str]:
-    if env is None:
-        return {}
+def _rank_env(env: object, rank: int, devices: bool, multinode: bool) -> dict[str, str]:
     if isinstance(env, Mapping):
         return dict(env)
+    if env is None or multinode:  # a multi-node worker calls the env= function itself
+        return {}
     assert callable(env)
     return check_extra_env(env(rank), f"env({rank})", devices=devices)
 

@@ -27,8 +27,7 @@ def is_interactive() -> bool:
 
 
 def default_start_method() -> str:
-    """Return ``fork`` in an interactive session where it exists and forked workers could use CUDA, else
-    ``spawn`` (said once when it is for CUDA)."""
+    """Return ``fork`` in an interactive session where forked workers could use CUDA, else ``spawn`` (said once)."""
     global _said_spawn
     if not is_interactive() or "fork" not in multiprocessing.get_all_start_methods():
         return "spawn"
@@ -53,17 +52,14 @@ def resolve_backend(backend: str | None, nprocs: int, devices: int | None = None
     """Turn ``"auto"`` into ``"nccl"`` given ``nprocs`` devices (``devices``, else visible ones), else ``"gloo"``."""
     if backend != "auto":
         return backend
-    if devices is not None:
-        return "nccl" if devices >= nprocs else "gloo"
-    return "nccl" if device_pool.device_count() >= nprocs else "gloo"
+    count = device_pool.device_count() if devices is None else devices
+    return "nccl" if count >= nprocs else "gloo"
 
 
 def wanted_threads(nprocs: int, environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
     """Return the user's ``OMP_NUM_THREADS`` when it is a number, else usable cores // nprocs (at least 1)."""
     user = whole_number(environ.get("OMP_NUM_THREADS", ""))
-    if user is not None:
-        return max(1, user)
-    return max(1, usable_cpu_count() // nprocs)
+    return max(1, user if user is not None else usable_cpu_count() // nprocs)
 
 
 def worker_threads(nprocs: int, start_method: str, wanted: int | None = None) -> int:

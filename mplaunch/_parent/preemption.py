@@ -1,8 +1,7 @@
 """Preemption of a one-node launch: a signal in ``preempt_signals`` (or ``future.preempt()``) raises the flag of
 :mod:`mplaunch._wire.flags`; the ranks get ``preempt_grace`` seconds to save and return, then the rest are stopped
 and the call raises :class:`~mplaunch.PreemptedError`. The idea follows SLURM's ``--signal``, submitit's
-checkpointing and torchrun's ``--signals-to-handle``: the scheduler warns, the job saves, the scheduler requeues.
-"""
+checkpointing and torchrun's ``--signals-to-handle``: the scheduler warns, the job saves, the scheduler requeues."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from types import FrameType
 from typing import Any
 
-from mplaunch._errors import InvalidOptionError, PreemptedError
+from mplaunch._errors import InvalidOptionError, PreemptedError, signal_name
 from mplaunch._parent.control import LaunchControl
 from mplaunch._parent.outcomes import RankState, Stopped
 from mplaunch._wire import flags
@@ -25,8 +24,7 @@ from mplaunch._wire.records import Returned
 
 
 class Preemption:
-    """The preemption notice of one launch: a first :meth:`notify` raises the flag and starts the ``grace``
-    (seconds); a second one ends it. Safe from a signal handler and from another thread."""
+    """A launch's preemption notice: a first :meth:`notify` starts the ``grace`` (seconds), a second ends it."""
 
     def __init__(self, grace: float) -> None:
         self.grace = grace
@@ -56,9 +54,8 @@ class Preemption:
         return self._mapping is not None
 
     def notify(self, signum: int | None, origin: int | None = None) -> None:
-        """Take a notice (``signum``: ``None`` from ``future.preempt()``); a second one forces the end.
-        ``origin``: the node that got a notice passed on; it never forces the end, as a node may hear of another's
-        signal before its own, which is then its first."""
+        """Take a notice (``signum``: ``None`` from ``future.preempt()``); a second own one forces the end. ``origin``:
+        the node that got a notice passed on (a node may hear of another's signal before its own, its first)."""
         if self.noticed:
             if origin is None:
                 self.forced = self._own
@@ -92,17 +89,13 @@ class Preemption:
         return max(0.0, self.noticed_at + self.grace - time.monotonic())
 
     def error(self, states: Mapping[int, RankState], nprocs: int, ranks: range | None = None) -> PreemptedError:
-        """Return the :class:`PreemptedError` for these rank states; ``ranks``: the launch's ranks here (default:
-        ``range(nprocs)``; one node's global ranks on a multi-node launch)."""
+        """Return the :class:`PreemptedError` for these rank states; ``ranks``: this node's (``range(nprocs)``)."""
         self.reported = True
         values = {rank: state.value for rank, state in sorted(states.items()) if isinstance(state, Returned)}
         ranks = range(nprocs) if ranks is None else ranks
         stopped = tuple(rank for rank in ranks if isinstance(states.get(rank), Stopped) or rank not in states)
         failures = tuple(state for _, state in sorted(states.items()) if isinstance(state, BaseException))
-        try:
-            what = "future.preempt()" if self.signum is None else signal.Signals(self.signum).name
-        except ValueError:
-            what = f"signal {self.signum}"
+        what = "future.preempt()" if self.signum is None else signal_name(-self.signum)
         if self.origin is not None:
             what = f"{what}, received by node {self.origin}"
         how = "a second notice ended the grace at once" if self.forced else f"preempt_grace={self.grace:g} s"
@@ -124,8 +117,7 @@ class Preemption:
 
 @contextlib.contextmanager
 def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterator[None]:
-    """Let ``signals`` notify ``preemption`` while the launch runs; put the handlers back after, and pass on
-    a signal noticed too late for any rank to see. Raises ``InvalidOptionError`` outside the main thread."""
+    """Let ``signals`` notify ``preemption`` while the launch runs; after, pass on one noticed too late for any rank."""
     if not signals:
         yield
         return
@@ -174,8 +166,7 @@ def preempt_signals(preemption: Preemption, signals: tuple[int, ...]) -> Iterato
 def preemption_notice(
     control: LaunchControl, directory: str, signals: tuple[int, ...], grace: float
 ) -> Iterator[Preemption]:
-    """Yield a one-node launch's notice, with its flag in ``directory`` when it can be preempted (``signals``, or
-    submitted), the handlers of ``signals``, and ``control.preemption``."""
+    """Yield a one-node launch's notice, its flag in ``directory`` when it can be preempted, and ``signals`` handled."""
     preemption = Preemption(grace)
     try:
         if signals or control.fileno() is not None:

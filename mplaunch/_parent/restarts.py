@@ -34,8 +34,7 @@ def run_attempts(
     restart_on: RestartOn = None,
     restart_delay: float = 0.0,
 ) -> Generator[T, None, list[Any]]:
-    """Run ``attempt(restart_count)``, yielding what it yields, restarting it after accepted failures.
-    The exception that ends the launch gets ``earlier_attempts``: the earlier attempts' failures, oldest first."""
+    """Run ``attempt(restart_count)`` until it returns; the failure that ends it keeps the ``earlier_attempts``."""
     earlier: list[BaseException] = []
     restart = 0
     while True:
@@ -110,10 +109,9 @@ def show_failure(failure: BaseException, restart: int, max_restarts: int, delay:
 
 def describe_restart(failure: BaseException, restart: int, max_restarts: int) -> str:
     """Return the warning announcing restart ``restart`` (1-based) after ``failure``."""
-    if isinstance(failure, WorkerFailedError):
-        what = str(failure)
-    else:
-        what = f"rank {getattr(failure, 'rank', '?')} raised {type(failure).__qualname__}: {failure}"
+    what = str(failure)
+    if not isinstance(failure, WorkerFailedError):
+        what = f"rank {getattr(failure, 'rank', '?')} raised {type(failure).__qualname__}: {what}"
     return (
         f"mplaunch: attempt {restart} of {max_restarts + 1} failed ({what}); all workers were stopped and start "
         f"again (restart {restart} of max_restarts={max_restarts}, TORCHELASTIC_RESTART_COUNT={restart})."

@@ -18,12 +18,14 @@ from mplaunch._platform.proctree import descendants, with_environment
 
 
 def signal_worker(process: BaseProcess, signum: int) -> None:
-    """Send ``signum`` to a worker's main thread (it then stops what it started itself)."""
+    """Send ``signum`` to a worker's main thread (``tgkill``: that interrupts its blocking system call), else to it."""
     pid = process.pid
     if pid is None:
         return
+    tgkill = _tgkill()
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        _to_main_thread(pid, signum)
+        if tgkill is None or tgkill(pid, pid, signum) != 0:
+            os.kill(pid, signum)
 
 
 def kill_tree(process: BaseProcess) -> None:
@@ -35,15 +37,11 @@ def kill_tree(process: BaseProcess) -> None:
 def kill_leftovers(rank: int, master_port: int) -> None:
     """SIGKILL the orphans of a worker that ended without stopping its tree, found by the environment it gave
     what it executed (Jenkins' ProcessTreeKiller cookie); forked-only ones (DataLoader workers) end alone."""
-    cookie = {WORKER_VARIABLE: "1", "RANK": str(rank), "MASTER_PORT": str(master_port)}
-    found = with_environment(cookie)
-    if found:
-        _kill_trees(found)
+    _kill_trees(with_environment({WORKER_VARIABLE: "1", "RANK": str(rank), "MASTER_PORT": str(master_port)}))
 
 
 def _kill_trees(roots: list[int]) -> None:
-    """SIGKILL ``roots`` and their descendants, frozen first top down (SIGSTOP: no more forks; a worker is a
-    subreaper, so orphans stay found) until ``/proc`` shows nothing new."""
+    """SIGKILL ``roots`` and their descendants, frozen first top down (SIGSTOP: no more forks) until none is new."""
     frozen: list[int] = []
     found = roots
     for _ in range(100):
@@ -76,11 +74,3 @@ def _tgkill() -> Any:
     if not sys.platform.startswith("linux") or platform.machine() not in _SYS_TGKILL:
         return None
     return functools.partial(ctypes.CDLL(None, use_errno=True).syscall, _SYS_TGKILL[platform.machine()])
-
-
-def _to_main_thread(pid: int, signum: int) -> None:
-    """Send ``signum`` to the main thread of ``pid`` (``tgkill``), else to the process: only a signal to the
-    main thread interrupts its blocking system call, so Python's handler runs at once."""
-    tgkill = _tgkill()
-    if tgkill is None or tgkill(pid, pid, signum) != 0:
-        os.kill(pid, signum)

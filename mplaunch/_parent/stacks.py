@@ -53,8 +53,7 @@ class Frame:
 
 
 def collect(directory: str, senders: Mapping[int, Callable[[], None]], bound: float = DUMP_BOUND) -> dict[int, str]:
-    """Signal each rank through ``senders`` (which raise ``OSError`` once it is gone) and return, by rank, the
-    dumps written in ``directory`` within ``bound`` seconds in all (a partial dump as it is)."""
+    """Signal each rank through ``senders`` and return, by rank, the dumps written within ``bound`` seconds in all."""
     paths: dict[int, str] = {}
     for rank, send in senders.items():
         path = os.path.join(directory, stacks_name(rank))
@@ -123,19 +122,13 @@ def _tier(file: str) -> int:
         return 2
     if any(f"{os.sep}{name}{os.sep}" in file for name in _LIBRARIES):
         return 1
-    if any(file.startswith(path + os.sep) for path in _stdlib()):
-        return 2
-    return 0
-
-
-def _stdlib() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
-    return tuple({os.path.abspath(paths[key]) for key in ("stdlib", "platstdlib") if key in paths})
+    stdlib = {os.path.abspath(paths[key]) for key in ("stdlib", "platstdlib") if key in paths}
+    return 2 if any(file.startswith(path + os.sep) for path in stdlib) else 0
 
 
 def innermost_user_frame(text: str) -> Frame | None:
-    """Return, in the thread under the worker entry (else the first), the innermost frame above the entry of
-    the user's code, else another library's, else any."""
+    """Return the innermost frame of the user's code (else a library's, else any) in the thread running the function."""
     stacks = [stack for stack in threads(text) if stack]
     if not stacks:
         return None

@@ -23,8 +23,7 @@ STORE_TIMEOUT = timedelta(seconds=60)
 
 
 class Rendezvous:
-    """Where one launch's workers meet (``MASTER_ADDR``/``MASTER_PORT``), and with ``agent_store`` the store
-    hosted here. Until :meth:`serve`, :meth:`fileno` is the listening socket, readable once a worker connects."""
+    """Where a launch's workers meet; with ``agent_store``, the store hosted here (started by :meth:`serve`)."""
 
     def __init__(
         self, addr: str, port: int, agent_store: bool, listener: socket.socket | None = None, store: Any = None
@@ -56,9 +55,7 @@ class Rendezvous:
 
 @contextlib.contextmanager
 def rendezvous(*, lazy: bool = True, resolve_within: float | None = None) -> Iterator[Rendezvous]:
-    """Yield the launch's :class:`Rendezvous`: the user's ``MASTER_PORT`` if set (a worker hosts the store, as
-    under ``torch.multiprocessing.spawn``), else a store hosted here, started on the first connection with
-    ``lazy``; a host name ``MASTER_ADDR`` must resolve within ``resolve_within`` seconds, and starts it now."""
+    """Yield a :class:`Rendezvous`: the user's ``MASTER_PORT`` if set (as under ``mp.spawn``), else a store here."""
     own_port = os.environ.get(OWN_PORT_VARIABLE)
     port = os.environ.get("MASTER_PORT")
     if port and port == own_port:  # inherited from the launch this process is a worker of: not the user's

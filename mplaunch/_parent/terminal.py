@@ -19,13 +19,11 @@ except ImportError:  # not a POSIX system
 def terminal_kept() -> Iterator[None]:
     """Put standard input's terminal settings back when the launch raises (one that returns leaves them)."""
     saved = _settings()
-    if saved is None:
-        yield
-        return
     try:
         yield
     except BaseException:
-        _restore(saved)
+        if saved is not None:
+            _restore(saved)
         raise
 
 

@@ -45,8 +45,7 @@ class RankRecords:
             self._counters[rank] = (counters, oom_kills(counters))
 
     def reap(self, rank: int, process: BaseProcess, pidfd: int | None = None) -> None:
-        """Reap (waiting for) ``rank``'s worker, keeping the kernel's account of it; idempotent. ``pidfd`` still
-        gives the exit status where a caller's SIGCHLD handler reaped it first (Linux 6.15+)."""
+        """Reap ``rank``'s worker once, keeping the kernel's account; ``pidfd``: its status if a SIGCHLD handler did."""
         if rank in self._ended:
             process.join()
             return

@@ -2,8 +2,7 @@
 ``/proc/self/cgroup`` and ``/proc/self/mountinfo``; ``os.sched_getaffinity`` and psutil ignore them.
 
 A cgroup's limit bounds every cgroup below it, so the smallest along the process's cgroup path up to each
-mount's root applies (joblib/loky read only the fixed top-level paths, which miss nested cgroups).
-"""
+mount's root applies (joblib/loky read only the fixed top-level paths, which miss nested cgroups)."""
 
 from __future__ import annotations
 
@@ -92,22 +91,18 @@ def _directories(mount_root: str, mount_point: str, path: str, root: str) -> lis
 
 
 def cpu_limit(root: str = "/") -> float | None:
-    """Return the CPUs this process's cgroups allow (e.g. ``1.5``), or ``None``; never raises, reads at every
-    call (``docker update --cpus``). ``root`` stands for ``/`` (tests pass a fake tree)."""
+    """Return the CPUs this process's cgroups allow (e.g. ``1.5``) or ``None``, read each call; ``root``: for tests."""
     cgroup = _read(os.path.join(root, "proc/self/cgroup"))
-    if cgroup is None:
-        return None
     limits = [
         quota
-        for directory, version in _limit_directories(root, cgroup, "cpu")
+        for directory, version in _limit_directories(root, cgroup or "", "cpu")
         if (quota := _quota(directory, version)) is not None
     ]
     return min(limits) if limits else None
 
 
 def pids_limit(root: str = "/") -> tuple[int, int] | None:
-    """Return ``(pids.max, pids.current)`` of the cgroup on this process's path with the least room for new
-    tasks, or ``None`` where none sets a limit. Never raises; ``root`` as for :func:`cpu_limit`."""
+    """Return ``(pids.max, pids.current)`` of the cgroup on this process's path with the least room, or ``None``."""
     cgroup = _read(os.path.join(root, "proc/self/cgroup"))
     tightest: tuple[int, int] | None = None
     for directory, _ in _limit_directories(root, cgroup or "", "pids"):
@@ -122,8 +117,7 @@ def pids_limit(root: str = "/") -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=16)
 def _limit_directories(root: str, cgroup: str, controller: str) -> tuple[tuple[str, int], ...]:
-    """Return ``(directory, version)`` of every cgroup whose ``controller`` limit applies to ``cgroup``, deepest
-    first per hierarchy (cached: mounts do not move)."""
+    """Return ``(directory, version)`` of each cgroup whose ``controller`` limit applies, deepest first (cached)."""
     mountinfo = _read(os.path.join(root, "proc/self/mountinfo"))
     if mountinfo is None:
         return ()

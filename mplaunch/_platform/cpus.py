@@ -15,8 +15,7 @@ _quota: tuple[float, int, float | None] | None = None  # (when read, by which pr
 
 
 def usable_cpu_count() -> int:
-    """Return the CPUs this process may use (at least 1): its affinity mask, capped by its cgroup quota
-    rounded up."""
+    """Return the CPUs this process may use (at least 1): its affinity mask, capped by its cgroup quota rounded up."""
     global _quota
     try:
         cores = len(os.sched_getaffinity(0))

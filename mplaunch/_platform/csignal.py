@@ -1,7 +1,6 @@
 """The C functions under :mod:`signal`: ``signal.signal`` and ``getsignal`` try an enum for every handler
 they return (a launch sets and reads some fifty). These return ``SIG_DFL``/``SIG_IGN`` as plain integers
-(equal to ``signal``'s, not the same objects) and a function as itself.
-"""
+(equal to ``signal``'s, not the same objects) and a function as itself."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ _COUNT = (  # run in a throwaway interpreter
 
 
 def driver_initialised() -> bool:
-    """Tell whether ``cuInit`` succeeded in this process: a driver never loaded here was never initialised, and
-    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED before ``cuInit``."""
+    """Tell whether ``cuInit`` succeeded here (``cuDeviceGetCount`` fails before it), without loading the driver."""
     try:
         driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
@@ -27,8 +26,7 @@ def driver_initialised() -> bool:
 
 @functools.lru_cache(maxsize=8)
 def driver_device_count(visible: str | None) -> int:
-    """Count the devices under ``CUDA_VISIBLE_DEVICES=visible`` (this process's) through the driver, in a
-    throwaway interpreter: ``cuInit`` runs there, never here. 0 without a driver."""
+    """Count the devices under ``CUDA_VISIBLE_DEVICES=visible`` in a throwaway interpreter (``cuInit`` runs there)."""
     try:
         done = subprocess.run([sys.executable, "-I", "-S", "-c", _COUNT], capture_output=True, text=True, timeout=120)
         return int(done.stdout.strip() or 0)

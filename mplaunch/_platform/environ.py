@@ -24,8 +24,7 @@ def environ_kept() -> Iterator[None]:
 
 
 def replace_environ(wanted: Mapping[str, str]) -> None:
-    """Make ``os.environ`` hold exactly ``wanted``, touching only the variables that differ: the others keep
-    what the C table holds for them (``os.putenv`` alone), and ``clear()`` would be quadratic."""
+    """Make ``os.environ`` exactly ``wanted``, touching only what differs (``clear()`` would be quadratic)."""
     environ = os.environ
     for name in [name for name in environ if name not in wanted]:
         del environ[name]
@@ -35,8 +34,7 @@ def replace_environ(wanted: Mapping[str, str]) -> None:
 
 
 def c_getenv(name: str) -> str | None:
-    """Return ``name``'s value in the C library's table, as C code (``breakpoint()``) reads it; ``os.putenv``
-    alone changes it behind ``os.environ``. Off Linux, ``os.environ``'s."""
+    """Return ``name``'s value in the C library's table (``os.putenv`` changes it alone), as C code reads it."""
     getenv = _c_getenv()
     if getenv is None:
         return os.environ.get(name)
@@ -58,8 +56,7 @@ def _c_getenv() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def _c_environ() -> ctypes.c_void_p | None:
-    """Return the C library's ``environ`` pointer on Linux (glibc and musl accept a new table there, and copy
-    it on the next ``setenv``); else ``None``."""
+    """Return the C library's ``environ`` pointer on Linux (glibc and musl accept a new table there), else ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -69,8 +66,7 @@ def _c_environ() -> ctypes.c_void_p | None:
 
 
 class ForkEnviron:
-    """A child's whole environment, made before the fork and installed with two assignments (the C table and
-    ``os.environ``'s data): ``setenv`` one by one costs a child 0.4 ms, copying the heap pages it writes."""
+    """A child's whole environment, made before the fork, installed with two assignments (``setenv`` copies pages)."""
 
     def __init__(self, table: Any, strings: tuple[Any, ...], data: dict[bytes, bytes]) -> None:
         self._table = table  # a NULL-terminated ctypes array of char* (as addresses)
@@ -92,9 +88,8 @@ class ForkEnviron:
 def fork_environs(
     shared: Mapping[str, str | None], own: Sequence[Mapping[str, str | None]]
 ) -> list[ForkEnviron] | None:
-    """Return a :class:`ForkEnviron` per item of ``own``: this environment (the C table's, so ``os.putenv``
-    stays) with ``shared``'s changes, then the item's (``None`` removes); ``None`` where it cannot be done.
-    No other thread may change the environment meanwhile (Python's own changes hold the GIL)."""
+    """Return a :class:`ForkEnviron` per item of ``own``: the C table's environment with ``shared``'s changes, then
+    the item's (``None`` removes); ``None`` where it cannot be. No other thread may change the environment meanwhile."""
     c_environ = _c_environ()
     data = getattr(os.environ, "_data", None)
     if c_environ is None or not c_environ.value or type(os.environ) is not os._Environ or type(data) is not dict:

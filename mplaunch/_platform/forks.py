@@ -2,8 +2,7 @@
 runs it (DataLoader workers too), and a hook per module cost each some 60 page copies. Locks are renewed with
 ``_at_fork_reinit`` (as :mod:`logging` does); callbacks are for what must be let go at once (a descriptor
 whose last copy closing tells another process this one is gone). State needed only to launch is made anew
-by its owner on first use in another pid.
-"""
+by its owner on first use in another pid."""
 
 from __future__ import annotations
 

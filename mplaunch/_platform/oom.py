@@ -1,7 +1,6 @@
 """How many processes the OOM killer has ended in a process's memory cgroup: ``oom_kill`` in ``memory.events``
 (v2) or ``memory.oom_control`` (v1, Linux 4.13+). The kernel counts a kill in the victim's own cgroup,
-whichever limit was hit, so a process's cgroup count rises when it is killed; the root cgroup has none.
-"""
+whichever limit was hit, so a process's cgroup count rises when it is killed; the root cgroup has none."""
 
 from __future__ import annotations
 

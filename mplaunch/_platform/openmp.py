@@ -1,7 +1,6 @@
 """The OpenMP runtimes loaded in this process (found by threadpoolctl, which loads none), and freeing their
 thread pools before a fork: a forked child entering a parallel region waits forever for libgomp's pool
-threads, which ``fork`` did not copy. OpenMP 5.0's ``omp_pause_resource_all(omp_pause_hard)`` frees them.
-"""
+threads, which ``fork`` did not copy. OpenMP 5.0's ``omp_pause_resource_all(omp_pause_hard)`` frees them."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def loaded_runtimes() -> list[Any]:
 
 
 def release_pools() -> bool:
-    """Free every loaded OpenMP runtime's pool before forking; False when one could not (the call is missing,
-    or another thread is in a parallel region), so a forked worker's parallel region could hang."""
+    """Free every loaded OpenMP runtime's pool before forking; False when one could not (a forked worker may hang)."""
     if not sys.platform.startswith("linux"):
         return True
     for library in loaded_runtimes():

@@ -1,7 +1,6 @@
 """The wait status of a process someone else reaped (a caller's SIGCHLD handler looping ``os.waitpid(-1)``),
 which the kernel keeps for pidfd holders: Linux 6.15+ ``ioctl(PIDFD_GET_INFO)`` with ``PIDFD_INFO_EXIT``
-(``include/uapi/linux/pidfd.h``). Elsewhere ``None``: unknown.
-"""
+(``include/uapi/linux/pidfd.h``). Elsewhere ``None``: unknown."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ _EXIT_CODE_OFFSET = 8 + 8 + 11 * 4  # after mask, cgroupid and eleven 32-bit ids
 
 
 def reaped_status(pidfd: int) -> int | None:
-    """Return the ``os.wait4`` status of the reaped process ``pidfd`` (opened before the reap) refers to, or
-    ``None``: not yet reaped, or the kernel cannot say. Never raises."""
+    """Return the ``os.wait4`` status of the reaped process of ``pidfd`` (opened before the reap), else ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     import fcntl

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 
 def readable(fds: Sequence[int], timeout: float | None) -> list[int]:
-    """Return the ``fds`` readable, hung up or in error, waiting up to ``timeout`` seconds (``None``: no limit),
-    at most :data:`LONGEST_WAIT`: ``multiprocessing.connection.wait`` with one ``poll`` and no selector."""
+    """Return the ``fds`` readable (or hung up) within ``timeout`` seconds, at most :data:`LONGEST_WAIT` (one poll)."""
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)

@@ -1,6 +1,5 @@
 """CPU and NUMA facts read from sysfs under ``root`` (a fake tree in tests), and splitting the usable CPUs
-between ranks by core or NUMA node, as DeepSpeed's ``--bind_cores_to_rank`` and torchrun's ``--numa-binding`` do.
-"""
+between ranks by core or NUMA node, as DeepSpeed's ``--bind_cores_to_rank`` and torchrun's ``--numa-binding`` do."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def pci_numa_node(bus_id: str, root: str = "/") -> int | None:
 
 
 def split_cores(cpus: Iterable[int], nprocs: int, root: str = "/") -> list[tuple[int, ...]]:
-    """Split the allowed ``cpus`` into ``nprocs`` disjoint sets of whole cores, the first ``cores % nprocs`` one
-    core larger (hardware threads, with fewer cores than ranks). ValueError: fewer CPUs than ``nprocs``."""
+    """Split ``cpus`` into ``nprocs`` disjoint sets of whole cores (else threads); ValueError: fewer CPUs than ranks."""
     allowed = sorted(set(cpus))
     if len(allowed) < nprocs:
         raise ValueError(f"{len(allowed)} CPU(s) for {nprocs} ranks")
@@ -96,8 +94,7 @@ def split_cores(cpus: Iterable[int], nprocs: int, root: str = "/") -> list[tuple
 def split_numa(
     cpus: Iterable[int], nprocs: int, root: str = "/", preferred: Sequence[int | None] = ()
 ) -> list[tuple[int | None, tuple[int, ...]]]:
-    """Give each rank ``(node, cpus)``: ``preferred[rank]`` (its GPU's node) if usable, else nodes round-robin;
-    without NUMA information, ``(None, all cpus)``."""
+    """Give each rank ``(node, cpus)``: its GPU's node (``preferred``) if usable, else nodes round-robin."""
     allowed = set(cpus)
     usable = {node: tuple(c for c in node_cpus if c in allowed) for node, node_cpus in numa_nodes(root).items()}
     usable = {node: node_cpus for node, node_cpus in usable.items() if node_cpus}

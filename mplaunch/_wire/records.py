@@ -1,9 +1,6 @@
-"""The records that cross between the parent and its workers, and the names they travel under.
-
-The parent writes a :class:`Payload` (or a :class:`Call` per warm call); each worker writes one outcome,
-:class:`Returned`, :class:`Raised` or :class:`Signalled`, judged by :mod:`mplaunch._parent.outcomes`. The design
-follows CPython's ``concurrent.futures.process`` (``_CallItem``, ``_ResultItem``).
-"""
+"""The records that cross between the parent and its workers, and their names: a :class:`Payload` (or a :class:`Call`
+per warm call) out, one outcome per worker (:class:`Returned`, :class:`Raised`, :class:`Signalled`) back. The design
+follows CPython's ``concurrent.futures.process`` (``_CallItem``, ``_ResultItem``)."""
 
 from __future__ import annotations
 
@@ -28,6 +25,7 @@ class State(Protocol):
 
 PAYLOAD = "payload"
 REMOTE_RANK0 = "remote-rank0"
+NODE_ROUND = "node-round"  # a multi-node round's variables for this node's ranks, written as it begins
 _RANK_PREFIX = "rank"
 
 
@@ -150,11 +148,7 @@ Outcome = Returned | Raised | Signalled
 
 def exit_status(code: object) -> int:
     """Return the exit status CPython gives ``sys.exit(code)``."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return int(code)
-    return 1
+    return 0 if code is None else int(code) if isinstance(code, int) else 1
 
 
 def _safely(describe: Callable[[BaseException], str], error: BaseException) -> str:

@@ -1,8 +1,7 @@
 """In a worker, before the function: apply the placement the parent chose (devices, CPUs, NUMA node, ``env=``).
 
 The NUMA policy is ``set_mempolicy(MPOL_PREFERRED)``, as ``numactl --preferred``; where the kernel or seccomp
-refuses it, first-touch placement applies, which the CPU binding makes local too.
-"""
+refuses it, first-touch placement applies, which the CPU binding makes local too."""
 
 from __future__ import annotations
 
@@ -33,9 +32,7 @@ def environment(spec: WorkerSpec, local_rank: int) -> dict[str, str]:
 
 
 def apply(spec: WorkerSpec, local_rank: int, rank: int, *, environ_made: bool = False) -> dict[str, str]:
-    """Set this rank's placement variables (unless ``environ_made``: the parent did), put ``PYTHONPATH``'s
-    entries on ``sys.path`` (after the script's directory, as Python does) and pin its CPUs and node; return
-    the variables. Raise ``InvalidOptionError`` when ``env=``'s function (multi-node) returns a bad one."""
+    """Set this rank's placement variables (unless ``environ_made``), add ``PYTHONPATH`` to ``sys.path``, pin CPUs."""
     global _env_threads
     placement = spec.launch.placements[local_rank] if spec.launch.placements is not None else None
     extra = environment(spec, local_rank)
@@ -89,19 +86,16 @@ def planned_threads(spec: WorkerSpec, local_rank: int, env_threads: int | None) 
 @functools.lru_cache(maxsize=1)
 def _syscall() -> Any:
     number = _SYS_SET_MEMPOLICY.get(platform.machine())
-    if number is None:
-        return None
-    return functools.partial(ctypes.CDLL(None, use_errno=True).syscall, number)
+    return None if number is None else functools.partial(ctypes.CDLL(None, use_errno=True).syscall, number)
 
 
-def prefer_node(node: int) -> bool:
-    """Make this process prefer memory of NUMA node ``node``; return whether the kernel agreed."""
+def prefer_node(node: int) -> None:
+    """Make this process prefer memory of NUMA node ``node``, where the kernel agrees."""
     syscall = _syscall()
     if syscall is None:
-        return False
+        return
     bits = ctypes.sizeof(ctypes.c_ulong) * 8
     mask = (ctypes.c_ulong * (node // bits + 1))()
     mask[node // bits] = 1 << (node % bits)
     with contextlib.suppress(OSError):
-        return bool(syscall(_MPOL_PREFERRED, ctypes.byref(mask), ctypes.c_ulong(len(mask) * bits + 1)) == 0)
-    return False
+        syscall(_MPOL_PREFERRED, ctypes.byref(mask), ctypes.c_ulong(len(mask) * bits + 1))

@@ -23,11 +23,10 @@ def children() -> list[int]:
 
 
 def stop_children(wait: float, *, kill: bool) -> None:
-    """SIGTERM every descendant and wait up to ``wait`` seconds; with ``kill``, SIGKILL those still running.
-    SIGCHLD's handler is reset first, so that DataLoader's does not raise about its workers' deaths."""
+    """SIGTERM every descendant and wait up to ``wait`` seconds; with ``kill``, SIGKILL those still running."""
     if not children():
         return
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # DataLoader's handler would raise about its workers' deaths
     me = os.getpid()
     _signal_all(descendants(me), signal.SIGTERM)
     deadline = time.monotonic() + wait

@@ -1,8 +1,7 @@
 """A debugger in a rank: ``breakpoint()`` one rank at a time, and ``post_mortem=True`` in the first failing rank.
 
 Post-mortem, the rank opens ``/dev/tty`` and makes its group the foreground while pdb runs (a background reader
-gets SIGTTIN; Ctrl-C reaches it). The first rank to create a marker file in the launch directory debugs.
-"""
+gets SIGTTIN; Ctrl-C reaches it). The first rank to create a marker file in the launch directory debugs."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ class _RankPdb(pdb.Pdb):
 
 
 def install_breakpoint_hook(spec: WorkerSpec, rank: int, plan: BreakpointPlan | None = None) -> None:
-    """Make ``breakpoint()`` open pdb on the terminal, one rank at a time (without one, say so and go on);
-    the user's hook is kept, a Jupyter kernel's is not. ``plan``: the parent's, else made here."""
+    """Make ``breakpoint()`` open pdb on the terminal, one rank at a time; a user's hook is kept, a kernel's is not."""
     plan = plan or breakpoint_plan(os.environ.get("PYTHONBREAKPOINT"))
     if plan.forget_input:
         _forget_kernel_input()
@@ -125,7 +123,7 @@ def _rank_hook(rank: int, path: str) -> Callable[..., None]:
     """Return rank ``rank``'s ``sys.breakpointhook``, serialised by the lock file ``path``."""
 
     def hook(*args: object, **kwargs: object) -> None:
-        if not _reads_a_terminal():
+        if not reads_a_terminal():
             print(
                 f"mplaunch: breakpoint() in rank {rank} skipped: this rank has no terminal to read (a notebook, "
                 "or input from a pipe). Debug the function in this process with fn.debug(...), or run the "
@@ -170,7 +168,7 @@ def _forget_kernel_input() -> None:
         getpass.getpass = _no_input
 
 
-def _reads_a_terminal() -> bool:
+def reads_a_terminal() -> bool:
     """Return whether ``sys.stdin`` is a terminal."""
     try:
         return sys.stdin is not None and sys.stdin.isatty()

@@ -9,7 +9,7 @@ from mplaunch._env import WORKER_VARIABLE
 from mplaunch._errors import NodeLostError
 from mplaunch._output.rank_streams import take_fds
 from mplaunch._wire import flags, pickling, transport
-from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned
+from mplaunch._wire.records import NODE_ROUND, REMOTE_RANK0, Outcome, Raised, Returned
 from mplaunch._wire.spec import WorkerSpec
 from mplaunch._worker.debugger import install_breakpoint_hook
 from mplaunch._worker.entry import execute
@@ -24,6 +24,7 @@ def elastic_entry(spec: WorkerSpec) -> int:
     written = False
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     try:
+        os.environ.update(transport.load(spec.launch.directory, NODE_ROUND, private=False, remove=False))
         start(spec)
         take_fds(spec.attempt.output_fds, local_rank, rank)
         os.environ[WORKER_VARIABLE] = "1"
@@ -45,8 +46,7 @@ _CONNECT_WAIT = 5.0  # seconds to reach the rendezvous store (c10d may try twice
 
 
 def _share_rank0(spec: WorkerSpec, rank: int, local_rank: int, outcome: Outcome) -> None:
-    """Publish rank 0's outcome in the store for the first worker of each other node, which waits up to
-    ``result_wait`` seconds, then records a :class:`~mplaunch.NodeLostError` for rank 0."""
+    """Publish rank 0's outcome for each other node's first worker, which waits ``result_wait`` s for it."""
     from datetime import timedelta
 
     from torch.distributed import DistStoreError, TCPStore  # type: ignore[attr-defined]

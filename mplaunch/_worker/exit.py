@@ -21,8 +21,7 @@ _last_logging: InheritedLogging | None = None
 
 
 def freeze_fork_server() -> None:
-    """Note the fork server's open files, then freeze every object: its workers then walk only their own
-    (a walk over an imported torch's ~170k objects costs tens of ms per worker and copies the server's pages)."""
+    """Note the fork server's open files, then freeze every object (speed: its workers then walk only their own)."""
     _SERVER_FILES[:] = _open_files(gc.get_objects())
     gc.freeze()
 
@@ -49,8 +48,7 @@ def inherited_logging() -> InheritedLogging:
 
 
 def keep_inherited(logged: InheritedLogging | None = None) -> None:
-    """Freeze every object now, so :func:`close_files` never writes the parent's buffers a second time and the
-    collector keeps off the parent's pages; ``logged``: the parent's record of logging, else read here."""
+    """Freeze every object (the collector keeps off the parent's pages, :func:`close_files` off its buffers)."""
     global _inherited_handlers, _inherited_buffering
     gc.freeze()
     logged = logged or inherited_logging()

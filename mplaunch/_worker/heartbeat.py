@@ -1,8 +1,7 @@
 """The worker's side of watching a launch: stacks on request, the heartbeat, usage at exit, NCCL's flight recorder.
 
 :mod:`faulthandler` writes ``rank{N}.stacks`` from the signal handler, without the GIL, so a rank blocked in C
-dumps too. The file gets its final name once the handler is in place: before, the signal would kill the rank.
-"""
+dumps too. The file gets its final name once the handler is in place: before, the signal would kill the rank."""
 
 from __future__ import annotations
 
@@ -62,11 +61,9 @@ def watch(spec: WorkerSpec, rank: int) -> None:
     """Set up stacks on request, the heartbeat's board and NCCL's flight recorder, as ``spec`` asks."""
     global _board, _rank, _slots, _index
     _flight_recorder(spec)
-    if spec.launch.stacks:
+    if spec.launch.stacks and STACKS_SIGNAL is not None:  # (None: no real-time signals here)
         pending = os.path.join(spec.launch.directory, stacks_pending_name(rank))
         with contextlib.suppress(OSError, ValueError, RuntimeError):
-            if STACKS_SIGNAL is None:
-                raise ValueError("no real-time signals here")
             fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             faulthandler.register(STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
             # the parent may signal from now on

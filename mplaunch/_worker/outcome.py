@@ -30,8 +30,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, si
 
 
 def decide(outcome: Outcome) -> Outcome:
-    """Freeze the outcome: signals no longer raise, and one that came first wins. A process the function
-    forked that returns here instead of exiting leaves at once, quietly."""
+    """Freeze the outcome: signals no longer raise, one that came first wins; a process the function forked leaves."""
     if os.getpid() != state.pid:
         os._exit(0 if isinstance(outcome, Returned) else 1)
     state.outcome_decided = True
@@ -44,8 +43,7 @@ def decide(outcome: Outcome) -> Outcome:
 
 @contextlib.contextmanager
 def stops_held() -> Iterator[None]:
-    """Hold the stop signals while a warm rank pickles a call's error: one landing there would cut it short,
-    and the rank would go on serving calls. It is delivered when the block ends."""
+    """Hold the stop signals while a warm rank pickles a call's error: one landing there would cut it short."""
     held = pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -148,9 +146,8 @@ def leave(code: int) -> NoReturn:
 
 
 def exit_handlers(spec: WorkerSpec, code: int | None = None) -> None:
-    """Run the ``atexit`` handlers while the rank's children run (a tracker's helper), then stop them, then the
-    finalizers: multiprocessing's exit function joins children. With the parent's handlers still registered,
-    :func:`stop_own_children` runs the finalizers and leaves with ``code``, so none of the parent's runs."""
+    """Run the ``atexit`` handlers while the rank's children run, then stop them, then the finalizers (which join
+    children); with the parent's handlers registered, :func:`stop_own_children` leaves with ``code`` before them."""
     if state.parents_exits_kept:
         state.leaving = code
     else:
@@ -162,8 +159,7 @@ def exit_handlers(spec: WorkerSpec, code: int | None = None) -> None:
 
 
 def stop_own_children(grace_period: float) -> None:
-    """Stop the rank's children (the last ``atexit`` handler); leave if :func:`exit_handlers` asked. Does
-    nothing in a process the function forked."""
+    """Stop the rank's children (its last ``atexit`` handler; not in a fork); leave if :func:`exit_handlers` asked."""
     if os.getpid() == state.pid:
         stop_children(min(1.0, grace_period / 2), kill=True)
         state.children_stopped = True

@@ -12,8 +12,7 @@ import torch
 
 @contextlib.contextmanager
 def process_group(backend: str | None, local_rank: int) -> Iterator[None]:
-    """Hold a default process group (``env://``) around the block, restoring ``sys.excepthook`` after; reuse an
-    existing one; ``None``: none. Raises ``RuntimeError`` for nccl without CUDA devices."""
+    """Hold a default process group (``env://``) around the block, or reuse an existing one; ``None``: none."""
     if backend is None:  # (before the import: a worker without a group pays nothing here)
         yield
         return
@@ -42,8 +41,7 @@ def process_group(backend: str | None, local_rank: int) -> Iterator[None]:
 
 
 def clash(error: BaseException, backend: str | None) -> ValueError | None:
-    """For the function's own ``init_process_group`` over the group ``backend=`` made, return a ``ValueError``
-    that says so and names the two ways out (caused by ``error``); else ``None``."""
+    """Return a ``ValueError`` naming the ways out if the function made ``backend=``'s group again, else ``None``."""
     if backend is None or not isinstance(error, ValueError) or "default process group twice" not in str(error):
         return None
     clear = ValueError(
@@ -59,8 +57,7 @@ _INHERITED: list[Any] = []  # torch.distributed's state copied from the parent a
 
 
 def forget_inherited_groups() -> None:
-    """Drop the process groups a forked worker inherited: their threads did not survive the fork. The old
-    ``c10d._world`` is kept alive, not destroyed: that would close connections the parent still uses."""
+    """Drop the process groups a forked worker inherited (their threads did not survive the fork), never destroyed."""
     if not has_groups():
         return
     c10d = sys.modules["torch.distributed.distributed_c10d"]

@@ -1,8 +1,7 @@
 """A rank that sets its own rendezvous gets it, as under ``torch.multiprocessing.spawn``.
 
 The parent hosts the store (``TORCHELASTIC_USE_AGENT_STORE=True``); ``mp.spawn`` code sets ``MASTER_PORT`` and
-expects rank 0 to host, else waits 30 minutes. On another port than the hosted one, the agent store is dropped.
-"""
+expects rank 0 to host, else waits 30 minutes. On another port than the hosted one, the agent store is dropped."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def follow_own_rendezvous() -> None:
-    """Wrap torch's ``_create_c10d_store`` (``env://``, ``tcp://``) to honour a rank's own port, where
-    ``MPLAUNCH_HOSTED_MASTER_PORT`` is set (a process torchrun started keeps its store)."""
+    """Wrap torch's ``_create_c10d_store`` to honour a rank's own port where ``MPLAUNCH_HOSTED_MASTER_PORT`` is set."""
     rendezvous = sys.modules.get("torch.distributed.rendezvous")  # not the function of that name
     if rendezvous is None:
         try:

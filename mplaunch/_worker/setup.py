@@ -77,14 +77,10 @@ def _on_signal(signum: int, frame: object) -> None:
     if first and not state.outcome_decided:
         # before unwinding: e.g. DataLoader workers would print about a vanished rank
         stop_children(0.25, kill=False)
-        _quiet_consequences()
+        # the unwinding's uncatchable errors (a __del__, a thread) are dropped; finally blocks still print
+        sys.unraisablehook = _ignore
+        threading.excepthook = _ignore
         raise Interrupted() if signum == signal.SIGINT else Terminated(128 + signum)
-
-
-def _quiet_consequences() -> None:
-    """Drop uncatchable errors the unwinding causes (a ``__del__``, a thread); ``finally`` blocks still print."""
-    sys.unraisablehook = _ignore
-    threading.excepthook = _ignore
 
 
 def _ignore(*args: object) -> None:
@@ -110,8 +106,7 @@ def set_threads(num_threads: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Forked:
-    """What the parent makes for a rank just before forking it, as each page a forked rank writes is a copy;
-    ``None`` for ``environ`` or ``stdin``: the rank makes its own."""
+    """What the parent makes for a rank before forking it (a page a forked rank writes is copied); ``None``: its own."""
 
     environ: ForkEnviron | None  # the rank's whole environment
     stdin: TextIO | None  # its sys.stdin
@@ -171,19 +166,14 @@ def rank_changes(spec: WorkerSpec, rank: int) -> dict[str, str | None]:
     )
 
 
-def _keep_own_outcome_fd(spec: WorkerSpec) -> None:
-    """Under fork, close the inherited memory files but this rank's outcome's (other ranks', other launches')."""
-    if spec.launch.start_method == "fork":
-        close_memory_files(set() if spec.outcome_fd is None else {spec.outcome_fd.fd})
-
-
 def set_up(
     rank: int, spec: WorkerSpec, on_interrupt: Callable[[int, Any], None] | None = None, forked: Forked | None = None
 ) -> None:
     """Make this process rank ``rank`` of a one-node launch; ``forked``: what the parent made, else made here."""
     start(spec, on_interrupt, forked)
     take_fds(spec.attempt.output_fds, rank, rank)
-    _keep_own_outcome_fd(spec)
+    if spec.launch.start_method == "fork":  # the inherited memory files (other ranks', launches') but its outcome's
+        close_memory_files(set() if spec.outcome_fd is None else {spec.outcome_fd.fd})
     if spec.launch.environ is not None:
         replace_environ(spec.launch.environ)
     state.environ_made = forked is not None and forked.environ is not None  # (not a process the rank forked)

@@ -6,15 +6,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from mplaunch import WorkerExitedError
+from mplaunch import NodeLostError, RestartWarning, WorkerExitedError
 from mplaunch._config import ParallelConfig
-from mplaunch._parent.nodes.elastic import _collect
+from mplaunch._env import NodeSetup
+from mplaunch._parent.nodes import elastic
+from mplaunch._parent.nodes.elastic import _collect, _restarted
+from mplaunch._parent.nodes.handler import WATCH_KEY, NodeWatch
 from mplaunch._wire import transport
 from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned, Signalled, outcome_name
 from mplaunch._wire.spec import LaunchSpec
@@ -41,7 +45,7 @@ def collect(directory: Path, failed: dict[int, Any] | None = None, return_all: b
         num_threads=1,
         reporting_ranks=frozenset({0}),
     )
-    return _collect(spec, failed or {}, ParallelConfig(return_all=return_all))
+    return _collect(spec, failed or {}, return_all)
 
 
 def failure(pid: int, exitcode: int) -> ProcessFailure:
@@ -117,3 +121,47 @@ def test_a_failure_of_rank_0_on_another_node_is_raised_here_as_itself(tmp_path: 
         collect(tmp_path)
     assert caught.value.errno == 28
     assert caught.value.rank == 0  # type: ignore[attr-defined]
+
+
+def test_the_failure_before_a_restart_is_the_lost_node_else_the_first_ranks(tmp_path: Path) -> None:
+    """As a later round begins, the attempt before it is over: its failure is kept for ``earlier_attempts`` and
+    announced, and its records are removed (the next attempt's ranks write theirs)."""
+    spec = LaunchSpec(str(tmp_path), 2, "fork", os.getpid(), 1, frozenset({0}))
+    watch, earlier = NodeWatch("node-a:29400", 2, None, max_restarts=2), list[BaseException]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _restarted(spec, watch, earlier)  # no failure here (another node's ranks failed): nothing to announce
+    assert earlier == []
+    write(tmp_path, {0: Signalled(100, signal.SIGTERM), 1: raised(ValueError("rank 1 fails"))})
+    with pytest.warns(RestartWarning, match=r"attempt 1 of 3 failed \(rank 1 raised ValueError: rank 1 fails"):
+        _restarted(spec, watch, earlier)
+    ((failure,)) = earlier
+    assert isinstance(failure, ValueError) and failure.rank == 1  # type: ignore[attr-defined]
+    assert os.listdir(tmp_path) == []
+    write(tmp_path, {0: Signalled(100, signal.SIGTERM)})
+    watch.lost_node = lost = NodeLostError("node 1 of 2 is gone", 1, "node-b", 20, "node-a:29400")
+    with pytest.warns(RestartWarning, match=r"attempt 2 of 3 failed \(rank \? raised NodeLostError: node 1 of 2"):
+        _restarted(spec, watch, earlier)
+    assert earlier == [failure, lost] and watch.lost_node is None and os.listdir(tmp_path) == []
+
+
+def test_earlier_attempts_are_kept_on_the_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure that ends the launch after a restart carries the earlier attempt's (as one node's launch does)."""
+    import torch.distributed.launcher.api
+
+    def elastic_launch(config: Any, entry: Any) -> Any:
+        def run(worker: Any) -> None:
+            write(tmp_path, {1: raised(ValueError("rank 1 fails in attempt 1"))})
+            config.rdzv_configs[WATCH_KEY].on_restart()  # the agent's next round
+            raise KeyError("attempt 2")
+
+        return run
+
+    monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch", elastic_launch)
+    nodes = NodeSetup(2, None, "node-a:29400", "mplaunch")
+    spec = LaunchSpec(str(tmp_path), 2, "fork", os.getpid(), 1, frozenset({0}))
+    with pytest.warns(RestartWarning, match=r"attempt 1 of 2 failed \(rank 1 raised ValueError: rank 1 fails"):
+        with pytest.raises(KeyError) as caught:
+            elastic.launch_nodes(spec, nodes, ParallelConfig(max_restarts=1))
+    (first,) = caught.value.earlier_attempts  # type: ignore[attr-defined]
+    assert isinstance(first, ValueError) and str(first) == "rank 1 fails in attempt 1"

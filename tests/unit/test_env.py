@@ -93,12 +93,15 @@ def test_node_setup_reads_arguments_then_mplaunch_then_slurm() -> None:
         "h:1",
         "j",
     )
-    slurm = {
+    slurm = {  # the second node of an srun step of one task per node, as srun sets it
         "SLURM_STEP_ID": "0",
         "SLURM_STEP_NUM_NODES": "2",
         "SLURM_STEP_NUM_TASKS": "2",
         "SLURM_NODEID": "1",
-        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_JOB_NODELIST": "node[01-02,07]",
+        "SLURM_STEP_NODELIST": "node[02,07]",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1",  # where srun ran (a login node, maybe): not a node of the step
         "SLURM_JOB_ID": "77",
     }
     setup = node_setup(None, None, None, slurm)
@@ -106,12 +109,49 @@ def test_node_setup_reads_arguments_then_mplaunch_then_slurm() -> None:
     assert (setup.nnodes, setup.node_rank, setup.rdzv_endpoint, setup.run_id) == (
         2,
         1,
-        "10.0.0.1:29400",
+        "node02:29400",  # the step's first node
         "77.0",
     )
+    del slurm["SLURM_STEP_NODELIST"]  # (set by srun; sbatch's own script has the job's list only)
+    assert getattr(node_setup(None, None, None, slurm), "rdzv_endpoint", None) == "node01:29400"
+    assert getattr(node_setup(None, None, "h:5", slurm), "rdzv_endpoint", None) == "h:5"
     assert node_setup(None, None, None, {**slurm, "SLURM_STEP_NUM_TASKS": "8"}) is None  # tasks per rank: in-process
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         node_setup(2, None, None, {})
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [
+        ("hostA,hostB", "hostA"),
+        ("node[1-2]", "node1"),
+        ("node[01-02,07]", "node01"),  # zero padding is part of the name
+        ("node[07,01-02]", "node07"),  # written order, as scontrol show hostnames lists it
+        ("rack[2-3]-gpu[5,7],login1", "rack2-gpu5"),  # several ranges: the first of each
+        ("gpu-a100.cluster[10-12].example", "gpu-a100.cluster10.example"),
+        ("n[3]", "n3"),
+        ("single", "single"),
+    ],
+)
+def test_first_host_of_a_slurm_host_list(nodelist: str, first: str) -> None:
+    from mplaunch._env import first_host
+
+    assert first_host(nodelist) == first
+
+
+@pytest.mark.parametrize("nodelist", ["[]", "n[1-2", "n[1-2]]", "n[a-b]", "n[]", ",n1", "a,,b", "a,b[1-"])
+def test_a_malformed_slurm_host_list_is_refused_naming_the_variable(nodelist: str) -> None:
+    from mplaunch import InvalidOptionError
+    from mplaunch._env import node_setup
+
+    env = {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "x"}
+    with pytest.raises(
+        InvalidOptionError, match=r"SLURM_STEP_NODELIST \(else .* is not a SLURM host list.*MPLAUNCH_RDZV_EN"
+    ):
+        node_setup(None, None, None, {**env, "SLURM_STEP_NODELIST": nodelist})
+    del env["SLURM_JOB_NODELIST"]  # no list at all: refused the same
+    with pytest.raises(InvalidOptionError, match=r"SLURM_STEP_NODELIST \(else SLURM_JOB_NODELIST\) '' is not"):
+        node_setup(None, None, None, env)
 
 
 def test_bad_in_process_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

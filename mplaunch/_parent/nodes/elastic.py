@@ -1,7 +1,5 @@
-"""Multi-node launches, delegated to ``torch.distributed.elastic`` (the engine torchrun runs on), whose agent
-starts and watches the workers. mplaunch adds rank 0's result on every node, the original exception type, the
-caller's signal handlers and environment kept, and (:mod:`.handler`) ``timeout`` and a clear error for a lost
-node; the worker's side is :func:`mplaunch._worker.elastic_entry`."""
+"""Multi-node launches, run by ``torch.distributed.elastic``'s agent (torchrun's engine), plus rank 0's result on every
+node, the original exception, the caller's state kept and (:mod:`.handler`) ``timeout`` and lost nodes named."""
 
 from __future__ import annotations
 
@@ -16,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from mplaunch._config import ParallelConfig
 from mplaunch._env import NodeSetup
-from mplaunch._errors import LaunchTimeoutError, NodeLostError
+from mplaunch._errors import LaunchTimeoutError, NodeLostError, set_attribute
+from mplaunch._frames import warn_at_user
 from mplaunch._output.pump import routed, worker_fds
 from mplaunch._parent.nodes import handler, notice
 from mplaunch._parent.outcomes import exit_error, rank_state
+from mplaunch._parent.restarts import RestartWarning, describe_restart
 from mplaunch._platform.environ import environ_kept
 from mplaunch._wire import transport
 from mplaunch._wire.records import REMOTE_RANK0, Outcome, Raised, Returned, outcome_name, outcome_rank
@@ -69,17 +69,18 @@ def _shutdown_timeout(grace_period: float) -> dict[str, Any]:
 def launch_nodes(
     spec: LaunchSpec, nodes: NodeSetup, config: ParallelConfig, preemption: Preemption | None = None
 ) -> list[Any]:
-    """Run this node's share of a multi-node launch; return rank 0's value, or with ``return_all`` this node's
-    ranks' values; raise :class:`~mplaunch.PreemptedError` once ``preemption`` is noticed."""
+    """Run this node's share of a multi-node launch; return rank 0's value (``return_all``: this node's ranks'); raise
+    PreemptedError once ``preemption`` is noticed; earlier attempts' failures go in ``earlier_attempts``."""
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
 
     handler.register()
     told = preemption if preemption is not None and preemption.attached else None
     node_watch = handler.NodeWatch(nodes.rdzv_endpoint, nodes.nnodes, config.timeout, preemption=told)
+    node_watch.directory, node_watch.max_restarts = spec.directory, config.max_restarts
+    earlier: list[BaseException] = []  # the failures that ended earlier attempts
+    node_watch.on_restart = lambda: _restarted(spec, node_watch, earlier)
     elastic_config = ElasticConfig(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
@@ -96,53 +97,85 @@ def launch_nodes(
         signals_to_handle=_signals_to_handle(config.preempt_signals),
         **_shutdown_timeout(config.grace_period),
     )
-    failed: dict[int, Any] = {}
-    exchanged = (
-        notice.notices_exchanged(told, nodes.rdzv_endpoint, nodes.run_id, lambda: node_watch.node_rank)
-        if told is not None
-        else contextlib.nullcontext()
-    )
-    # ranks: as the rendezvous assigns
-    with _caller_state_kept(), exchanged, routed([None] * spec.nprocs, spec) as pump:
-        worker = WorkerSpec(spec, AttemptSpec(output_fds=worker_fds(pump, spec.start_method, spec.nprocs)))
-        if pump is not None:
-            pump.start(keep_writers=True)  # elastic may restart workers on the same pipes
-        try:
-            elastic_launch(elastic_config, elastic_entry)(worker)
-        except notice.Preempted:  # the grace is over: the agent stopped this node's ranks
-            _leave_barrier(node_watch)
-        except ChildFailedError as error:
-            failed = dict(error.failures)
-            if told is not None and told.noticed:  # ranks failed while saving: preempted all the same
-                _leave_barrier(node_watch)
-            elif node_watch.store_lost is not None:  # this node's ranks failed as their peers vanished
-                raise node_watch.store_error(node_watch.store_lost) from error
-        except RendezvousError as error:
-            if node_watch.joined:
-                raise node_watch.store_error(error) from error
-            raise LaunchTimeoutError(
-                f"not all {nodes.nnodes} nodes joined the rendezvous at {nodes.rdzv_endpoint} within "
-                f"rdzv_timeout={config.rdzv_timeout:g} s ({type(error).__name__}: {error}). Start the call on every "
-                "node with the same rdzv_endpoint, or raise rdzv_timeout.",
-                config.rdzv_timeout,
-                (),
-            ) from error
-    if told is not None and told.noticed:
-        raise _preempted(spec, told, node_watch.node_rank)
     try:
-        return _collect(spec, failed, config)
-    except NodeLostError as error:  # rank 0's result never came: name its node if the store says who it was
-        if node_watch.store_lost is None:
-            raise
-        raise node_watch.store_error(node_watch.store_lost) from error
-    except Exception as error:  # a rank failed: in a collective with a rank of a lost node?
-        lost = node_watch.lost_peer() if failed and node_watch.lost_peer is not None else None
-        if lost is None:
-            raise
-        raise lost from error
+        failed: dict[int, Any] = {}
+        exchanged = (
+            notice.notices_exchanged(told, nodes.rdzv_endpoint, nodes.run_id, lambda: node_watch.node_rank)
+            if told is not None
+            else contextlib.nullcontext()
+        )
+        # ranks: as the rendezvous assigns
+        with _caller_state_kept(), exchanged, routed([None] * spec.nprocs, spec) as pump:
+            worker = WorkerSpec(spec, AttemptSpec(output_fds=worker_fds(pump, spec.start_method, spec.nprocs)))
+            if pump is not None:
+                pump.start(keep_writers=True)  # elastic may restart workers on the same pipes
+            try:
+                with node_watch.guarded():
+                    elastic_launch(elastic_config, elastic_entry)(worker)
+            except notice.Preempted:  # the grace is over: the agent stopped this node's ranks
+                _leave_barrier(node_watch)
+            except Exception as error:  # noqa: BLE001 - _ended raises all but the failed workers
+                failed = _ended(error, node_watch, config, told)
+        if told is not None and told.noticed:
+            raise _preempted(spec, told, node_watch.node_rank)
+        try:
+            return _collect(spec, failed, config.return_all)
+        except NodeLostError as error:  # rank 0's result never came: name its node if the store says who it was
+            if node_watch.store_lost is None:
+                raise
+            raise node_watch.store_error(node_watch.store_lost) from error
+        except Exception as error:  # a rank failed: in a collective with a rank of a lost node?
+            lost = node_watch.lost_peer() if failed and node_watch.lost_peer is not None else None
+            if lost is None:
+                raise
+            raise lost from error
+    except Exception as error:
+        set_attribute(error, "earlier_attempts", tuple(earlier))
+        raise
 
 
-def _collect(spec: LaunchSpec, failed: dict[int, Any], config: ParallelConfig) -> list[Any]:
+def _ended(
+    error: Exception, watch: handler.NodeWatch, config: ParallelConfig, told: Preemption | None
+) -> dict[int, Any]:
+    """Raise what ended this node's launch early, else return the failed workers, whose failure ends it."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
+
+    if not isinstance(error, NodeLostError):  # past timeout: torch raised as its calls were cut
+        watch.check_deadline()
+    store = isinstance(error, (RendezvousError, DistError))  # torch's store fails with either
+    if isinstance(error, ChildFailedError) and told is not None and told.noticed:  # failed while saving: preempted
+        _leave_barrier(watch)
+    elif watch.store_lost is not None or (store and watch.joined and not isinstance(error, RendezvousTimeoutError)):
+        raise watch.store_error(watch.store_lost or error) from error  # (a rendezvous timeout: no node rejoined)
+    if isinstance(error, ChildFailedError):
+        return dict(error.failures)
+    if store:
+        raise LaunchTimeoutError(
+            f"not all {watch.nnodes} nodes joined the rendezvous at {watch.endpoint} within "
+            f"rdzv_timeout={config.rdzv_timeout:g} s ({type(error).__name__}: {error}). Start the call on every "
+            "node with the same rdzv_endpoint, or raise rdzv_timeout.",
+            config.rdzv_timeout,
+            (),
+        ) from error
+    raise error
+
+
+def _restarted(spec: LaunchSpec, watch: handler.NodeWatch, earlier: list[BaseException]) -> None:
+    """Keep and announce the failure that ended this node's attempt (the node lost, else its first rank's)."""
+    failure: BaseException | None
+    failure, watch.lost_node = watch.lost_node, None
+    try:
+        _collect(spec, {}, return_all=True)  # (the attempt's outcomes are read and removed)
+    except Exception as error:  # noqa: BLE001 - the attempt's failure, kept
+        failure = failure or error
+    if failure is not None:
+        earlier.append(failure)
+        warn_at_user(describe_restart(failure, len(earlier), watch.max_restarts), RestartWarning)
+
+
+def _collect(spec: LaunchSpec, failed: dict[int, Any], return_all: bool) -> list[Any]:
     """Raise this node's first failure in time (else lowest rank), else rank 0's; else return the values."""
     ranks = sorted(r for r in map(outcome_rank, os.listdir(spec.directory)) if r is not None)
     outcomes: dict[int, Outcome] = {
@@ -158,7 +191,7 @@ def _collect(spec: LaunchSpec, failed: dict[int, Any], config: ParallelConfig) -
             state = exit_error(rank, failure.pid, failure.exitcode, None)
         if isinstance(state, BaseException):
             raise state
-    if config.return_all:
+    if return_all:
         return [_value(outcomes[rank]) for rank in sorted(outcomes)]
     rank0 = outcomes.get(0) or transport.load(spec.directory, REMOTE_RANK0, private=False, remove=True)
     state = rank_state(0, rank0, None, None, stopped=False)

@@ -1,15 +1,15 @@
-"""Watching the other nodes of a multi-node launch: a lost node and ``timeout`` end this node's launch.
-Elastic's agent notices neither a vanished node nor a time limit. :class:`WatchedRendezvous` wraps its c10d
-handler (registered as backend ``mplaunch-c10d``) and, at each ``num_nodes_waiting``, raises out of the agent,
-which stops this node's workers: a node dropped for missed heartbeats, a silent store, a closed rendezvous,
-past ``timeout``. After a rank fails, :meth:`WatchedRendezvous.lost_peer` looks for a node that went silent."""
+"""Watching the other nodes of a multi-node launch (elastic's agent notices neither a lost node nor a time limit):
+:class:`WatchedRendezvous` wraps c10d's handler and raises out of the agent at its ``num_nodes_waiting`` (a node
+dropped, a silent store, a closed rendezvous, ``timeout``); :meth:`NodeWatch.guarded` ends torch's blocked calls."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -18,6 +18,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 
 from mplaunch._errors import LaunchTimeoutError, NodeLostError
 from mplaunch._parent.nodes import notice
+from mplaunch._platform.network import interface_towards, shut_connections
+from mplaunch._wire import transport
+from mplaunch._wire.records import NODE_ROUND
 
 if TYPE_CHECKING:
     from mplaunch._parent.preemption import Preemption
@@ -27,6 +30,7 @@ WATCH_KEY = "mplaunch_watch"
 KEEP_ALIVE_INTERVAL = 2  # seconds between two heartbeats of a node (c10d's default: 5)
 KEEP_ALIVE_MAX_ATTEMPT = 5  # heartbeats a node may miss before it is dropped: lost after 10 s of silence
 PROBE_WAIT = 2 * KEEP_ALIVE_INTERVAL + 1  # seconds a node that failed waits for a sign of life of the others
+STORE_SILENCE = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MAX_ATTEMPT  # seconds the store may be silent once the nodes met
 
 
 @dataclasses.dataclass
@@ -44,6 +48,11 @@ class NodeWatch:
     preemption: Preemption | None = None  # the notice, when the ranks can be told
     node_rank: int = -1  # -1 before the nodes met
     leave_barrier: Callable[[], None] | None = None
+    directory: str | None = None  # the launch directory: each round's variables go there (see :meth:`met`)
+    max_restarts: int = 0  # rounds after the first: a node lost meanwhile may rejoin
+    lost_node: NodeLostError | None = None  # the node lost in this round, once known
+    on_restart: Callable[[], None] = lambda: None  # called as a later round begins
+    holder: Any = None  # c10d's rendezvous state holder, once the nodes met
 
     def __post_init__(self) -> None:
         if self.timeout is not None and self.deadline is None:
@@ -64,18 +73,52 @@ class NodeWatch:
                 (),
             )
 
+    def met(self, round: int) -> None:
+        """Write the round's number and, unless set, the interface reaching the other nodes for the ranks' gloo/NCCL."""
+        # gloo binds the host name's address by default (loopback on Debian), NCCL the first interface it finds
+        towards = next(filter(None, (interface_towards(host) for _, (host, _) in sorted(self.peers.items()))), "")
+        names = {"GLOO_SOCKET_IFNAME": towards, "NCCL_SOCKET_IFNAME": f"={towards}"}  # NCCL's "=": this name exactly
+        variables = {name: value for name, value in names.items() if towards and name not in os.environ}
+        if self.directory is not None:
+            transport.dump({**variables, "TORCHELASTIC_RESTART_COUNT": str(round)}, self.directory, NODE_ROUND)
+
+    @contextlib.contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Shut this process's store connections at ``timeout`` or after ``STORE_SILENCE`` s of a silent store."""
+        stop = threading.Event()
+        guard = threading.Thread(target=self._guard, args=(stop,), name="mplaunch-store-guard", daemon=True)
+        guard.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            guard.join()
+
+    def _guard(self, stop: threading.Event) -> None:
+        while not stop.wait(0.1):
+            now = time.monotonic()
+            expired = self.deadline is not None and now >= self.deadline
+            synced = getattr(self.holder, "_last_sync_time", now)  # c10d's last answer from the store (torch's private)
+            if self.joined and now - synced > STORE_SILENCE and self.store_lost is None:
+                self.store_lost = RendezvousError(f"it did not answer for {STORE_SILENCE} s")
+            if expired or self.store_lost is not None:
+                shut_connections(int(self.endpoint.rpartition(":")[2]))
+                return
+
     def store_error(self, error: BaseException) -> NodeLostError:
         """Return the error for a rendezvous store that stopped answering after the nodes met."""
         self.store_lost = error
         node_rank, host, pid, which = None, self.endpoint.rsplit(":", 1)[0], None, "the node hosting it"
-        if len(self.peers) == 1:  # the store is not this node's: it is the other node's
-            ((node_rank, (host, pid)),) = self.peers.items()
+        hosting = [rank for rank, (addr, _) in self.peers.items() if addr == host or addr.startswith(f"{host}.")]
+        if hosting or len(self.peers) == 1:  # the store is not this node's: it is the other node's
+            node_rank = min(hosting or self.peers)
+            host, pid = self.peers[node_rank]
             which = f"node {node_rank} of {self.nnodes} (host {host}, launching process pid {pid}), which hosts it,"
         return NodeLostError(
             f"the rendezvous store at {self.endpoint} stopped answering after the {self.nnodes} nodes met "
-            f"({type(error).__name__}: {error}): {which} is gone. Its launching process was killed or stopped, "
-            "or its launch ended (the store lives in the launching process of the first node started at that "
-            "endpoint, and ends with it). This node's workers have been stopped.",
+            f"({type(error).__name__}: {error}): {which} is gone or cut off. Its launching process was killed or "
+            "stopped, its launch ended or the network to it is down (the store lives in the launching process of the "
+            "first node started at that endpoint, and ends with it). This node's workers have been stopped.",
             node_rank,
             host,
             pid,
@@ -108,6 +151,9 @@ class WatchedRendezvous(RendezvousHandler):
         preemption = self._watch.preemption
         if self._round >= 0 and preemption is not None and preemption.noticed:
             raise notice.Preempted()  # a preempted launch is never restarted
+        if self._round >= 0:  # a later round: torch would keep round 0's MASTER_ADDR/PORT, which it publishes in
+            self._handler._bootstrap_store_info = None  # round 0's store only (a rejoined node waits for them forever)
+            self._watch.on_restart()
         info: RendezvousInfo = self._handler.next_rendezvous()
         state = self._state()
         if state is not None:
@@ -119,7 +165,8 @@ class WatchedRendezvous(RendezvousHandler):
                 rank: (node.addr, node.pid) for node, rank in self._participants.items() if node != this_node
             }
         self._store = info.store
-        self._watch.joined = True
+        self._watch.met(max(self._round, 0))
+        self._watch.holder, self._watch.joined = getattr(self._handler, "_state_holder", None), True
         self._watch.lost_peer = self.lost_peer
         self._watch.leave_barrier = self.leave_barrier
         return info
@@ -146,13 +193,16 @@ class WatchedRendezvous(RendezvousHandler):
         try:
             waiting = int(self._handler.num_nodes_waiting())
         except RendezvousError as error:
-            raise self._watch.store_error(error) from error
+            raise self._watch.store_error(self._watch.store_lost or error) from error
         state = self._state()
         if state is None or state.round != self._round:
             return waiting  # a new round: elastic restarts the workers
         lost = sorted((rank, node) for node, rank in self._participants.items() if node not in state.participants)
         if lost:
-            raise self._lost(*lost[0])
+            self._watch.lost_node = self._lost(*lost[0])
+            if self._round >= self._watch.max_restarts:
+                raise self._watch.lost_node
+            return len(lost)  # elastic restarts this node's workers, and waits for the lost node to rejoin
         if state.closed:
             raise NodeLostError(
                 f"another node of the launch closed the rendezvous at {self._watch.endpoint}: its launch ended (a "
@@ -171,8 +221,7 @@ class WatchedRendezvous(RendezvousHandler):
             notice.leave_barrier(self._store, len(self._participants) or self._watch.nnodes)
 
     def lost_peer(self) -> NodeLostError | None:
-        """Return the error for the first other node that neither marked its launch's end in the store nor sent
-        a heartbeat within ``PROBE_WAIT`` seconds, else ``None`` (a gone store is reported elsewhere)."""
+        """Return the error for the first other node that neither ended its launch nor beat within ``PROBE_WAIT`` s."""
         holder, state = getattr(self._handler, "_state_holder", None), self._state()
         if holder is None or state is None or self._store is None:
             return None
@@ -198,13 +247,12 @@ class WatchedRendezvous(RendezvousHandler):
         return self._lost(rank, node, f"it neither ended its launch nor sent a heartbeat for {PROBE_WAIT} s")
 
     def _lost(self, node_rank: int, node: Any, why: str = "") -> NodeLostError:
-        silence = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MAX_ATTEMPT
         host, pid = getattr(node, "addr", None), getattr(node, "pid", None)
-        why = why or f"it sent no rendezvous heartbeat to {self._watch.endpoint} for {silence} s"
+        why = why or f"it sent no rendezvous heartbeat to {self._watch.endpoint} for {STORE_SILENCE} s"
         return NodeLostError(
-            f"node {node_rank} of {self._watch.nnodes} (host {host}, launching process pid {pid}) is gone: {why}. "
-            "Its launching process was killed or stopped, or its host is down. This node's workers have been "
-            "stopped.",
+            f"node {node_rank} of {self._watch.nnodes} (host {host}, launching process pid {pid}) is gone or cut off: "
+            f"{why}. Its launching process was killed or stopped, its host is down, or the network to it is. This "
+            "node's workers have been stopped.",
             node_rank,
             host,
             pid,

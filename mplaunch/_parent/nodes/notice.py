@@ -1,8 +1,6 @@
-"""Preemption of a multi-node launch: a notice received by one node reaches every node's ranks. A thread
-(:func:`notices_exchanged`) writes this node's notice to the rendezvous store and passes another node's to this
-node's :class:`~mplaunch._parent.preemption.Preemption`. Each node counts its own grace; then the rendezvous
-handler raises :class:`Preempted` out of elastic's agent, which stops the node's ranks, and :func:`leave_barrier`
-checks the node in at elastic's exit barrier, where the others would wait up to 300 s."""
+"""Preemption of a multi-node launch: one node's notice reaches every node's ranks through the rendezvous store
+(:func:`notices_exchanged`); after its own grace each node raises :class:`Preempted` out of elastic's agent, and
+:func:`leave_barrier` checks it in at elastic's exit barrier, where the others would wait up to 300 s."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ if TYPE_CHECKING:
 
 #: Elastic's exit barrier (``torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID``).
 EXIT_BARRIER = "torchelastic/agent/terminal_state"
-#: Seconds between two looks for another node's notice.
-LOOK_INTERVAL = 0.1
+LOOK_INTERVAL = 0.1  # seconds between two looks for another node's notice
 
 
 class Preempted(Exception):
@@ -36,8 +33,7 @@ def check_grace(preemption: Preemption | None) -> None:
 def notices_exchanged(
     preemption: Preemption, endpoint: str, run_id: str, node_rank: Callable[[], int]
 ) -> Iterator[None]:
-    """While the launch runs, exchange preemption notices through the store at ``endpoint`` once the nodes met
-    (``node_rank()`` >= 0); a store that does not answer ends the exchange (the node watch reports it)."""
+    """While the launch runs, exchange notices through the store at ``endpoint`` once the nodes met (node_rank()>=0)."""
     stop = threading.Event()
     key = f"mplaunch/{run_id}/preempted"
 
@@ -74,9 +70,7 @@ def _connect(endpoint: str) -> Any:
     """Connect this thread's own client of the rendezvous store at ``endpoint``."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-    host, _, port = endpoint.rpartition(":")
-    if not host:  # no port: c10d rendezvous's default
-        host, port = endpoint, "29400"
+    host, _, port = endpoint.rpartition(":")  # (node_setup gives every endpoint its port)
     return TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
 
 
