@@ -87,9 +87,10 @@ class ParallelFunction(Generic[P, T]):
             request = launch.CallRequest(self, args, kwargs)
             if not request.check(user_frame()):  # already a rank (of torchrun's, of an mplaunch launch)
                 return in_process.run_in_process(self, args, kwargs, self.config)  # type: ignore[no-any-return]
-            if request.streams:  # stopped at exit, while it runs, as a submitted launch
+            if request.streams:  # stopped at exit while it runs, as a submitted launch
                 control = LaunchControl(stoppable=True)
-                return futures.stopped_at_exit(launch.launch_stream(request, control, self._reported), control)  # type: ignore[return-value]
+                stream = launch.launch_stream(request, control, self._reported)
+                return futures.stopped_at_exit(stream, control)  # type: ignore[return-value]
             return launch.launch(request, control)  # type: ignore[no-any-return]
         except BaseException as error:
             if not raised_by_design(error):

@@ -149,8 +149,7 @@ def space_hint(directory: str) -> str:
 
 @contextlib.contextmanager
 def log_dir_held(log_dir: str | None) -> Iterator[None]:
-    """Hold ``log_dir`` while a launch (or warm workers) writes there: an exclusive ``flock``, which refuses
-    any other holder, in this process or another. Forked children close their copy: it outlives no one."""
+    """Hold ``log_dir`` while a launch writes there: an exclusive ``flock``, any process's (a fork closes its copy)."""
     if log_dir is None:
         yield
         return

@@ -42,8 +42,7 @@ def ignored_signals() -> frozenset[int]:
 
 
 def own_group() -> bool:
-    """Tell whether ranks launched now take process groups of their own, so that a SIGINT to a rank ends it and one to
-    the caller's group misses it: off the main thread, with no controlling terminal (a kernel, a service)."""
+    """Tell whether ranks launched now take SIGINT in process groups of their own: off the main thread, no terminal."""
     if threading.current_thread() is threading.main_thread() or getsignal(signal.SIGINT) == SIG_IGN:
         return False
     try:  # with one, a rank out of its group would be a background job, stopped by reading the terminal

@@ -316,9 +316,8 @@ def _exec_method(spec: LaunchSpec) -> str:
 
 @contextlib.contextmanager
 def spawn_environ(start_method: str, variables: dict[str, str]) -> Iterator[None]:
-    """Put a spawn rank's ``variables`` (``env=``, ``CUDA_VISIBLE_DEVICES``) and one ``PYTHONHASHSEED`` for all
-    ranks of all launches (unless set) in this process's environment, which exec passes on, while it starts: its
-    interpreter and the script's imports see them."""
+    """Put a spawn rank's ``variables`` and one ``PYTHONHASHSEED`` for all ranks (unless set) in this process's
+    environment while it starts: exec passes them on, so its interpreter and the script's imports see them."""
     if start_method != "spawn":
         yield
         return
@@ -342,8 +341,7 @@ for entry in os.listdir(root):
 
 
 def start_reaper(root: str, prefix: str) -> int | None:
-    """Start the reaper of this process's launch directories ``root/prefix*`` (a bare Python in its own session)
-    and return its pid, or ``None``; it removes them when a pipe only this process holds closes."""
+    """Start the remover of ``root/prefix*`` once a pipe only this process holds closes; return its pid or ``None``."""
     read_end, write_end = os.pipe()
     try:
         reaper = os.posix_spawn(

@@ -56,8 +56,7 @@ STARTED = (-1, None)  # what a call yields once its ranks run it, before any val
 
 
 class Ranks:
-    """The workers of one start and what the parent holds of them; ``warm``: they serve calls
-    (:mod:`mplaunch._worker.serve`); ``outcome_fds``: each rank's outcome file (``None``: the launch directory)."""
+    """The workers of one start; ``warm``: they serve calls; ``outcome_fds``: each rank's outcome file, or ``None``."""
 
     def __init__(
         self,
@@ -94,8 +93,7 @@ class Ranks:
         preload: list[str] = [],  # noqa: B006 - never changed
         conns: Sequence[tuple[Connection, Connection]] = (),
     ) -> None:
-        """Start the workers running ``target(rank, spec, payload, forked, conn)``; ``conns``: per rank, a pipe
-        (ours, theirs), theirs closed here once the rank has it."""
+        """Start the workers running ``target``; ``conns``: per rank, a pipe (ours, theirs: closed once taken)."""
         spec, nprocs = self.spec, self.spec.nprocs
         self.conns = [ours for ours, _ in conns]
         try:
@@ -116,9 +114,8 @@ class Ranks:
             self.pump.start()  # drains the pipes; workers are started (no fork while its thread runs)
 
     def _started(self, process: BaseProcess) -> None:
-        """Take the worker just started as the next rank, with a pidfd (Linux 5.3+) to wait for its end on.
-        A process the user forks meanwhile inherits the write end of the worker's sentinel and would hold the
-        launch; a pidfd does not. Opened before anything can reap the worker: its pid is not reused yet."""
+        """Take the worker just started as the next rank, with a pidfd opened before anything can reap it (a process
+        the user forks meanwhile inherits the worker's sentinel and would hold the launch; a pidfd would not)."""
         rank = len(self.processes)
         self.processes.append(process)
         if process.pid is not None:
@@ -142,9 +139,8 @@ class Ranks:
         return not self.broken and not any(self.has_ended(rank) for rank in range(len(self.processes)))
 
     def collect(self, rank: int, seen: float | None = None) -> tuple[RankState, float]:
-        """Reap ``rank``, read its outcome; return its state and failure time. Once per rank.
-        ``seen``: when its end was seen (default now); reaping and reading take milliseconds, in which a peer's
-        collective can fail of its death and would seem the earlier failure."""
+        """Reap ``rank``, read its outcome; return its state and failure time, once; ``seen``: when its end was seen
+        (default now: reading takes milliseconds, in which a peer's collective fails of it and seems the earlier)."""
         if rank in self.exits:
             return self.exits[rank]
         process = self.processes[rank]
@@ -177,8 +173,7 @@ class Ranks:
         return found
 
     def stop(self, signum: int | None = signal.SIGTERM) -> None:
-        """Send ``signum`` to every live worker (``None``: none, they were told to leave), SIGKILL the tree of
-        any alive after ``grace_period`` seconds, reap all. Idempotent."""
+        """Send ``signum`` (``None``: none) to live workers, SIGKILL after ``grace_period`` s, reap. Idempotent."""
         if os.getpid() != self.pid:
             return
         alive = [r for r in range(len(self.processes)) if not self.has_ended(r)]
@@ -261,9 +256,8 @@ class Ranks:
         start_timeout: float | None = None,
         report_all: bool = False,
     ) -> Generator[tuple[int, Any], None, dict[int, RankState]]:
-        """Run call ``number`` (0: a launch's own), yielding ``(rank, value)`` as ranks yield; return each rank's
-        state, or raise the first failure (others on its ``failures``) once the ranks still running were left.
-        ``timeout`` counts from when every warm rank is set up, which ``start_timeout`` bounds."""
+        """Run call ``number`` (0: a launch's), yielding ``(rank, value)``; return each rank's state, or raise the first
+        failure once the others were left; ``timeout`` counts once every warm rank is set up (``start_timeout``)."""
         return _Call(self, number, control, timeout, stall_timeout, start_timeout).run(report_all)
 
 
@@ -340,8 +334,7 @@ class _Call:
         return min(min(known), LONGEST_WAIT) if known else None
 
     def _step(self, limit: float | None, leaving: bool = False) -> Generator[tuple[int, Any], None, None]:
-        """Wait up to ``limit`` s and act on all that happened; yield the values.
-        ``leaving``: the call is being left; a stop request or a notice no longer matters."""
+        """Wait up to ``limit`` s, act on what happened, yield values; ``leaving``: stops, notices no longer count."""
         ends, conns, others = self._watched(leaving)
         ready = set(readable([*ends, *conns, *others], limit))
         seen = time.monotonic()  # when the ends in ready were seen: a rank without an outcome failed then
@@ -355,15 +348,13 @@ class _Call:
                 self._ended(rank, seen)
 
     def _said_all(self, rank: int) -> bool:
-        """Whether ``rank``'s pipe holds no unread message (its last messages come before its end; a pipe at
-        its end reads as ready too)."""
+        """Whether ``rank``'s pipe holds no unread message (its last come before its end; an ended one reads ready)."""
         conns = self.ranks.conns
         return rank in self.closed or not conns or not conns[rank].poll(0)
 
     def _watched(self, leaving: bool) -> tuple[dict[int, int], dict[int, int], dict[int, Callable[[], None]]]:
-        """What to wait on: each pending rank's end and pipe (fd -> rank), and the other sources with what to
-        do when one is ready, in that order: the notice (the ranks were told through the flag), a stop
-        request, the store's listener (a worker connected: start the store it waits for)."""
+        """What to wait on: each pending rank's end and pipe (fd -> rank); the notice, a stop request and the store's
+        listener (a worker connected: start the store), in that order, with what to do when one is ready."""
         ranks, control = self.ranks, self.control
         ends = {ranks.end_fd(rank): rank for rank in self.pending}
         conns = {ranks.conns[rank].fileno(): rank for rank in self.pending - self.closed} if ranks.conns else {}
@@ -487,8 +478,7 @@ class _Call:
         return found
 
     def _leave(self, signum: int = signal.SIGTERM) -> None:
-        """Leave the ranks still running the call: stop a launch's with ``signum``; interrupt a warm call and
-        await the answers for ``grace_period`` seconds (then stop them all)."""
+        """Leave the call's running ranks: a launch's stopped by ``signum``; a warm call interrupted (then stopped)."""
         ranks = self.ranks
         # a rank still starting (SIGINT held: a spawned one imports torch) cannot answer; one whose READY is unread can
         answers = all(r in ranks.ready or takes_signal(ranks.pids[r], signal.SIGINT, True) for r in self.pending)

@@ -98,11 +98,8 @@ class Stream(Generic[T]):
         """End the call, asked to stop at exit: here while no thread reads a value, else by the reader it wakes."""
         self._exiting = True
         while not self._done:
-            if self._reading.acquire(timeout=0.05):
-                try:
-                    self.close()
-                finally:
-                    self._reading.release()
+            if self._reading.acquire(timeout=0.05):  # kept: no value is read after this
+                self.close()
 
     def _end(self) -> None:
         if not self._done:

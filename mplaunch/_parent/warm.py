@@ -240,8 +240,7 @@ class Workers:
         return held
 
     def _send(self, call: Call) -> tuple[Team, int]:
-        """Write the call for the next call's ranks (started again, with a warning, if any died or was
-        stopped); return them and its number."""
+        """Write the call for the ranks (started again, with a warning, if one died); return them and its number."""
         held = self._held
         if held.closed:
             raise RuntimeError("these mplaunch.Workers are closed: make new ones")
@@ -371,9 +370,7 @@ class Team:
                         os.unlink(os.path.join(directory, entry))
 
     def close(self) -> None:
-        """Tell the ranks to leave, stop those still running after ``grace_period`` s, remove everything.
-
-        Idempotent. In a process forked from the owner only the copy is marked closed."""
+        """Tell the ranks to leave, stop any left after ``grace_period`` s, remove all; idempotent (a fork: a copy)."""
         if self.closed:
             return
         self.closed = True
@@ -398,8 +395,7 @@ _CALL_FILES = (("call", "."), ("item", "-"), ("result", "-"))  # call{N}., item{
 
 
 def _call_report(ranks: Ranks, before: list[tuple[int, float, float] | None], states: Any, wall: float) -> RunReport:
-    """Return a warm call's report: each rank's peak memory so far and the call's CPU time (a rank that died
-    in it: its whole account)."""
+    """Return a warm call's report: peak memory so far, the call's CPU time (a rank that died: its whole account)."""
     ended = {report.rank: report for report in ranks.report(states)}
     found = []
     for rank, process in enumerate(ranks.processes):

@@ -85,8 +85,7 @@ def read_payload(spec: WorkerSpec) -> Payload:
 def run(
     rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None = None, conn: Connection | None = None
 ) -> None:
-    """Set up the rank, run the function, write the outcome and exit: every launch worker's target;
-    ``forked``: what the parent made for this rank before the fork; ``conn``: where a generator's values go."""
+    """Set up the rank, run the function, write the outcome, exit: every launch worker's target."""
     outcome: Outcome | None = None
     try:
         set_up(rank, spec, forked=forked)

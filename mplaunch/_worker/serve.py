@@ -51,15 +51,13 @@ class _Cancelled(KeyboardInterrupt):
 
 
 def _on_interrupt(signum: int, frame: object) -> None:
-    """Interrupt the running call if the parent cancelled it or the call takes a Ctrl-C (a submitted call
-    runs on when a Ctrl-C reaches the whole group, as a submitted launch's workers do)."""
+    """Interrupt the running call if the parent cancelled it or it takes a Ctrl-C (a submitted call does not)."""
     if _in_call and (_takes_ctrl_c or (_current is not None and _current[0].poll(0) and _cancelled(*_current))):
         raise KeyboardInterrupt()
 
 
 def serve(rank: int, spec: WorkerSpec, payload: Payload | None, forked: Forked | None, conn: Connection) -> None:
-    """Set up the rank, serve calls from ``conn`` until told to leave, then exit: every warm worker's target;
-    ``payload``: the parent's state (its function unused), else read as a launch's worker does."""
+    """Set up the rank, serve calls from ``conn`` until told to leave, exit: every warm worker's target."""
     outcome: Outcome | None = None
     try:
         set_up(rank, spec, _on_interrupt, forked)  # a SIGINT while starting must not end the rank

@@ -145,7 +145,7 @@ def start(
     if spec.launch.start_method != "fork":  # a forked worker has the parent's already
         # a rank's own default is the parent's choice, else the platform's (as in a process torchrun starts)
         multiprocessing.set_start_method(spec.launch.mp_start_method, force=True)
-    # but with own_group, the rank stays in the caller's process group (a terminal's foreground job); orphans stay in its tree
+    # but with own_group, the rank stays in the caller's group (a terminal's foreground job); orphans stay in its tree
     become_subreaper()
     terminal_stdin(None if forked is None else forked.stdin)
     pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked while starting: may raise now
