@@ -9,7 +9,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from mplaunch._errors import raised_by_design
 from mplaunch._platform import forks
@@ -32,13 +32,15 @@ class Stream(Generic[T]):
             the iteration has ended; ``None`` before.
     """
 
+    _at_exit: ClassVar[bool] = False  # the process exits: a thread still reading is a daemon one, to end quietly
+
     def __init__(
         self, exchange: Generator[tuple[int, Any], None, Any], release: Callable[[], None], return_all: bool
     ) -> None:
         self._exchange, self._release, self._return_all = exchange, release, return_all
         self._done = False
         self._pid = os.getpid()  # a process forked from this one has a copy, which must not touch the call
-        self._reading, self._exiting = threading.Lock(), False  # (held while a thread reads a value: ended_at_exit)
+        self._reading = threading.Lock()  # held while a thread reads a value (ended_at_exit)
         self.value: Any = None
 
     def prime(self) -> None:
@@ -73,7 +75,7 @@ class Stream(Generic[T]):
             raise StopIteration(self.value) from None
         except BaseException as error:
             self._end()
-            if self._exiting:  # the reader is a daemon thread (the others were joined): it ends quietly
+            if Stream._at_exit:  # the reader is a daemon thread (the others were joined): it ends quietly
                 raise SystemExit from None
             if not raised_by_design(error):
                 raise
@@ -96,7 +98,7 @@ class Stream(Generic[T]):
 
     def ended_at_exit(self) -> None:
         """End the call, asked to stop at exit: here while no thread reads a value, else by the reader it wakes."""
-        self._exiting = True
+        Stream._at_exit = True
         while not self._done:
             if self._reading.acquire(timeout=0.05):  # kept: no value is read after this
                 self.close()

@@ -40,6 +40,7 @@ from mplaunch._parent.stream import Stream
 from mplaunch._parent.terminal import terminal_kept
 from mplaunch._parent.usage import live_usage
 from mplaunch._platform import forks
+from mplaunch._platform.proctree import takes_signal
 from mplaunch._reports import RankReport, RunReport
 from mplaunch._wire import flags, transport
 from mplaunch._wire.importable import worker_imports
@@ -381,8 +382,9 @@ class Team:
         for conn in ranks.conns:
             with contextlib.suppress(OSError):
                 conn.send((EXIT,))
-        for rank in sorted(ranks.ready):  # a call that runs is interrupted (a rank still starting would die of it)
-            signal_worker(ranks.processes[rank], signal.SIGINT)
+        for rank in range(len(ranks.processes)):  # a call that runs is interrupted; a rank still starting (SIGINT
+            if rank in ranks.ready or takes_signal(ranks.pids[rank], signal.SIGINT, True):  # held) would die of it
+                signal_worker(ranks.processes[rank], signal.SIGINT)
         try:
             ranks.stop(None)  # their own exit first (finally blocks, exit handlers); SIGKILL after the grace period
         finally:
@@ -492,5 +494,6 @@ def _register_exit() -> None:
 
 def _close_all() -> None:
     """Close every open set of warm workers, at exit, before ``multiprocessing`` joins its children."""
+    Stream._at_exit = True
     for held in list(_open):
         held.close()
