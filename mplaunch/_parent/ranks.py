@@ -308,7 +308,7 @@ class _Call:
                 if any(isinstance(state, BaseException) for state in self.states.values()):
                     self._leave()  # the first failure: the ranks still running the call stop
         except ParentSignalled as received:
-            self._leave(received.signum)  # forwarded: the workers are stopped with the signal the parent got
+            self._leave(received.signum, waits=False)  # forwarded: the workers are stopped with the parent's signal
             raise
         except BaseException as error:
             if ranks.closing:  # the ranks are being stopped by whoever closes them
@@ -316,7 +316,7 @@ class _Call:
                     raise
                 raise RuntimeError(_CLOSED) from None
             if os.getpid() == ranks.pid:  # (a forked child collecting its copy of a stream acts on nothing)
-                self._leave()
+                self._leave(waits=not isinstance(error, KeyboardInterrupt))
             raise
         finally:
             control.stacks_source = None
@@ -477,11 +477,13 @@ class _Call:
         stacks.write_to_log_dir(self.ranks.spec.log_dir, found)
         return found
 
-    def _leave(self, signum: int = signal.SIGTERM) -> None:
+    def _leave(self, signum: int = signal.SIGTERM, waits: bool = True) -> None:
         """Leave the call's running ranks: a launch's stopped by ``signum``; a warm call interrupted (then stopped)."""
         ranks = self.ranks
-        # a rank still starting (SIGINT held: a spawned one imports torch) cannot answer; one whose READY is unread can
-        answers = all(r in ranks.ready or takes_signal(ranks.pids[r], signal.SIGINT, True) for r in self.pending)
+        # a rank still starting (SIGINT held) skips the cancelled call once started: waited for, but not after a Ctrl-C
+        answers = waits or all(
+            r in ranks.ready or takes_signal(ranks.pids[r], signal.SIGINT, True) for r in self.pending
+        )
         if ranks.warm and self.pending and answers:
             self.interrupted |= ranks.interrupt(self.pending - self.interrupted, self.number)
             deadline = time.monotonic() + ranks.spec.grace_period

@@ -102,9 +102,11 @@ def _wait_for_workers(directory: Path, timeout: float = 60) -> None:
 def _ctrl_c_when(ready: Callable[[], bool]) -> Callable[[], None]:
     """From another thread, send SIGINT to this process as soon as ``ready()`` holds (polled every 10 ms).
     Returns the function that stops the thread (call it in a ``finally``)."""
-    stop = threading.Event()
+    stop, armed = threading.Event(), threading.Event()
 
     def send() -> None:
+        armed.wait()  # not while this thread starts it: the SIGINT would land in Thread.start(), outside the test's
+        stop.wait(0.1)  # pytest.raises; and a moment for the caller to enter what it waits in
         while not stop.is_set():
             if ready():
                 os.kill(os.getpid(), signal.SIGINT)
@@ -113,6 +115,7 @@ def _ctrl_c_when(ready: Callable[[], bool]) -> Callable[[], None]:
 
     sender = threading.Thread(target=send)
     sender.start()
+    armed.set()
 
     def cancel() -> None:
         stop.set()
